@@ -1,0 +1,530 @@
+"""The message contract: every message exchanged over NATS, as msgspec Structs.
+
+This module is the single description of the wire format. JSON Schemas and the
+AsyncAPI document in schemas/ are generated from it (`llmgw schemas export`),
+never edited by hand.
+
+Every top-level message carries a type tag (`type`), a schema version (`v`),
+a unique id (`id`, also used as the JetStream `Nats-Msg-Id` for dedupe) and a
+timestamp (`ts`, Unix seconds). `decode()` turns bytes into the right class or
+raises `ContractError`; it never raises anything else, so a consumer can catch
+one exception, dead-letter the message and carry on.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now() -> float:
+    return time.time()
+
+
+class ContractError(ValueError):
+    """Bytes that are not a valid message of a known type (and why)."""
+
+    def __init__(self, reason: str, raw: bytes = b""):
+        super().__init__(reason)
+        self.reason = reason
+        self.raw = raw
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fields=False):
+    """Base of every message: type tag, schema version, id, timestamp."""
+
+    v: int = SCHEMA_VERSION
+    id: str = msgspec.field(default_factory=new_id)
+    ts: float = msgspec.field(default_factory=now)
+
+    # Set on each concrete class: who publishes it and what it is for (AsyncAPI).
+    publisher: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+
+# ---------------------------------------------------------------- inventory
+
+
+class GpuInfo(msgspec.Struct, kw_only=True):
+    """One GPU as NVML reports it. Keyed by UUID: NVML indices change across reboots."""
+
+    uuid: str
+    index: int
+    name: str
+    memory_bytes: int
+    pci_bus_id: str = ""
+    compute_capability: str = ""
+    nvlink_peers: list[str] = msgspec.field(default_factory=list)
+    mig_mode: bool | None = None
+
+
+class HostInfo(msgspec.Struct, kw_only=True):
+    hostname: str = ""
+    cpu_count: int = 0
+    memory_bytes: int = 0
+    driver_version: str = ""
+    cuda_version: str = ""
+    os: str = ""
+    # The address engines on this node are reachable at (routers dial it).
+    address: str = "127.0.0.1"
+    fake_gpus: bool = False
+
+
+class ShardState(str, enum.Enum):
+    PENDING = "pending"
+    VALIDATING = "validating"
+    LAUNCHING = "launching"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+TERMINAL_SHARD_STATES = frozenset({ShardState.STOPPED, ShardState.FAILED})
+
+
+class ServingProfile(msgspec.Struct, kw_only=True):
+    """How to run one replica of a model: engine, resources, placement constraints."""
+
+    engine: str = "sim"  # vllm | sglang | sim
+    model_ref: str = ""  # the engine's model id or path
+    gpus_per_shard: int = 1  # tensor parallel size
+    min_gpu_memory_bytes: int = 0
+    shards_per_replica: int = 1  # >1: one replica spans several nodes (multi-node)
+    selector: dict[str, str] = msgspec.field(default_factory=dict)
+    engine_args: list[str] = msgspec.field(default_factory=list)
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+
+
+class ShardInfo(msgspec.Struct, kw_only=True):
+    """A shard an agent runs: what registration and heartbeats report."""
+
+    shard_id: str
+    model: str
+    replica_id: str
+    shard_index: int = 0
+    state: ShardState = ShardState.PENDING
+    url: str = ""
+    port: int = 0
+    gpus: list[str] = msgspec.field(default_factory=list)  # GPU UUIDs
+    pid: int | None = None
+
+
+# ---------------------------------------------------------------- agent events
+
+
+class NodeRegistered(Message, tag="node.registered"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = "An agent (re)connected: its full inventory, labels and running shards."
+
+    node: str
+    agent_version: str = ""
+    gpus: dict[str, GpuInfo] = msgspec.field(default_factory=dict)  # by UUID
+    host: HostInfo = msgspec.field(default_factory=HostInfo)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)  # fabric=..., zone=...
+    engines: list[str] = msgspec.field(default_factory=list)  # engines this node can run
+    shards: list[ShardInfo] = msgspec.field(default_factory=list)
+    boot_id: str = ""  # changes on every agent process start
+
+
+class Heartbeat(Message, tag="node.heartbeat"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = "The agent is alive; the latest per node is kept."
+
+    node: str
+    boot_id: str = ""
+    seq: int = 0
+    shards: dict[str, ShardState] = msgspec.field(default_factory=dict)
+
+
+class ShardStatus(Message, tag="shard.status"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = "A shard moved to a new state (with exit code and output tail on failure)."
+
+    node: str
+    shard_id: str
+    model: str
+    replica_id: str
+    shard_index: int = 0
+    state: ShardState
+    url: str = ""
+    port: int = 0
+    gpus: list[str] = msgspec.field(default_factory=list)
+    command_key: str = ""  # the command this transition answers, if any
+    reason: str = ""
+    exit_code: int | None = None
+    output_tail: list[str] = msgspec.field(default_factory=list)
+    max_running: int | None = None  # capacity hint for routers
+
+
+# ---------------------------------------------------------------- catalog events
+
+
+class SchedulingSpec(msgspec.Struct, kw_only=True):
+    """The router's scheduling pipeline for one model: filters, weighted scorers, picker."""
+
+    filters: list[str] = msgspec.field(
+        default_factory=lambda: ["serves_model", "ready", "circuit"]
+    )
+    scorers: dict[str, float] = msgspec.field(
+        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
+    )
+    picker: str = "max_score"  # max_score | p2c | weighted_random
+    session_header: str = "x-session-id"
+
+
+class DeadlineSpec(msgspec.Struct, kw_only=True):
+    """Separate deadlines in seconds; idle is the watchdog for a wedged engine."""
+
+    connect: float = 2.0
+    headers: float = 30.0
+    first_token: float = 60.0
+    idle: float = 30.0
+    total: float = 600.0
+
+
+class ModelDeclared(Message, tag="catalog.model.declared"):
+    publisher: ClassVar[str] = "operator"
+    summary: ClassVar[str] = "A model is (re)declared in the catalog with its serving profile."
+
+    name: str
+    aliases: list[str] = msgspec.field(default_factory=list)
+    fallbacks: list[str] = msgspec.field(default_factory=list)
+    replicas: int = 1
+    profile: ServingProfile = msgspec.field(default_factory=ServingProfile)
+    scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
+    deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+
+
+class ModelRemoved(Message, tag="catalog.model.removed"):
+    publisher: ClassVar[str] = "operator"
+    summary: ClassVar[str] = "A model left the catalog: its shards drain and stop."
+
+    name: str
+
+
+class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens per minute
+    concurrency: int | None = None
+
+
+class TenantDeclared(Message, tag="catalog.tenant.declared"):
+    publisher: ClassVar[str] = "operator"
+    summary: ClassVar[str] = "A tenant is (re)declared: band, quotas and API key hashes."
+
+    name: str
+    band: str
+    key_hashes: list[str] = msgspec.field(default_factory=list)  # "sha256:<hex>"
+    quotas: Quotas = msgspec.field(default_factory=Quotas)
+
+
+class TenantRemoved(Message, tag="catalog.tenant.removed"):
+    publisher: ClassVar[str] = "operator"
+    summary: ClassVar[str] = "A tenant left the catalog; its keys stop working."
+
+    name: str
+
+
+class Band(msgspec.Struct, kw_only=True):
+    """A priority band: flows while pool saturation is below its ceiling."""
+
+    name: str
+    ceiling: float = 1.0  # > 1: never held back; 1.0: flow up to the healthy limit
+    queue_capacity: int = 1000
+    queue_ttl_seconds: float = 30.0
+
+
+class BandsDeclared(Message, tag="catalog.bands.declared"):
+    publisher: ClassVar[str] = "operator"
+    summary: ClassVar[str] = "The priority bands, highest priority first."
+
+    bands: list[Band]
+
+
+# ---------------------------------------------------------------- control events
+
+
+class NodeVerdict(msgspec.Struct, kw_only=True):
+    """Why a node could or could not take a shard, in words an operator reads."""
+
+    node: str
+    fits: bool
+    reason: str
+
+
+class ShardAssignment(msgspec.Struct, kw_only=True):
+    shard_id: str
+    shard_index: int
+    node: str
+    gpus: list[str]  # GPU UUIDs on that node
+
+
+class PlacementDecided(Message, tag="control.placement.decided"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "A replica was placed; the explanation covers every candidate node."
+
+    model: str
+    replica_id: str
+    based_on_seq: int
+    assignments: list[ShardAssignment]
+    verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
+    explanation: str = ""
+
+
+class PlacementFailed(Message, tag="control.placement.failed"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "A replica could not be placed; each node's reason is recorded."
+
+    model: str
+    replica_id: str
+    based_on_seq: int
+    verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
+    explanation: str = ""
+
+
+class ReplicaRetired(Message, tag="control.replica.retired"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "A replica is no longer wanted (scale down, model removed): drain then stop."
+
+    model: str
+    replica_id: str
+    based_on_seq: int
+    reason: str = ""
+
+
+class NodeUnreachable(Message, tag="control.node.unreachable"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "No heartbeat for unreachable_after seconds."
+
+    node: str
+    last_seen: float
+    based_on_seq: int = 0
+
+
+class NodeLost(Message, tag="control.node.lost"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "No heartbeat for lost_after seconds: its shards count as gone."
+
+    node: str
+    last_seen: float
+    based_on_seq: int = 0
+
+
+class NodeRecovered(Message, tag="control.node.recovered"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "Heartbeats returned from an unreachable or lost node."
+
+    node: str
+    based_on_seq: int = 0
+
+
+# ---------------------------------------------------------------- commands
+
+
+class StartShard(Message, tag="cmd.shard.start"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "Start one shard of a replica on the given GPUs."
+
+    key: str  # idempotency key: the same key never starts twice
+    node: str
+    shard_id: str
+    model: str
+    replica_id: str
+    shard_index: int = 0
+    profile: ServingProfile
+    gpus: list[str]
+    served_model_name: str = ""
+    # Multi-node replicas: rank and rendezvous for engines that span nodes.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+
+
+class StopShard(Message, tag="cmd.shard.stop"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "Stop a shard: SIGTERM, then SIGKILL after the grace period."
+
+    key: str
+    node: str
+    shard_id: str
+    grace_seconds: float = 10.0
+
+
+class DrainShard(Message, tag="cmd.shard.drain"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "Drain a shard: report draining, wait for running requests, then stop."
+
+    key: str
+    node: str
+    shard_id: str
+    deadline_seconds: float = 60.0
+
+
+# ---------------------------------------------------------------- data plane
+
+
+class LoadSample(Message, tag="load.sample"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = "An engine's load, scraped by its agent several times a second (core NATS)."
+
+    node: str
+    shard_id: str
+    model: str
+    url: str
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # 0..1
+    block_size: int = 0
+    num_blocks: int = 0
+    sampled_at: float = msgspec.field(default_factory=now)
+
+
+class EndpointState(str, enum.Enum):
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class Endpoint(msgspec.Struct, kw_only=True):
+    id: str
+    url: str
+    node: str = ""
+    replica_id: str = ""
+    state: EndpointState = EndpointState.READY
+    engine: str = "sim"
+    max_running: int | None = None
+
+
+class ModelEndpoints(Message, tag="projection.model"):
+    """The per-model record routers watch: where to send, and how to decide."""
+
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "Per-model endpoint set with aliases, fallbacks and scheduling settings."
+
+    model: str
+    endpoints: list[Endpoint] = msgspec.field(default_factory=list)
+    aliases: list[str] = msgspec.field(default_factory=list)
+    fallbacks: list[str] = msgspec.field(default_factory=list)
+    scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
+    deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+    based_on_seq: int = 0
+
+
+class TenantRecord(Message, tag="projection.tenant"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "One tenant as routers see it."
+
+    name: str
+    band: str
+    key_hashes: list[str] = msgspec.field(default_factory=list)
+    quotas: Quotas = msgspec.field(default_factory=Quotas)
+
+
+class BandsRecord(Message, tag="projection.bands"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = "The priority bands as routers see them."
+
+    bands: list[Band] = msgspec.field(default_factory=list)
+
+
+class RouterPresence(Message, tag="presence.router"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = "A live router, kept with a TTL; routers divide global quotas by the count."
+
+    router_id: str
+    started_at: float = msgspec.field(default_factory=now)
+
+
+# ---------------------------------------------------------------- codec
+
+AgentEvent = Union[NodeRegistered, ShardStatus]
+CatalogEvent = Union[ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared]
+ControlEvent = Union[
+    PlacementDecided,
+    PlacementFailed,
+    ReplicaRetired,
+    NodeUnreachable,
+    NodeLost,
+    NodeRecovered,
+]
+Command = Union[StartShard, StopShard, DrainShard]
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    NodeRegistered,
+    Heartbeat,
+    ShardStatus,
+    ModelDeclared,
+    ModelRemoved,
+    TenantDeclared,
+    TenantRemoved,
+    BandsDeclared,
+    PlacementDecided,
+    PlacementFailed,
+    ReplicaRetired,
+    NodeUnreachable,
+    NodeLost,
+    NodeRecovered,
+    StartShard,
+    StopShard,
+    DrainShard,
+    LoadSample,
+    ModelEndpoints,
+    TenantRecord,
+    BandsRecord,
+    RouterPresence,
+)
+
+AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]
+EventMessage = Union[AgentEvent, CatalogEvent, ControlEvent]
+
+_encoder = msgspec.json.Encoder()
+_any_decoder = msgspec.json.Decoder(AnyMessage)
+_decoders: dict[Any, msgspec.json.Decoder] = {}
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(raw: bytes, kind: Any = None) -> Any:
+    """Decode bytes into a message; `kind` narrows the accepted types (a class or Union).
+
+    Raises ContractError for malformed bytes, unknown types, wrong field types,
+    or a schema version newer than this code understands.
+    """
+    if kind is None:
+        decoder = _any_decoder
+    else:
+        decoder = _decoders.get(kind)
+        if decoder is None:
+            decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        msg = decoder.decode(raw)
+    except msgspec.DecodeError as exc:  # ValidationError subclasses DecodeError
+        raise ContractError(str(exc), raw) from None
+    except Exception as exc:  # pragma: no cover - msgspec raises only the above
+        raise ContractError(f"undecodable: {exc}", raw) from None
+    if msg.v > SCHEMA_VERSION:
+        raise ContractError(
+            f"schema version {msg.v} is newer than supported ({SCHEMA_VERSION})", raw
+        )
+    return msg
+
+
+def type_tag(cls: type[Message]) -> str:
+    return cls.__struct_config__.tag  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""llmgw.agent: the node agent that registers GPUs and supervises engines."""

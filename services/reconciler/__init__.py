@@ -1,0 +1,1 @@
+"""llmgw.reconciler: folds the event log into Postgres, places replicas, explains decisions."""

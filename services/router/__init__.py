@@ -1,0 +1,1 @@
+"""llmgw.router: the stateless OpenAI-compatible data plane."""

@@ -1,0 +1,1 @@
+"""llmgw.simengine: a vLLM-compatible engine simulator for tests and benchmarks."""
