@@ -51,7 +51,9 @@ def _first_command(argv: Sequence[str]) -> str | None:
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = _Parser(prog="llmgw", description="llmgw: one OpenAI endpoint for a fleet of LLM engines")
+    parser = _Parser(
+        prog="llmgw", description="llmgw: one OpenAI endpoint for a fleet of LLM engines"
+    )
     parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _first_command(argv)

@@ -63,7 +63,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of keys, got {type(data).__name__}")
+        raise ConfigError(
+            f"{p}: the top level must be a mapping of keys, got {type(data).__name__}"
+        )
     return data
 
 

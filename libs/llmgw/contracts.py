@@ -125,9 +125,11 @@ class ShardInfo(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------- agent events
 
 
-class NodeRegistered(Message, tag="node.registered"):
+class NodeRegistered(Message, kw_only=True, tag="node.registered"):
     publisher: ClassVar[str] = "agent"
-    summary: ClassVar[str] = "An agent (re)connected: its full inventory, labels and running shards."
+    summary: ClassVar[str] = (
+        "An agent (re)connected: its full inventory, labels and running shards."
+    )
 
     node: str
     agent_version: str = ""
@@ -139,7 +141,7 @@ class NodeRegistered(Message, tag="node.registered"):
     boot_id: str = ""  # changes on every agent process start
 
 
-class Heartbeat(Message, tag="node.heartbeat"):
+class Heartbeat(Message, kw_only=True, tag="node.heartbeat"):
     publisher: ClassVar[str] = "agent"
     summary: ClassVar[str] = "The agent is alive; the latest per node is kept."
 
@@ -149,9 +151,11 @@ class Heartbeat(Message, tag="node.heartbeat"):
     shards: dict[str, ShardState] = msgspec.field(default_factory=dict)
 
 
-class ShardStatus(Message, tag="shard.status"):
+class ShardStatus(Message, kw_only=True, tag="shard.status"):
     publisher: ClassVar[str] = "agent"
-    summary: ClassVar[str] = "A shard moved to a new state (with exit code and output tail on failure)."
+    summary: ClassVar[str] = (
+        "A shard moved to a new state (with exit code and output tail on failure)."
+    )
 
     node: str
     shard_id: str
@@ -175,9 +179,7 @@ class ShardStatus(Message, tag="shard.status"):
 class SchedulingSpec(msgspec.Struct, kw_only=True):
     """The router's scheduling pipeline for one model: filters, weighted scorers, picker."""
 
-    filters: list[str] = msgspec.field(
-        default_factory=lambda: ["serves_model", "ready", "circuit"]
-    )
+    filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
     scorers: dict[str, float] = msgspec.field(
         default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
     )
@@ -195,7 +197,7 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
-class ModelDeclared(Message, tag="catalog.model.declared"):
+class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
     summary: ClassVar[str] = "A model is (re)declared in the catalog with its serving profile."
 
@@ -208,7 +210,7 @@ class ModelDeclared(Message, tag="catalog.model.declared"):
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
 
 
-class ModelRemoved(Message, tag="catalog.model.removed"):
+class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
     publisher: ClassVar[str] = "operator"
     summary: ClassVar[str] = "A model left the catalog: its shards drain and stop."
 
@@ -221,7 +223,7 @@ class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
     concurrency: int | None = None
 
 
-class TenantDeclared(Message, tag="catalog.tenant.declared"):
+class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     publisher: ClassVar[str] = "operator"
     summary: ClassVar[str] = "A tenant is (re)declared: band, quotas and API key hashes."
 
@@ -231,7 +233,7 @@ class TenantDeclared(Message, tag="catalog.tenant.declared"):
     quotas: Quotas = msgspec.field(default_factory=Quotas)
 
 
-class TenantRemoved(Message, tag="catalog.tenant.removed"):
+class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
     publisher: ClassVar[str] = "operator"
     summary: ClassVar[str] = "A tenant left the catalog; its keys stop working."
 
@@ -247,7 +249,7 @@ class Band(msgspec.Struct, kw_only=True):
     queue_ttl_seconds: float = 30.0
 
 
-class BandsDeclared(Message, tag="catalog.bands.declared"):
+class BandsDeclared(Message, kw_only=True, tag="catalog.bands.declared"):
     publisher: ClassVar[str] = "operator"
     summary: ClassVar[str] = "The priority bands, highest priority first."
 
@@ -272,7 +274,7 @@ class ShardAssignment(msgspec.Struct, kw_only=True):
     gpus: list[str]  # GPU UUIDs on that node
 
 
-class PlacementDecided(Message, tag="control.placement.decided"):
+class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "A replica was placed; the explanation covers every candidate node."
 
@@ -284,7 +286,7 @@ class PlacementDecided(Message, tag="control.placement.decided"):
     explanation: str = ""
 
 
-class PlacementFailed(Message, tag="control.placement.failed"):
+class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "A replica could not be placed; each node's reason is recorded."
 
@@ -295,9 +297,11 @@ class PlacementFailed(Message, tag="control.placement.failed"):
     explanation: str = ""
 
 
-class ReplicaRetired(Message, tag="control.replica.retired"):
+class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     publisher: ClassVar[str] = "reconciler"
-    summary: ClassVar[str] = "A replica is no longer wanted (scale down, model removed): drain then stop."
+    summary: ClassVar[str] = (
+        "A replica is no longer wanted (scale down, model removed): drain then stop."
+    )
 
     model: str
     replica_id: str
@@ -305,7 +309,7 @@ class ReplicaRetired(Message, tag="control.replica.retired"):
     reason: str = ""
 
 
-class NodeUnreachable(Message, tag="control.node.unreachable"):
+class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "No heartbeat for unreachable_after seconds."
 
@@ -314,7 +318,7 @@ class NodeUnreachable(Message, tag="control.node.unreachable"):
     based_on_seq: int = 0
 
 
-class NodeLost(Message, tag="control.node.lost"):
+class NodeLost(Message, kw_only=True, tag="control.node.lost"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "No heartbeat for lost_after seconds: its shards count as gone."
 
@@ -323,7 +327,7 @@ class NodeLost(Message, tag="control.node.lost"):
     based_on_seq: int = 0
 
 
-class NodeRecovered(Message, tag="control.node.recovered"):
+class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "Heartbeats returned from an unreachable or lost node."
 
@@ -334,7 +338,7 @@ class NodeRecovered(Message, tag="control.node.recovered"):
 # ---------------------------------------------------------------- commands
 
 
-class StartShard(Message, tag="cmd.shard.start"):
+class StartShard(Message, kw_only=True, tag="cmd.shard.start"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "Start one shard of a replica on the given GPUs."
 
@@ -354,7 +358,7 @@ class StartShard(Message, tag="cmd.shard.start"):
     master_port: int = 0
 
 
-class StopShard(Message, tag="cmd.shard.stop"):
+class StopShard(Message, kw_only=True, tag="cmd.shard.stop"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "Stop a shard: SIGTERM, then SIGKILL after the grace period."
 
@@ -364,7 +368,7 @@ class StopShard(Message, tag="cmd.shard.stop"):
     grace_seconds: float = 10.0
 
 
-class DrainShard(Message, tag="cmd.shard.drain"):
+class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "Drain a shard: report draining, wait for running requests, then stop."
 
@@ -377,9 +381,11 @@ class DrainShard(Message, tag="cmd.shard.drain"):
 # ---------------------------------------------------------------- data plane
 
 
-class LoadSample(Message, tag="load.sample"):
+class LoadSample(Message, kw_only=True, tag="load.sample"):
     publisher: ClassVar[str] = "agent"
-    summary: ClassVar[str] = "An engine's load, scraped by its agent several times a second (core NATS)."
+    summary: ClassVar[str] = (
+        "An engine's load, scraped by its agent several times a second (core NATS)."
+    )
 
     node: str
     shard_id: str
@@ -408,11 +414,13 @@ class Endpoint(msgspec.Struct, kw_only=True):
     max_running: int | None = None
 
 
-class ModelEndpoints(Message, tag="projection.model"):
+class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     """The per-model record routers watch: where to send, and how to decide."""
 
     publisher: ClassVar[str] = "reconciler"
-    summary: ClassVar[str] = "Per-model endpoint set with aliases, fallbacks and scheduling settings."
+    summary: ClassVar[str] = (
+        "Per-model endpoint set with aliases, fallbacks and scheduling settings."
+    )
 
     model: str
     endpoints: list[Endpoint] = msgspec.field(default_factory=list)
@@ -423,7 +431,7 @@ class ModelEndpoints(Message, tag="projection.model"):
     based_on_seq: int = 0
 
 
-class TenantRecord(Message, tag="projection.tenant"):
+class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "One tenant as routers see it."
 
@@ -433,16 +441,18 @@ class TenantRecord(Message, tag="projection.tenant"):
     quotas: Quotas = msgspec.field(default_factory=Quotas)
 
 
-class BandsRecord(Message, tag="projection.bands"):
+class BandsRecord(Message, kw_only=True, tag="projection.bands"):
     publisher: ClassVar[str] = "reconciler"
     summary: ClassVar[str] = "The priority bands as routers see them."
 
     bands: list[Band] = msgspec.field(default_factory=list)
 
 
-class RouterPresence(Message, tag="presence.router"):
+class RouterPresence(Message, kw_only=True, tag="presence.router"):
     publisher: ClassVar[str] = "router"
-    summary: ClassVar[str] = "A live router, kept with a TTL; routers divide global quotas by the count."
+    summary: ClassVar[str] = (
+        "A live router, kept with a TTL; routers divide global quotas by the count."
+    )
 
     router_id: str
     started_at: float = msgspec.field(default_factory=now)

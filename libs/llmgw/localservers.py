@@ -31,7 +31,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(
+    host: str, port: int, timeout: float, proc: subprocess.Popen | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -42,7 +44,9 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
     raise ServerError(f"{host}:{port} did not open within {timeout}s")
 
 
-def _stop_process(proc: subprocess.Popen | None, grace: float = 5.0, sig: int = signal.SIGTERM) -> None:
+def _stop_process(
+    proc: subprocess.Popen | None, grace: float = 5.0, sig: int = signal.SIGTERM
+) -> None:
     if proc is None or proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -94,7 +98,16 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [nats_server_binary(), "-js", "-sd", str(self.data_dir / "jetstream"), "-a", self.host, "-p", str(self.port)]
+        cmd = [
+            nats_server_binary(),
+            "-js",
+            "-sd",
+            str(self.data_dir / "jetstream"),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+        ]
         if self.config_file:
             cmd += ["-c", str(self.config_file)]
         return cmd + self.extra_args
@@ -102,7 +115,9 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         try:
             wait_for_port(self.host, self.port, timeout, self.proc)
@@ -195,7 +210,16 @@ class PostgresServer:
             self.data_dir.chmod(0o700)
         if not (self.data_dir / "PG_VERSION").exists():
             res = subprocess.run(
-                [str(bin_dir / "initdb"), "-D", str(self.data_dir), "-U", "postgres", "--auth=trust", "--encoding=UTF8", "--no-sync"],
+                [
+                    str(bin_dir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-sync",
+                ],
                 capture_output=True,
                 text=True,
                 cwd="/",
@@ -217,13 +241,17 @@ class PostgresServer:
             "-c", "full_page_writes=off",
             "-c", "max_connections=300",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/", start_new_session=True, **run_as)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/", start_new_session=True, **run_as
+        )
         log.close()
         try:
             self._wait_ready(timeout)
         except ServerError as exc:
             self.stop()
-            tail = self.log_file.read_text(errors="replace")[-2000:] if self.log_file.exists() else ""
+            tail = (
+                self.log_file.read_text(errors="replace")[-2000:] if self.log_file.exists() else ""
+            )
             raise ServerError(f"postgres failed to start: {exc}\n{tail}") from None
         return self
 
@@ -234,7 +262,16 @@ class PostgresServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerError(f"postgres exited with {self.proc.returncode}")
             res = subprocess.run(
-                [str(bin_dir / "pg_isready"), "-h", self.host, "-p", str(self.port), "-U", "postgres", "-q"],
+                [
+                    str(bin_dir / "pg_isready"),
+                    "-h",
+                    self.host,
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    "postgres",
+                    "-q",
+                ],
                 capture_output=True,
             )
             if res.returncode == 0:
@@ -261,3 +298,18 @@ def create_database(server_url: str, name: str) -> None:
             await conn.close()
 
     asyncio.run(_create())
+
+
+def drop_database(server_url: str, name: str) -> None:
+    import asyncio
+
+    import asyncpg
+
+    async def _drop() -> None:
+        conn = await asyncpg.connect(server_url, timeout=10)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(_drop())

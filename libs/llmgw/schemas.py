@@ -54,7 +54,9 @@ def generate() -> dict[str, str]:
 
 
 def _asyncapi() -> str:
-    _, components = msgspec.json.schema_components(c.ALL_MESSAGES, ref_template="#/components/schemas/{name}")
+    _, components = msgspec.json.schema_components(
+        c.ALL_MESSAGES, ref_template="#/components/schemas/{name}"
+    )
     messages = {}
     for cls in c.ALL_MESSAGES:
         messages[cls.__name__] = {
@@ -87,7 +89,9 @@ def _asyncapi() -> str:
                 "channel": {"$ref": f"#/channels/{name}"},
                 "summary": f"{pub} publishes",
                 "messages": [
-                    {"$ref": f"#/channels/{name}/messages/{m.__name__}"} for m in msgs if m.publisher == pub
+                    {"$ref": f"#/channels/{name}/messages/{m.__name__}"}
+                    for m in msgs
+                    if m.publisher == pub
                 ],
             }
         for consumer in CONSUMERS.get(name, []):
@@ -122,7 +126,9 @@ def export(out_dir: Path) -> list[str]:
     files = generate()
     for name, content in files.items():
         (out_dir / name).write_text(content)
-    stale = [p.name for p in out_dir.iterdir() if p.suffix in (".json", ".yaml") and p.name not in files]
+    stale = [
+        p.name for p in out_dir.iterdir() if p.suffix in (".json", ".yaml") and p.name not in files
+    ]
     for name in stale:
         (out_dir / name).unlink()
     return sorted(files)
@@ -146,8 +152,12 @@ def check(out_dir: Path) -> list[str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["export", "check"], help="write the files, or compare them")
-    parser.add_argument("--dir", type=Path, default=None, help="schemas folder (default: the repository's)")
+    parser.add_argument(
+        "action", choices=["export", "check"], help="write the files, or compare them"
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="schemas folder (default: the repository's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         for p in problems:
             print(p, file=sys.stderr)
-        print("schemas are stale: run `llmgw schemas export` and commit the result", file=sys.stderr)
+        print(
+            "schemas are stale: run `llmgw schemas export` and commit the result", file=sys.stderr
+        )
         return 1
     print(f"schemas in {out_dir} match the code")
     return 0

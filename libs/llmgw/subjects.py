@@ -133,7 +133,12 @@ def router_key(router_id: str) -> str:
 
 # Channel descriptions for the AsyncAPI document: (address, stream or None, messages).
 CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
-    ("agentEvents", f"{ROOT}.evt.agent.{{node}}.{{kind}}", EVENTS_STREAM, (c.NodeRegistered, c.ShardStatus)),
+    (
+        "agentEvents",
+        f"{ROOT}.evt.agent.{{node}}.{{kind}}",
+        EVENTS_STREAM,
+        (c.NodeRegistered, c.ShardStatus),
+    ),
     (
         "catalogEvents",
         f"{ROOT}.evt.catalog.{{kind}}.{{name}}",
@@ -154,14 +159,29 @@ CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
         ),
     ),
     ("heartbeats", f"{ROOT}.hb.{{node}}", HEARTBEATS_STREAM, (c.Heartbeat,)),
-    ("commands", f"{ROOT}.cmd.{{node}}", COMMANDS_STREAM, (c.StartShard, c.StopShard, c.DrainShard)),
+    (
+        "commands",
+        f"{ROOT}.cmd.{{node}}",
+        COMMANDS_STREAM,
+        (c.StartShard, c.StopShard, c.DrainShard),
+    ),
     ("loadSamples", f"{ROOT}.load.{{node}}", None, (c.LoadSample,)),
-    ("endpointProjection", f"$KV.{ENDPOINTS_BUCKET}.{{model}}", f"KV_{ENDPOINTS_BUCKET}", (c.ModelEndpoints,)),
+    (
+        "endpointProjection",
+        f"$KV.{ENDPOINTS_BUCKET}.{{model}}",
+        f"KV_{ENDPOINTS_BUCKET}",
+        (c.ModelEndpoints,),
+    ),
     (
         "tenantProjection",
         f"$KV.{TENANTS_BUCKET}.{{key}}",
         f"KV_{TENANTS_BUCKET}",
         (c.TenantRecord, c.BandsRecord),
     ),
-    ("routerPresence", f"$KV.{ROUTERS_BUCKET}.{{router}}", f"KV_{ROUTERS_BUCKET}", (c.RouterPresence,)),
+    (
+        "routerPresence",
+        f"$KV.{ROUTERS_BUCKET}.{{router}}",
+        f"KV_{ROUTERS_BUCKET}",
+        (c.RouterPresence,),
+    ),
 ]

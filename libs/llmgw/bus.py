@@ -1,0 +1,257 @@
+"""NATS and JetStream plumbing shared by every service.
+
+- `connect()` reconnects forever (nats-py's default gives up after ~2 minutes
+  and closes the client for good) with jitter, so a fleet does not reconnect
+  in lockstep after a server restart.
+- `publish()` always sets `Nats-Msg-Id` to the message id, so a retried
+  publish inside the stream's duplicate window is stored once, and retries
+  transient failures (a stream leader moving) with the same id until its
+  deadline.
+- `provision()` creates or updates the streams and KV buckets; it is
+  idempotent and safe to run from many processes at once, at every start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
+
+from llmgw import contracts as c
+from llmgw import subjects as s
+
+log = logging.getLogger(__name__)
+
+
+class BusConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Stream and bucket settings; a section of each service's config."""
+
+    replicas: int = 1  # 3 in a clustered JetStream
+    events_max_age_seconds: float = (
+        0  # 0: keep the event log forever (the archive is in Postgres too)
+    )
+    duplicate_window_seconds: float = 120
+    commands_max_age_seconds: float = 86400
+    presence_ttl_seconds: float = 10
+
+
+async def connect(
+    url: str | list[str],
+    name: str,
+    *,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    connect_timeout: float = 5.0,
+    wait_for_server: bool = True,
+    connect_deadline: float | None = None,
+    **options,
+) -> NATS:
+    """A client that never gives up reconnecting; callbacks must be coroutines."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats error: %s", exc)
+
+    async def disconnected_cb() -> None:
+        log.warning("nats disconnected")
+        if on_disconnect:
+            await on_disconnect()
+
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+        if on_reconnect:
+            await on_reconnect()
+
+    servers = url if isinstance(url, list) else [u.strip() for u in url.split(",")]
+    loop = asyncio.get_running_loop()
+    stop_at = None if connect_deadline is None else loop.time() + connect_deadline
+    delay = 0.2
+    while True:
+        try:
+            return await nats.connect(
+                servers=servers,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5 + random.random(),  # jitter: no fleet-wide lockstep
+                allow_reconnect=True,
+                connect_timeout=connect_timeout,
+                error_cb=error_cb,
+                disconnected_cb=disconnected_cb,
+                reconnected_cb=reconnected_cb,
+                **options,
+            )
+        except (OSError, NoServersError, TimeoutError) as exc:
+            # nats-py does not retry a failed first connect; services may start before NATS.
+            if not wait_for_server or (stop_at is not None and loop.time() + delay > stop_at):
+                raise
+            log.warning("nats at %s not reachable (%s); retrying in %.1fs", servers, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0) * (0.75 + random.random() / 2)
+
+
+TRANSIENT = (NoStreamResponseError, NoRespondersError, asyncio.TimeoutError, TimeoutError)
+
+
+async def publish(
+    js: JetStreamContext,
+    msg: c.Message,
+    *,
+    subject: str | None = None,
+    headers: dict[str, str] | None = None,
+    deadline: float = 10.0,
+) -> jsapi.PubAck:
+    """Publish a message to its JetStream subject with dedupe; retry transient errors until `deadline`."""
+    subject = subject or s.subject_for(msg)
+    hdrs = {"Nats-Msg-Id": msg.id}
+    if headers:
+        hdrs.update(headers)
+    payload = c.encode(msg)
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + deadline
+    delay = 0.05
+    while True:
+        remaining = stop_at - loop.time()
+        try:
+            return await js.publish(
+                subject, payload, headers=hdrs, timeout=max(0.5, min(2.0, remaining))
+            )
+        except TRANSIENT as exc:
+            if loop.time() + delay >= stop_at:
+                raise
+            log.debug(
+                "publish to %s failed (%s); retrying with the same id", subject, type(exc).__name__
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: jsapi.StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError as exc:
+        if exc.err_code == 10058:  # exists with a different config: bring it up to date
+            await js.update_stream(cfg)
+        else:
+            raise
+
+
+def stream_configs(cfg: BusConfig) -> list[jsapi.StreamConfig]:
+    return [
+        jsapi.StreamConfig(
+            name=s.EVENTS_STREAM,
+            subjects=[s.EVENTS_ALL],
+            storage=jsapi.StorageType.FILE,
+            retention=jsapi.RetentionPolicy.LIMITS,
+            max_age=cfg.events_max_age_seconds or None,
+            # -1: an event log must never drop history per subject.
+            max_msgs_per_subject=-1,
+            duplicate_window=cfg.duplicate_window_seconds,
+            num_replicas=cfg.replicas,
+            max_msg_size=1024 * 1024,
+        ),
+        jsapi.StreamConfig(
+            name=s.HEARTBEATS_STREAM,
+            subjects=[s.HEARTBEATS_ALL],
+            storage=jsapi.StorageType.FILE,
+            retention=jsapi.RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,  # only the latest per node matters
+            num_replicas=cfg.replicas,
+            max_msg_size=256 * 1024,
+        ),
+        jsapi.StreamConfig(
+            name=s.COMMANDS_STREAM,
+            subjects=[s.COMMANDS_ALL],
+            storage=jsapi.StorageType.FILE,
+            retention=jsapi.RetentionPolicy.LIMITS,
+            max_age=cfg.commands_max_age_seconds,
+            duplicate_window=cfg.duplicate_window_seconds,
+            num_replicas=cfg.replicas,
+            max_msg_size=1024 * 1024,
+        ),
+    ]
+
+
+async def _ensure_bucket(
+    js: JetStreamContext, bucket: str, cfg: BusConfig, ttl: float | None = None
+) -> None:
+    try:
+        await js.key_value(bucket)
+        return
+    except (NotFoundError, BadRequestError):
+        pass
+    except Exception as exc:  # nats-py raises BucketNotFoundError (a NotFoundError) or similar
+        if "not found" not in str(exc).lower():
+            raise
+    try:
+        await js.create_key_value(
+            jsapi.KeyValueConfig(
+                bucket=bucket,
+                history=1,
+                ttl=ttl,
+                replicas=cfg.replicas,
+                storage=jsapi.StorageType.FILE,
+            )
+        )
+    except BadRequestError as exc:
+        if exc.err_code != 10058:  # another process created it meanwhile
+            raise
+
+
+async def provision(js: JetStreamContext, cfg: BusConfig | None = None) -> None:
+    """Create or update every stream and bucket llmgw uses. Idempotent."""
+    cfg = cfg or BusConfig()
+    for stream in stream_configs(cfg):
+        await _ensure_stream(js, stream)
+    await _ensure_bucket(js, s.ENDPOINTS_BUCKET, cfg)
+    await _ensure_bucket(js, s.TENANTS_BUCKET, cfg)
+    await _ensure_bucket(js, s.ROUTERS_BUCKET, cfg, ttl=cfg.presence_ttl_seconds)
+
+
+async def ensure_pull_consumer(
+    js: JetStreamContext,
+    stream: str,
+    durable: str,
+    filter_subject: str | None = None,
+    *,
+    ack_wait: float = 30.0,
+    max_ack_pending: int = 10_000,
+    deliver_policy: jsapi.DeliverPolicy = jsapi.DeliverPolicy.ALL,
+) -> JetStreamContext.PullSubscription:
+    """Create the durable if missing, then bind to it.
+
+    `pull_subscribe(durable=...)` silently ignores its config when the durable
+    exists, so creation and binding are separate steps.
+    """
+    cfg = jsapi.ConsumerConfig(
+        durable_name=durable,
+        ack_policy=jsapi.AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        max_ack_pending=max_ack_pending,
+        deliver_policy=deliver_policy,
+        filter_subject=filter_subject,
+    )
+    try:
+        await js.consumer_info(stream, durable)
+    except NotFoundError:
+        await js.add_consumer(stream, cfg)
+    return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+async def close_quietly(nc: NATS | None) -> None:
+    if nc is None:
+        return
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=5)
+    except (ConnectionClosedError, TimeoutError, Exception):
+        try:
+            await nc.close()
+        except Exception:
+            pass
