@@ -1,0 +1,220 @@
+"""The fold: apply one event from the log to the cluster state. Pure, no I/O, no clock.
+
+`apply(state, seq, event)` mutates `state` and returns what changed, as
+(kind, key) pairs, so the Postgres projection writes only those rows. An event
+whose sequence is not above `state.last_seq` changes nothing: that is what
+makes redelivery after a crash harmless.
+"""
+
+from __future__ import annotations
+
+from llmgw import contracts as c
+
+from .state import ClusterState, Liveness, NodeView, ReplicaView, ShardView
+
+Change = tuple[
+    str, str
+]  # ("node" | "shard" | "replica" | "model" | "tenant" | "bands" | "failure", key)
+
+
+def apply(state: ClusterState, seq: int, event: c.Message) -> set[Change]:
+    if seq <= state.last_seq:
+        return set()
+    state.last_seq = seq
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        return set()
+    return handler(state, seq, event)
+
+
+def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set[Change]:
+    changes: set[Change] = {("node", ev.node)}
+    state.nodes[ev.node] = NodeView(
+        node=ev.node,
+        gpus=dict(ev.gpus),
+        host=ev.host,
+        labels=dict(ev.labels),
+        engines=list(ev.engines),
+        boot_id=ev.boot_id,
+        liveness=Liveness.ALIVE,
+        liveness_since=ev.ts,
+        registered_seq=seq,
+        registered_at=ev.ts,
+    )
+    reported = {sh.shard_id: sh for sh in ev.shards}
+    for info in ev.shards:
+        shard = state.shards.get(info.shard_id)
+        if shard is None:
+            # A shard the log never placed (or placed and forgot): record it so
+            # the reconciler can adopt it or stop it.
+            shard = state.shards[info.shard_id] = ShardView(
+                shard_id=info.shard_id, model=info.model, replica_id=info.replica_id
+            )
+        shard.node = ev.node
+        shard.shard_index = info.shard_index
+        shard.state = info.state
+        shard.url = info.url
+        shard.port = info.port
+        shard.gpus = list(info.gpus)
+        shard.updated_seq = seq
+        shard.updated_at = ev.ts
+        changes.add(("shard", info.shard_id))
+    # What the node no longer runs is gone, whatever the log said before.
+    for shard in state.shards_on(ev.node):
+        if shard.shard_id in reported or shard.terminal or shard.state == c.ShardState.PENDING:
+            continue
+        shard.state = c.ShardState.STOPPED
+        shard.reason = "not running on the node when it registered"
+        shard.updated_seq = seq
+        shard.updated_at = ev.ts
+        changes.add(("shard", shard.shard_id))
+    return changes
+
+
+def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Change]:
+    shard = state.shards.get(ev.shard_id)
+    if shard is None:
+        shard = state.shards[ev.shard_id] = ShardView(
+            shard_id=ev.shard_id, model=ev.model, replica_id=ev.replica_id
+        )
+    shard.node = ev.node
+    shard.shard_index = ev.shard_index
+    shard.state = ev.state
+    if ev.url:
+        shard.url = ev.url
+    if ev.port:
+        shard.port = ev.port
+    if ev.gpus:
+        shard.gpus = list(ev.gpus)
+    shard.reason = ev.reason
+    shard.exit_code = ev.exit_code
+    shard.output_tail = list(ev.output_tail)
+    if ev.max_running is not None:
+        shard.max_running = ev.max_running
+    shard.updated_seq = seq
+    shard.updated_at = ev.ts
+    return {("shard", ev.shard_id)}
+
+
+def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
+    state.models[ev.name] = ev
+    return {("model", ev.name)}
+
+
+def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Change]:
+    state.models.pop(ev.name, None)
+    changes: set[Change] = {("model", ev.name)}
+    for rid in [rid for rid, f in state.failures.items() if f.model == ev.name]:
+        del state.failures[rid]
+        changes.add(("failure", rid))
+    return changes
+
+
+def _tenant_declared(state: ClusterState, seq: int, ev: c.TenantDeclared) -> set[Change]:
+    state.tenants[ev.name] = ev
+    return {("tenant", ev.name)}
+
+
+def _tenant_removed(state: ClusterState, seq: int, ev: c.TenantRemoved) -> set[Change]:
+    state.tenants.pop(ev.name, None)
+    return {("tenant", ev.name)}
+
+
+def _bands_declared(state: ClusterState, seq: int, ev: c.BandsDeclared) -> set[Change]:
+    state.bands = list(ev.bands)
+    return {("bands", "")}
+
+
+def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) -> set[Change]:
+    changes: set[Change] = {("replica", ev.replica_id)}
+    state.replicas[ev.replica_id] = ReplicaView(
+        replica_id=ev.replica_id,
+        model=ev.model,
+        assignments=list(ev.assignments),
+        decided_seq=seq,
+    )
+    _count_replica(state, ev.model, ev.replica_id)
+    for a in ev.assignments:
+        state.shards[a.shard_id] = ShardView(
+            shard_id=a.shard_id,
+            model=ev.model,
+            replica_id=ev.replica_id,
+            shard_index=a.shard_index,
+            node=a.node,
+            gpus=list(a.gpus),
+            state=c.ShardState.PENDING,
+            updated_seq=seq,
+            updated_at=ev.ts,
+        )
+        changes.add(("shard", a.shard_id))
+    if state.failures.pop(ev.replica_id, None) is not None:
+        changes.add(("failure", ev.replica_id))
+    return changes
+
+
+def _placement_failed(state: ClusterState, seq: int, ev: c.PlacementFailed) -> set[Change]:
+    state.failures[ev.replica_id] = ev
+    return {("failure", ev.replica_id)}
+
+
+def _replica_retired(state: ClusterState, seq: int, ev: c.ReplicaRetired) -> set[Change]:
+    replica = state.replicas.get(ev.replica_id)
+    if replica is None:
+        return set()
+    replica.retired = True
+    replica.retired_reason = ev.reason
+    return {("replica", ev.replica_id)}
+
+
+def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float) -> set[Change]:
+    view = state.nodes.get(node)
+    if view is None:
+        return set()
+    view.liveness = liveness
+    view.liveness_since = ts
+    return {("node", node)}
+
+
+def _node_unreachable(state: ClusterState, seq: int, ev: c.NodeUnreachable) -> set[Change]:
+    return _set_liveness(state, ev.node, Liveness.UNREACHABLE, ev.ts)
+
+
+def _node_lost(state: ClusterState, seq: int, ev: c.NodeLost) -> set[Change]:
+    changes = _set_liveness(state, ev.node, Liveness.LOST, ev.ts)
+    # A lost node's shards count as gone: their replicas get placed elsewhere.
+    for shard in state.shards_on(ev.node):
+        if shard.terminal:
+            continue
+        shard.state = c.ShardState.FAILED
+        shard.reason = "node lost"
+        shard.updated_seq = seq
+        shard.updated_at = ev.ts
+        changes.add(("shard", shard.shard_id))
+    return changes
+
+
+def _node_recovered(state: ClusterState, seq: int, ev: c.NodeRecovered) -> set[Change]:
+    return _set_liveness(state, ev.node, Liveness.ALIVE, ev.ts)
+
+
+def _count_replica(state: ClusterState, model: str, replica_id: str) -> None:
+    suffix = replica_id.rsplit("-r", 1)[-1]
+    n = int(suffix) if suffix.isdigit() else 0
+    state.replica_counter[model] = max(state.replica_counter.get(model, 0), n)
+
+
+_HANDLERS = {
+    c.NodeRegistered: _node_registered,
+    c.ShardStatus: _shard_status,
+    c.ModelDeclared: _model_declared,
+    c.ModelRemoved: _model_removed,
+    c.TenantDeclared: _tenant_declared,
+    c.TenantRemoved: _tenant_removed,
+    c.BandsDeclared: _bands_declared,
+    c.PlacementDecided: _placement_decided,
+    c.PlacementFailed: _placement_failed,
+    c.ReplicaRetired: _replica_retired,
+    c.NodeUnreachable: _node_unreachable,
+    c.NodeLost: _node_lost,
+    c.NodeRecovered: _node_recovered,
+}

@@ -1,0 +1,112 @@
+"""The folded state of the cluster: what the event log says, and nothing else.
+
+`ClusterState` is built only by `fold.apply()` from events in log order. It
+holds desired state (models, tenants, bands) and actual state (nodes, replicas,
+shards, liveness). Placement and reconciliation read it; the Postgres tables
+are projections of it; `llmgw audit replay` rebuilds it from the archive. No
+wall clock is read here: every time in it came from an event.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from llmgw import contracts as c
+
+
+class Liveness(str, enum.Enum):
+    ALIVE = "alive"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    node: str
+    gpus: dict[str, c.GpuInfo] = msgspec.field(default_factory=dict)
+    host: c.HostInfo = msgspec.field(default_factory=c.HostInfo)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    engines: list[str] = msgspec.field(default_factory=list)
+    boot_id: str = ""
+    liveness: Liveness = Liveness.ALIVE
+    liveness_since: float = 0.0  # ts of the event that set it
+    registered_seq: int = 0
+    registered_at: float = 0.0
+
+
+class ShardView(msgspec.Struct, kw_only=True):
+    shard_id: str
+    model: str
+    replica_id: str
+    shard_index: int = 0
+    node: str = ""
+    gpus: list[str] = msgspec.field(default_factory=list)
+    state: c.ShardState = c.ShardState.PENDING
+    url: str = ""
+    port: int = 0
+    reason: str = ""
+    exit_code: int | None = None
+    output_tail: list[str] = msgspec.field(default_factory=list)
+    max_running: int | None = None
+    updated_seq: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in c.TERMINAL_SHARD_STATES
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    replica_id: str
+    model: str
+    assignments: list[c.ShardAssignment] = msgspec.field(default_factory=list)
+    decided_seq: int = 0
+    retired: bool = False
+    retired_reason: str = ""
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [a.shard_id for a in self.assignments]
+
+
+class ClusterState(msgspec.Struct, kw_only=True):
+    last_seq: int = 0
+    nodes: dict[str, NodeView] = msgspec.field(default_factory=dict)
+    models: dict[str, c.ModelDeclared] = msgspec.field(default_factory=dict)
+    tenants: dict[str, c.TenantDeclared] = msgspec.field(default_factory=dict)
+    bands: list[c.Band] = msgspec.field(default_factory=list)
+    replicas: dict[str, ReplicaView] = msgspec.field(default_factory=dict)
+    shards: dict[str, ShardView] = msgspec.field(default_factory=dict)
+    # The latest failure to place, per replica id not yet placed.
+    failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
+    # How many replicas each model has ever had: replica ids are <model>-r<n>, never reused.
+    replica_counter: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def copy(self) -> ClusterState:
+        """A deep copy (placement experiments and replay must not touch the live state)."""
+        return msgspec.convert(msgspec.to_builtins(self), ClusterState)
+
+    def active_replicas(self, model: str) -> list[ReplicaView]:
+        return [r for r in self.replicas.values() if r.model == model and not r.retired]
+
+    def shards_on(self, node: str) -> list[ShardView]:
+        return [s for s in self.shards.values() if s.node == node]
+
+    def busy_gpus(self, node: str) -> set[str]:
+        """GPUs held by shards on `node` that are not finished."""
+        out: set[str] = set()
+        for shard in self.shards.values():
+            if shard.node == node and not shard.terminal:
+                out.update(shard.gpus)
+        return out
+
+
+def replica_id(model: str, n: int) -> str:
+    from llmgw import subjects
+
+    return f"{subjects.safe_token(model)}-r{n}"
+
+
+def shard_id(replica: str, index: int) -> str:
+    return f"{replica}-s{index}"

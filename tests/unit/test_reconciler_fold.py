@@ -1,0 +1,87 @@
+from llmgw import contracts as c
+from llmgw.reconciler import fold
+from llmgw.reconciler.state import ClusterState, Liveness
+
+
+def gpu(i: int) -> c.GpuInfo:
+    return c.GpuInfo(uuid=f"GPU-{i}", index=i, name="H200", memory_bytes=80 << 30)
+
+
+def registered(node: str, shards=()) -> c.NodeRegistered:
+    return c.NodeRegistered(
+        node=node, gpus={f"GPU-{i}": gpu(i) for i in range(2)}, shards=list(shards)
+    )
+
+
+def decided(model="m", rid="m-r1", node="a") -> c.PlacementDecided:
+    return c.PlacementDecided(
+        model=model,
+        replica_id=rid,
+        based_on_seq=1,
+        assignments=[
+            c.ShardAssignment(shard_id=f"{rid}-s0", shard_index=0, node=node, gpus=["GPU-0"])
+        ],
+    )
+
+
+def test_redelivered_or_old_sequences_change_nothing():
+    st = ClusterState()
+    assert fold.apply(st, 1, registered("a")) == {("node", "a")}
+    assert fold.apply(st, 1, registered("b")) == set()
+    assert fold.apply(st, 0, registered("c")) == set()
+    assert set(st.nodes) == {"a"} and st.last_seq == 1
+
+
+def test_placement_then_status_then_node_lost():
+    st = ClusterState()
+    fold.apply(st, 1, registered("a"))
+    fold.apply(st, 2, decided())
+    assert st.shards["m-r1-s0"].state == c.ShardState.PENDING
+    assert st.busy_gpus("a") == {"GPU-0"}
+    assert st.replica_counter["m"] == 1
+    fold.apply(
+        st,
+        3,
+        c.ShardStatus(
+            node="a",
+            shard_id="m-r1-s0",
+            model="m",
+            replica_id="m-r1",
+            state=c.ShardState.READY,
+            url="http://x",
+        ),
+    )
+    assert st.shards["m-r1-s0"].state == c.ShardState.READY
+    fold.apply(st, 4, c.NodeUnreachable(node="a", last_seen=1.0))
+    assert st.nodes["a"].liveness == Liveness.UNREACHABLE
+    assert st.shards["m-r1-s0"].state == c.ShardState.READY  # unreachable is not gone
+    changes = fold.apply(st, 5, c.NodeLost(node="a", last_seen=1.0))
+    assert ("shard", "m-r1-s0") in changes
+    assert st.shards["m-r1-s0"].state == c.ShardState.FAILED and st.busy_gpus("a") == set()
+
+
+def test_registration_is_the_truth_about_what_a_node_runs():
+    st = ClusterState()
+    fold.apply(st, 1, registered("a"))
+    fold.apply(st, 2, decided())
+    fold.apply(
+        st,
+        3,
+        c.ShardStatus(
+            node="a", shard_id="m-r1-s0", model="m", replica_id="m-r1", state=c.ShardState.READY
+        ),
+    )
+    orphan = c.ShardInfo(
+        shard_id="x-r9-s0", model="x", replica_id="x-r9", state=c.ShardState.READY, gpus=["GPU-1"]
+    )
+    fold.apply(st, 4, registered("a", [orphan]))
+    assert st.shards["m-r1-s0"].state == c.ShardState.STOPPED
+    assert st.shards["x-r9-s0"].node == "a" and st.busy_gpus("a") == {"GPU-1"}
+
+
+def test_copy_is_deep():
+    st = ClusterState()
+    fold.apply(st, 1, registered("a"))
+    other = st.copy()
+    fold.apply(other, 2, c.NodeLost(node="a", last_seen=0))
+    assert st.nodes["a"].liveness == Liveness.ALIVE and st == st.copy()
