@@ -66,6 +66,9 @@ class GpuInfo(msgspec.Struct, kw_only=True):
     compute_capability: str = ""
     nvlink_peers: list[str] = msgspec.field(default_factory=list)
     mig_mode: bool | None = None
+    # How this GPU reaches each other GPU on the node (by UUID), in `nvidia-smi topo -m`
+    # words: NV (NVLink), PIX, PXB, PHB, NODE, SYS. Empty where NVML cannot tell.
+    topology: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class HostInfo(msgspec.Struct, kw_only=True):
@@ -106,6 +109,7 @@ class ServingProfile(msgspec.Struct, kw_only=True):
     engine_args: list[str] = msgspec.field(default_factory=list)
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None  # vLLM/SGLang share of GPU memory to use
 
 
 class ShardInfo(msgspec.Struct, kw_only=True):
