@@ -288,6 +288,9 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     assignments: list[ShardAssignment]
     verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
     explanation: str = ""
+    # True when the replica takes over shards a node already runs (a node that came
+    # back): the shards keep their state, and replay checks them instead of re-placing.
+    adopted: bool = False
 
 
 class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):

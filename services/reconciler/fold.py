@@ -135,6 +135,14 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
     )
     _count_replica(state, ev.model, ev.replica_id)
     for a in ev.assignments:
+        running = state.shards.get(a.shard_id)
+        if ev.adopted and running is not None and running.node == a.node:
+            # The node already runs it: the shard changes owner, not state.
+            running.replica_id = ev.replica_id
+            running.model = ev.model
+            running.updated_seq = seq
+            changes.add(("shard", a.shard_id))
+            continue
         state.shards[a.shard_id] = ShardView(
             shard_id=a.shard_id,
             model=ev.model,
