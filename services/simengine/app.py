@@ -1,0 +1,332 @@
+"""The simulator's HTTP face: a bare ASGI callable, no framework on the hot path.
+
+Routing is one dict lookup. A completion request is parsed into a Job, handed to the engine
+through the driver, and answered from the engine's progress: a stream sends its headers at once
+(as vLLM does) and then writes whatever tokens each wake-up brings as one body chunk. A task
+per request listens for the client going away and aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmgw import config as llmgw_config
+from llmgw.simengine import tokens, wire
+from llmgw.simengine.config import FaultConfig, SimConfig
+from llmgw.simengine.driver import Driver
+from llmgw.simengine.engine import Engine, EngineParams, Request
+from llmgw.simengine.faults import Faults
+from llmgw.simengine.metrics import build_registry
+from llmgw.simengine.protocol import ApiError, Job, Limits, RequestParser
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+MAX_BODY_BYTES = 32 << 20
+# Left for the last bytes of a response to reach the socket before an injected exit.
+EXIT_DELAY_S = 0.05
+
+_SSE_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+    ],
+}
+_encode = msgspec.json.encode
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def engine_params(cfg: SimConfig) -> EngineParams:
+    return EngineParams(
+        max_num_seqs=cfg.max_num_seqs,
+        num_blocks=cfg.kv_blocks,
+        block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        ttft=cfg.ttft_ms / 1000,
+        prefill_per_token=cfg.prefill_ms_per_token / 1000,
+        itl=cfg.itl_ms / 1000,
+        itl_per_running=cfg.itl_ms_per_running / 1000,
+    )
+
+
+def exit_process() -> None:
+    """What `exit_after_requests` does by default: die at once, as a crashed engine would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+class SimApp:
+    def __init__(self, cfg: SimConfig, *, on_exit: Callable[[], None] = exit_process):
+        self.config = cfg
+        names = cfg.served_names
+        self.engine = Engine(engine_params(cfg))
+        self.driver = Driver(self.engine)
+        self.faults = Faults(cfg.faults, seed=cfg.seed)
+        self.parser = RequestParser(
+            Limits(frozenset(names), cfg.max_model_len, cfg.mode, cfg.default_output_tokens),
+            seed=cfg.seed,
+        )
+        self.registry = build_registry(self.engine, names[0])
+        self._on_exit = on_exit
+        self._created = int(time.time())
+        self._ids = itertools.count(1)
+        self._id_prefix = secrets.token_hex(4)
+        self._models_body = _encode(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": self._created,
+                        "owned_by": "vllm",
+                        "root": cfg.model,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                        "permission": [],
+                    }
+                    for name in names
+                ],
+            }
+        )
+        self._routes: dict[str, dict[str, Handler]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completion},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+            "/sim/state": {"GET": self._state},
+            "/sim/faults": {"GET": self._get_faults, "POST": self._set_faults},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            methods = self._routes.get(scope["path"])
+            if methods is None:
+                await _send_error(send, ApiError(404, f"no route for {scope['path']}"))
+                return
+            handler = methods.get(scope["method"])
+            if handler is None:
+                allowed = ", ".join(methods)
+                await _send_error(
+                    send, ApiError(405, f"{scope['method']} not allowed; use {allowed}")
+                )
+                return
+            await handler(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                self.driver.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.driver.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- completions ------------------------------------------------------------------------
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(receive, send, self.parser.chat, "chatcmpl")
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(receive, send, self.parser.completion, "cmpl")
+
+    async def _generate(
+        self, receive: Receive, send: Send, parse: Callable[[bytes], Job], id_kind: str
+    ) -> None:
+        try:
+            job = parse(await _read_body(receive))
+            injected = self.faults.injected_error()
+            if injected is not None:
+                raise injected
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        cfg = self.config
+        faults = self.faults.config
+        req = Request(
+            prompt_tokens=job.prompt_tokens,
+            max_output=len(job.pieces),
+            final_reason=job.final_reason,
+            block_hashes=tokens.block_hashes(job.prompt, cfg.block_size)
+            if cfg.enable_prefix_caching
+            else (),
+            hang_after=faults.hang_after_tokens,
+            first_token_delay=faults.slow_first_token_ms / 1000,
+        )
+        rid = f"{id_kind}-{self._id_prefix}{next(self._ids):x}"
+        self.driver.submit(req)
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, req))
+        try:
+            if job.stream:
+                await self._stream(send, job, req, rid)
+            else:
+                await self._unary(send, job, req, rid)
+        finally:
+            watcher.cancel()
+            if not req.finished:
+                # Cancelled (shutdown past its drain time): free the slot like a disconnect.
+                self.driver.abort(req)
+        if req.finished_reason != "abort" and self.faults.completed():
+            log.warning("exit_after_requests reached: exiting now, as a crashed engine would")
+            asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._on_exit)
+
+    async def _watch_disconnect(self, receive: Receive, req: Request) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.driver.abort(req)
+
+    @staticmethod
+    async def _progress(req: Request, seen: int) -> None:
+        """Wait until `req` has more than `seen` tokens or has finished."""
+        loop = asyncio.get_running_loop()
+        while req.generated <= seen and not req.finished:
+            req.waiter = loop.create_future()
+            try:
+                await req.waiter
+            finally:
+                req.waiter = None
+
+    async def _stream(self, send: Send, job: Job, req: Request, rid: str) -> None:
+        enc = wire.ChunkEncoder(job, rid, int(time.time()))
+        await send(_SSE_START)
+        pending = [enc.role()] if job.kind == "chat" else []
+        sent = 0
+        while True:
+            await self._progress(req, sent)
+            if req.finished_reason == "abort":
+                return
+            n = req.generated
+            reason = req.finished_reason
+            pending += enc.tokens(sent, n, reason)
+            sent = n
+            if reason is not None:
+                if job.include_usage:
+                    pending.append(enc.usage(n, req.cached_tokens))
+                pending.append(wire.DONE)
+                await send({"type": "http.response.body", "body": b"".join(pending)})
+                return
+            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+            pending = []
+
+    async def _unary(self, send: Send, job: Job, req: Request, rid: str) -> None:
+        while not req.finished:
+            await self._progress(req, req.generated)
+        if req.finished_reason == "abort":
+            return
+        body = wire.full_response(
+            job, rid, int(time.time()), req.generated, req.finished_reason, req.cached_tokens
+        )
+        await _send_json(send, 200, body)
+
+    # -- everything else ----------------------------------------------------------------------
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, self._models_body)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, b"")
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = generate_latest(self.registry)
+        await _send(send, 200, body, CONTENT_TYPE_LATEST.encode())
+
+    async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.engine.snapshot()
+        state["model"] = self.config.served_names[0]
+        state["max_num_seqs"] = self.config.max_num_seqs
+        state["faults"] = msgspec.to_builtins(self.faults.config)
+        await _send_json(send, 200, _encode(state))
+
+    async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, _encode(self.faults.config))
+
+    async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            raw = await _read_body(receive)
+            try:
+                data = msgspec.json.decode(raw) if raw.strip() else {}
+            except msgspec.DecodeError as exc:
+                raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+            if not isinstance(data, dict):
+                raise ApiError(400, "the body must be a JSON object of fault settings")
+            try:
+                faults = llmgw_config.convert(FaultConfig, data, source="faults")
+            except llmgw_config.ConfigError as exc:
+                raise ApiError(400, str(exc)) from None
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        self.faults.replace(faults)
+        log.info("faults set: %s", msgspec.to_builtins(faults))
+        await _send_json(send, 200, _encode(faults))
+
+
+async def _read_body(receive: Receive) -> bytes:
+    msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise _ClientGone
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body
+    parts = [body]
+    size = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(body))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await _send(send, status, body, b"application/json")
+
+
+async def _send_error(send: Send, exc: ApiError) -> None:
+    await _send_json(send, exc.status, exc.body())

@@ -1,0 +1,125 @@
+"""vLLM's Prometheus metrics, read from the engine at scrape time.
+
+A collector in the simulator's own CollectorRegistry turns the engine's plain counters into
+metric families on each scrape, so the token hot path pays nothing for Prometheus. Names, types
+and labels follow vLLM (v1 engine): `model_name` is the first served name, `engine` is "0".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from llmgw.simengine.engine import Engine
+from llmgw.simengine.stats import FINISHED_REASONS, Histogram
+
+LABELS = ["model_name", "engine"]
+
+
+class EngineCollector:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.values = [model_name, "0"]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=LABELS)
+        g.add_metric(self.values, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=LABELS)
+        c.add_metric(self.values, value)
+        return c
+
+    def _histogram(self, name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, doc, labels=LABELS)
+        buckets = [(floatToGoString(bound), count) for bound, count in h.cumulative()]
+        fam.add_metric(self.values, buckets, sum_value=h.sum)
+        return fam
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        s = e.stats
+        p = e.params
+        yield self._gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            len(e.running),
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            len(e.waiting),
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            e.pool.used / e.pool.num_blocks,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[*LABELS, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        info.add_metric(
+            [*self.values, str(p.block_size), str(p.num_blocks), str(p.enable_prefix_caching)], 1
+        )
+        yield info
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        )
+        yield self._counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            s.preemptions,
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*LABELS, "finished_reason"],
+        )
+        for reason in FINISHED_REASONS:
+            success.add_metric([*self.values, reason], s.finished[reason])
+        yield success
+        yield self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens
+        )
+        yield self._counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        )
+        yield self._histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            s.ttft,
+        )
+        yield self._histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            s.itl,
+        )
+        yield self._histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            s.e2e,
+        )
+
+
+def build_registry(engine: Engine, model_name: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model_name))
+    return registry

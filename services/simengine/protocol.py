@@ -1,0 +1,288 @@
+"""OpenAI request parsing and validation, and the OpenAI-shaped error.
+
+A request body becomes a `Job`: the prompt as bytes and tokens, the output pieces the request
+will produce (decided up front: the text is deterministic), why it ends, and how to answer.
+Anything wrong with the request raises ApiError with a 400 or 404, never lets a 500 through.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from llmgw.simengine import tokens
+
+_encode = msgspec.json.encode
+_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _default_type(status)
+        self.param = param
+        self.code = code
+
+    def body(self) -> bytes:
+        return _encode(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+# -- request bodies --------------------------------------------------------------------------
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    seed: int | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]
+    # OpenAI's and vLLM's default for completions; an explicit null means "as many as fit".
+    max_tokens: int | None = 16
+
+
+_chat_decoder = msgspec.json.Decoder(ChatRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+@dataclass(slots=True)
+class Job:
+    kind: Literal["chat", "completion"]
+    model: str
+    prompt: bytes
+    prompt_tokens: int
+    pieces: list[str]
+    final_reason: str
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(slots=True)
+class Limits:
+    served_names: frozenset[str]
+    max_model_len: int
+    mode: Literal["echo", "lorem"]
+    default_output_tokens: int
+
+
+class RequestParser:
+    def __init__(self, limits: Limits, seed: int = 0):
+        self.limits = limits
+        # Requests without a seed draw from one stream: deterministic for a given arrival order.
+        self._rng = random.Random(seed)
+
+    def chat(self, body: bytes) -> Job:
+        req = _decode(_chat_decoder, body)
+        self._common(req)
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        turns = []
+        for i, msg in enumerate(req.messages):
+            if msg.role not in ROLES:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].role: unknown role {msg.role!r}; expected one of {sorted(ROLES)}",
+                    param=f"messages[{i}].role",
+                )
+            turns.append((msg.role, _content_text(msg.content)))
+        prompt = tokens.render_chat(turns)
+        users = [text for role, text in turns if role == "user"]
+        echo = users[-1] if users else turns[-1][1]
+        max_tokens = req.max_completion_tokens
+        param = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        return self._job("chat", req, prompt, "messages", echo, max_tokens, param)
+
+    def completion(self, body: bytes) -> Job:
+        req = _decode(_completion_decoder, body)
+        self._common(req)
+        prompt, echo = _completion_prompt(req.prompt)
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return self._job("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
+
+    def _common(self, req: _Common) -> None:
+        if req.model is None:
+            raise ApiError(400, "you must provide a model parameter", param="model")
+        if req.model not in self.limits.served_names:
+            raise ApiError(
+                404,
+                f"The model `{req.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        if req.n not in (None, 1):
+            raise ApiError(400, f"n = {req.n}: only n = 1 is supported", param="n")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(
+                400, "stream_options is only allowed with stream = true", param="stream_options"
+            )
+
+    def _job(
+        self,
+        kind: Literal["chat", "completion"],
+        req: ChatRequest | CompletionRequest,
+        prompt: bytes,
+        prompt_param: str,
+        echo: str,
+        max_tokens: int | None,
+        max_tokens_param: str,
+    ) -> Job:
+        lim = self.limits
+        n_prompt = tokens.count_tokens(prompt)
+        room = lim.max_model_len - n_prompt
+        if room <= 0:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {lim.max_model_len} tokens. However, "
+                f"your prompt has {n_prompt} tokens. Please reduce the length of the prompt.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ApiError(
+                    400,
+                    f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                    param=max_tokens_param,
+                )
+            if max_tokens > room:
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {lim.max_model_len} tokens. However, "
+                    f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+                    f"{prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                    f"of the {prompt_param} or completion.",
+                    param=max_tokens_param,
+                    code="context_length_exceeded",
+                )
+        cap = max_tokens if max_tokens is not None else room
+        if lim.mode == "echo":
+            pieces = tokens.echo_pieces(echo)
+            reason = "length" if len(pieces) > cap else "stop"
+            pieces = pieces[:cap]
+        else:
+            want = max_tokens if max_tokens is not None else lim.default_output_tokens
+            rng = self._rng if req.seed is None else random.Random(req.seed)
+            pieces = tokens.lorem_pieces(min(want, cap), rng)
+            # Without max_tokens the simulated model "emits end of sequence" unless cut short.
+            reason = "stop" if max_tokens is None and want <= cap else "length"
+        if req.stop:
+            stops = [req.stop] if isinstance(req.stop, str) else req.stop
+            cut = tokens.cut_at_stop(pieces, stops)
+            if cut is not None:
+                pieces, reason = cut, "stop"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Job(
+            kind=kind,
+            model=req.model,
+            prompt=prompt,
+            prompt_tokens=n_prompt,
+            pieces=pieces,
+            final_reason=reason,
+            stream=bool(req.stream),
+            include_usage=include_usage,
+        )
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        m = _PATH_RE.search(msg)
+        param = m.group("path") if m else None
+        raise ApiError(400, f"invalid request: {msg}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _content_text(content: str | list[ContentPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    # Only text parts count; images and audio have no simulated cost.
+    return "\n".join(part.text for part in content if part.type == "text" and part.text)
+
+
+def _completion_prompt(prompt: str | list[Any]) -> tuple[bytes, str]:
+    """(prompt bytes, text to echo) for the forms OpenAI allows, one prompt only."""
+    if isinstance(prompt, str):
+        return prompt.encode(), prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return _completion_prompt(prompt[0])
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < 2**32 for t in prompt):
+            raise ApiError(400, "prompt: token ids must be in [0, 2**32)", param="prompt")
+        return tokens.pack_token_ids(prompt), " ".join(map(str, prompt))
+    if not prompt:
+        return b"", ""
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of token ids, or a list holding one of those "
+        "(batches of several prompts are not supported)",
+        param="prompt",
+    )
