@@ -231,6 +231,11 @@ async def ensure_pull_consumer(
     exists, so creation and binding are separate steps.
     """
     cfg = jsapi.ConsumerConfig(
+        # `name` as well as `durable_name`: nats-py then creates through
+        # $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, the only form the mTLS
+        # permissions (llmgw.natsconfig) grant an agent, since the server checks
+        # that the body's filter matches the one in the subject.
+        name=durable,
         durable_name=durable,
         ack_policy=jsapi.AckPolicy.EXPLICIT,
         ack_wait=ack_wait,

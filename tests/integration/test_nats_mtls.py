@@ -1,0 +1,304 @@
+"""NATS with mutual TLS and per-identity permissions, on a real nats-server.
+
+Certificates from `llmgw.certs`, the server config from `llmgw.natsconfig`,
+clients connected the way services do (`bus.connect` + `tlsconfig.nats_options`).
+A denied publish reaches the publisher only as a timeout; the reason arrives
+through the client's error callback, which `bus.connect` logs: the tests
+assert on that line and on what the stream did (not) store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from llmgw import bus, certs, localservers, natsconfig, tlsconfig
+from llmgw import contracts as c
+from llmgw import subjects as s
+
+DENIED_WAIT = 0.5  # a denied request never gets an answer: wait this long for it
+
+
+class _ConfigOnlyNats(localservers.NatsServer):
+    """nats-server driven by the generated config alone (it sets listen, store and TLS)."""
+
+    def command(self) -> list[str]:
+        return [localservers.nats_server_binary(), "-c", str(self.config_file)]
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtls")
+    cert_dir = root / "certs"
+    certs.init(cert_dir, ["node-a", "node-b"], routers=1)
+    port = localservers.free_port()
+    conf = root / "nats.conf"
+    conf.write_text(
+        natsconfig.render(
+            certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(root / "js")
+        )
+    )
+    server = _ConfigOnlyNats(root / "server", port=port, config_file=conf).start()
+    try:
+        yield SimpleNamespace(url=server.url, certs=cert_dir, root=root)
+    finally:
+        server.stop()
+
+
+def _tls(cert_dir: Path, name: str) -> tlsconfig.NatsTLS:
+    return tlsconfig.NatsTLS(
+        ca=str(cert_dir / "ca.crt"),
+        cert=str(cert_dir / f"{name}.crt"),
+        key=str(cert_dir / f"{name}.key"),
+    )
+
+
+async def _connect(secure, name: str):
+    opts = tlsconfig.nats_options(_tls(secure.certs, name))
+    return await bus.connect(secure.url, name, wait_for_server=False, **opts)
+
+
+@pytest.fixture
+async def reconciler(secure):
+    nc = await _connect(secure, "reconciler")
+    js = nc.jetstream()
+    await bus.provision(js)  # the reconciler is the identity allowed to provision
+    try:
+        yield nc
+    finally:
+        await bus.close_quietly(nc)
+
+
+@pytest.fixture
+async def clients(secure):
+    opened = []
+
+    async def open_as(name: str):
+        nc = await _connect(secure, name)
+        opened.append(nc)
+        return nc
+
+    try:
+        yield open_as
+    finally:
+        for nc in opened:
+            await bus.close_quietly(nc)
+
+
+@pytest.fixture
+def violations(caplog):
+    """Wait for the server's 'permissions violation' report about `what`."""
+    caplog.set_level(logging.WARNING, logger="llmgw.bus")
+
+    async def wait_for(what: str, timeout: float = 5.0) -> str:
+        deadline = time.monotonic() + timeout
+        needle = f"permissions violation for {what}".lower()
+        while time.monotonic() < deadline:
+            for rec in caplog.records:
+                if needle in rec.getMessage().lower():
+                    return rec.getMessage()
+            await asyncio.sleep(0.02)
+        seen = [r.getMessage() for r in caplog.records]
+        raise AssertionError(f"no {needle!r} reported; saw {seen}")
+
+    return wait_for
+
+
+async def test_agent_publishes_its_own_heartbeat_events_and_load(reconciler, clients):
+    agent = await clients("agent-node-a")
+    router = await clients("router-1")
+    ajs = agent.jetstream()
+
+    hb = await bus.publish(ajs, c.Heartbeat(node="node-a", seq=7), deadline=5)
+    reg = await bus.publish(ajs, c.NodeRegistered(node="node-a"), deadline=5)
+    assert hb.stream == s.HEARTBEATS_STREAM and reg.stream == s.EVENTS_STREAM
+
+    rjs = reconciler.jetstream()
+    stored = await rjs.get_last_msg(s.HEARTBEATS_STREAM, s.heartbeat("node-a"))
+    assert c.decode(stored.data).seq == 7
+
+    samples: asyncio.Queue = asyncio.Queue()
+
+    async def on_sample(msg):
+        await samples.put(msg)
+
+    await router.subscribe(s.LOAD_ALL, cb=on_sample)
+    await router.flush()
+    sample = c.LoadSample(node="node-a", shard_id="sh1", model="m", url="http://x", waiting=3)
+    await agent.publish(s.subject_for(sample), c.encode(sample))
+    got = await asyncio.wait_for(samples.get(), 5)
+    assert got.subject == s.load("node-a") and c.decode(got.data).waiting == 3
+
+
+async def test_agent_is_refused_when_publishing_as_another_node(reconciler, clients, violations):
+    agent = await clients("agent-node-a")
+    ajs = agent.jetstream()
+
+    forged_hb = c.Heartbeat(node="node-b", seq=1)
+    with pytest.raises(TimeoutError):
+        await ajs.publish(s.heartbeat("node-b"), c.encode(forged_hb), timeout=DENIED_WAIT)
+    await violations('publish to "llmgw.hb.node-b"')
+
+    forged_reg = c.NodeRegistered(node="node-b")
+    with pytest.raises(TimeoutError):
+        await ajs.publish(s.subject_for(forged_reg), c.encode(forged_reg), timeout=DENIED_WAIT)
+    await violations('publish to "llmgw.evt.agent.node-b.registered"')
+
+    # Nothing of it was stored: node-b's subjects are empty.
+    rjs = reconciler.jetstream()
+    with pytest.raises(NotFoundError):
+        await rjs.get_last_msg(s.HEARTBEATS_STREAM, s.heartbeat("node-b"))
+    with pytest.raises(NotFoundError):
+        await rjs.get_last_msg(s.EVENTS_STREAM, s.subject_for(forged_reg))
+
+
+async def test_agent_consumes_only_its_own_commands(reconciler, clients, violations):
+    rjs = reconciler.jetstream()
+    for node in ("node-a", "node-b"):
+        await bus.publish(rjs, c.StopShard(key=f"k-{node}", node=node, shard_id=f"sh-{node}"))
+    # node-b's durable exists, as it would once node-b's agent has run.
+    await bus.ensure_pull_consumer(rjs, s.COMMANDS_STREAM, "agent-node-b", s.commands("node-b"))
+
+    agent = await clients("agent-node-a")
+    ajs = agent.jetstream()
+    own = await bus.ensure_pull_consumer(
+        ajs, s.COMMANDS_STREAM, "agent-node-a", s.commands("node-a")
+    )
+    msgs = await own.fetch(10, timeout=2)
+    assert [c.decode(m.data).node for m in msgs] == ["node-a"]
+    for m in msgs:
+        await m.ack()
+
+    # Pulling from node-b's durable is denied.
+    theirs = await ajs.pull_subscribe_bind(durable="agent-node-b", stream=s.COMMANDS_STREAM)
+    with pytest.raises(TimeoutError):
+        await theirs.fetch(1, timeout=DENIED_WAIT)
+    await violations('publish to "$js.api.consumer.msg.next.llmgw_commands.agent-node-b"')
+
+    # Re-pointing its own durable at node-b's subject: the create subject names the
+    # filter, so the permissions refuse it...
+    with pytest.raises(TimeoutError):
+        await ajs.add_consumer(
+            s.COMMANDS_STREAM,
+            name="agent-node-a",
+            durable_name="agent-node-a",
+            filter_subject=s.commands("node-b"),
+            timeout=DENIED_WAIT,
+        )
+    await violations(
+        'publish to "$js.api.consumer.create.llmgw_commands.agent-node-a.llmgw.cmd.node-b"'
+    )
+    # ...and a request on the allowed subject with node-b's filter in the body is
+    # refused by the server, which checks that the two match.
+    allowed = f"$JS.API.CONSUMER.CREATE.{s.COMMANDS_STREAM}.agent-node-a.{s.commands('node-a')}"
+    body = {
+        "stream_name": s.COMMANDS_STREAM,
+        "config": {
+            "name": "agent-node-a",
+            "durable_name": "agent-node-a",
+            "ack_policy": "explicit",
+            "filter_subject": s.commands("node-b"),
+        },
+    }
+    reply = await agent.request(allowed, json.dumps(body).encode(), timeout=5)
+    assert json.loads(reply.data)["error"]["err_code"] == 10131
+
+    # So is a plain subscription to node-b's command subject.
+    await agent.subscribe(s.commands("node-b"))
+    await violations('subscription to "llmgw.cmd.node-b"')
+
+    # node-b's command is still there for node-b.
+    info = await rjs.consumer_info(s.COMMANDS_STREAM, "agent-node-b")
+    assert info.num_pending == 1
+
+
+async def test_one_identity_cannot_read_anothers_replies(secure, reconciler, clients, violations):
+    agent = await clients("agent-node-a")
+    await agent.subscribe("_INBOX.router-1.>")
+    await violations('subscription to "_inbox.router-1.>"')
+
+    # A client with a valid certificate but the default inbox prefix cannot even get
+    # JetStream answers: its replies would land where others could listen.
+    opts = tlsconfig.nats_options(_tls(secure.certs, "agent-node-a"))
+    opts.pop("inbox_prefix")
+    plain_inbox = await bus.connect(secure.url, "agent-a-default-inbox", **opts)
+    try:
+        with pytest.raises(TimeoutError):
+            await plain_inbox.jetstream().publish(s.heartbeat("node-a"), b"{}", timeout=DENIED_WAIT)
+        await violations('subscription to "_inbox.')
+    finally:
+        await bus.close_quietly(plain_inbox)
+
+
+async def test_router_reads_endpoints_but_cannot_write_them_or_publish_events(
+    reconciler, clients, violations
+):
+    rjs = reconciler.jetstream()
+    rkv = await rjs.key_value(s.ENDPOINTS_BUCKET)
+    await rkv.put(s.endpoints_key("m1"), b"endpoints-of-m1")
+
+    router = await clients("router-1")
+    js = router.jetstream()
+    kv = await js.key_value(s.ENDPOINTS_BUCKET)
+    assert (await kv.get(s.endpoints_key("m1"))).value == b"endpoints-of-m1"
+
+    watcher = await kv.watchall()
+    first = await watcher.updates(timeout=5)
+    assert first is not None and first.value == b"endpoints-of-m1"
+    await watcher.stop()
+
+    presence = await js.key_value(s.ROUTERS_BUCKET)
+    await presence.put(s.router_key("router-1"), b"alive")
+
+    with pytest.raises(TimeoutError):
+        await js.publish(f"$KV.{s.ENDPOINTS_BUCKET}.m1", b"forged", timeout=DENIED_WAIT)
+    await violations(f'publish to "$kv.{s.ENDPOINTS_BUCKET}.m1"')
+    assert (await rkv.get(s.endpoints_key("m1"))).value == b"endpoints-of-m1"
+
+    event = c.NodeRegistered(node="node-a")
+    with pytest.raises(TimeoutError):
+        await js.publish(s.subject_for(event), c.encode(event), timeout=DENIED_WAIT)
+    await violations('publish to "llmgw.evt.agent.node-a.registered"')
+
+
+async def _handshake(url: str, ctx: ssl.SSLContext | None) -> None:
+    async def quiet(_exc: Exception) -> None:
+        pass
+
+    nc = await nats.connect(
+        url,
+        tls=ctx,
+        allow_reconnect=False,
+        connect_timeout=3,
+        error_cb=quiet,
+        max_reconnect_attempts=0,
+    )
+    await nc.close()
+
+
+async def test_clients_without_a_certificate_from_our_ca_cannot_connect(secure, tmp_path):
+    ca = str(secure.certs / "ca.crt")
+    # Without a client certificate the handshake fails.
+    with pytest.raises(OSError, match="(?i)certificate required"):
+        await _handshake(secure.url, ssl.create_default_context(cafile=ca))
+    # Without TLS at all, too (the server requires it).
+    with pytest.raises(OSError):
+        await _handshake(secure.url, None)
+    # A certificate claiming to be the reconciler, signed by another CA, is refused.
+    rogue = tmp_path / "rogue"
+    certs.init(rogue, [], routers=0)
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.load_cert_chain(str(rogue / "reconciler.crt"), str(rogue / "reconciler.key"))
+    with pytest.raises(OSError):
+        await _handshake(secure.url, ctx)
+    # The genuine one connects.
+    await _handshake(secure.url, tlsconfig.ssl_context(_tls(secure.certs, "reconciler")))
