@@ -1,0 +1,309 @@
+"""Reconcile: compare desired with actual state, say what to do about it. Pure.
+
+`decide(state, ts=...)` returns a `Plan`:
+  - `events`: control events to publish into the log, in order (replicas
+    retired, shards adopted, replicas placed or failing to place). They are
+    computed on a scratch copy of the state to which each earlier event of the
+    same plan is already applied, so two placements in one plan never take
+    the same GPU; `llmgw audit replay` re-derives them the same way.
+  - `commands`: the commands the *current* state calls for (level-triggered):
+    start pending shards, drain ready shards of retired replicas, stop every
+    other shard nobody wants. The command tracker sends new ones and re-issues
+    unanswered ones; a command that is no longer called for is closed.
+
+Like a Kubernetes controller, it reacts to state, not to the edge that
+changed it: running it twice on the same state yields the same plan, and the
+events it already published are recognised (a repeated identical
+PlacementFailed is not published again).
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from dataclasses import dataclass, field
+
+from llmgw import contracts as c
+
+from . import fold, placement
+from .placement import event_id
+from .state import ClusterState, Liveness, ReplicaView, ShardView, replica_id
+
+MASTER_PORT_BASE = 29500  # multi-node rendezvous port = base + crc32(replica) % span
+MASTER_PORT_SPAN = 1000
+
+
+@dataclass
+class Plan:
+    events: list[c.Message] = field(default_factory=list)
+    commands: list[c.Message] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CommandTimings:
+    drain_deadline: float = 60.0
+    stop_grace: float = 10.0
+
+
+def decide(state: ClusterState, *, ts: float = 0.0, timings: CommandTimings | None = None) -> Plan:
+    events, adopted = control_events(state, ts=ts)
+    return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
+
+
+# ---------------------------------------------------------------- control events
+
+
+class _Scratch:
+    """The state plus this plan's events so far; copies only what the fold mutates."""
+
+    def __init__(self, state: ClusterState):
+        self.base = state
+        self.state = state
+        self.seq = state.last_seq
+
+    def apply(self, event: c.Message) -> None:
+        if self.state is self.base:
+            s = self.base
+            # The fold of control events touches replicas, shards, failures and the
+            # replica counter, never nodes or the catalog: share those.
+            self.state = ClusterState(
+                last_seq=s.last_seq,
+                nodes=s.nodes,
+                models=s.models,
+                tenants=s.tenants,
+                bands=s.bands,
+                replicas={k: copy.copy(v) for k, v in s.replicas.items()},
+                shards={k: copy.copy(v) for k, v in s.shards.items()},
+                failures=dict(s.failures),
+                replica_counter=dict(s.replica_counter),
+            )
+        self.seq += 1
+        fold.apply(self.state, self.seq, event)
+
+
+def is_ready(state: ClusterState, replica: ReplicaView) -> bool:
+    return all(
+        (s := state.shards.get(sid)) is not None and s.state == c.ShardState.READY
+        for sid in replica.shard_ids
+    )
+
+
+def broken_shard(state: ClusterState, replica: ReplicaView) -> tuple[str, str] | None:
+    """A shard of the replica that is gone (failed, stopped, or owned by someone else)."""
+    for sid in replica.shard_ids:
+        shard = state.shards.get(sid)
+        if shard is None or shard.replica_id != replica.replica_id:
+            return sid, "taken over by another replica"
+        if shard.terminal:
+            why = f": {shard.reason}" if shard.reason else ""
+            return sid, f"{shard.state.value}{why}"
+    return None
+
+
+def _retire(sc: _Scratch, replica: ReplicaView, reason: str, ts: float) -> c.ReplicaRetired:
+    ev = c.ReplicaRetired(
+        id=event_id("retired", replica.replica_id),
+        ts=ts,
+        model=replica.model,
+        replica_id=replica.replica_id,
+        based_on_seq=sc.base.last_seq,
+        reason=reason,
+    )
+    sc.apply(ev)
+    return ev
+
+
+def adoptable(state: ClusterState, model: str) -> list[ShardView]:
+    """Shards a node runs for `model` that no active replica owns and that could serve as one.
+
+    Only single-shard replicas are adopted: a multi-node group cannot be
+    checked for consistency from registrations alone.
+    """
+    decl = state.models.get(model)
+    if decl is None or decl.profile.shards_per_replica != 1:
+        return []
+    busy_by_owned: dict[str, set[str]] = {}
+    for s in state.shards.values():
+        owner = state.replicas.get(s.replica_id)
+        if not s.terminal and owner is not None and not owner.retired:
+            busy_by_owned.setdefault(s.node, set()).update(s.gpus)
+    out = []
+    for sid in sorted(state.shards):
+        s = state.shards[sid]
+        owner = state.replicas.get(s.replica_id)
+        node = state.nodes.get(s.node)
+        if (
+            s.model == model
+            and s.state == c.ShardState.READY
+            and (owner is None or owner.retired)
+            and node is not None
+            and node.liveness == Liveness.ALIVE
+            and len(s.gpus) == decl.profile.gpus_per_shard
+            and not set(s.gpus) & busy_by_owned.get(s.node, set())
+        ):
+            out.append(s)
+    return out
+
+
+def control_events(state: ClusterState, *, ts: float = 0.0) -> tuple[list[c.Message], set[str]]:
+    """The control events the state calls for, and the ids of shards they adopt."""
+    sc = _Scratch(state)
+    events: list[c.Message] = []
+    adopted: set[str] = set()
+
+    for rid in sorted(state.replicas):
+        replica = state.replicas[rid]
+        if not replica.retired and replica.model not in state.models:
+            events.append(_retire(sc, replica, "model removed from the catalog", ts))
+
+    for model in sorted(state.models):
+        decl = state.models[model]
+        for replica in sorted(sc.state.active_replicas(model), key=lambda r: r.replica_id):
+            broken = broken_shard(sc.state, replica)
+            if broken is not None:
+                reason = f"shard {broken[0]} {broken[1]}; replaced"
+                events.append(_retire(sc, replica, reason, ts))
+
+        active = sc.state.active_replicas(model)
+        surplus = len(active) - decl.replicas
+        if surplus > 0:
+            # Not-ready replicas go first (nothing is lost), then the newest.
+            order = sorted(
+                active,
+                key=lambda r: (is_ready(sc.state, r), -r.decided_seq, _number(r.replica_id)),
+            )
+            for replica in order[:surplus]:
+                reason = f"scale down: {decl.replicas} wanted, {len(active)} active"
+                events.append(_retire(sc, replica, reason, ts))
+            continue
+
+        missing = -surplus
+        for shard in adoptable(sc.state, model)[:missing]:
+            ev = _adopt(sc, model, shard, ts)
+            events.append(ev)
+            adopted.add(shard.shard_id)
+            missing -= 1
+        for _ in range(missing):
+            rid = replica_id(model, sc.state.replica_counter.get(model, 0) + 1)
+            result = placement.place(sc.state, model, rid, state.last_seq, ts=ts)
+            if isinstance(result, c.PlacementFailed):
+                if not _same_failure(sc.state.failures.get(rid), result):
+                    events.append(result)
+                    sc.apply(result)
+                break  # the next replica of this model would fail the same way
+            events.append(result)
+            sc.apply(result)
+    return events, adopted
+
+
+def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.PlacementDecided:
+    rid = replica_id(model, sc.state.replica_counter.get(model, 0) + 1)
+    was = shard.replica_id
+    ev = c.PlacementDecided(
+        id=event_id("decided", rid),
+        ts=ts,
+        model=model,
+        replica_id=rid,
+        based_on_seq=sc.base.last_seq,
+        assignments=[
+            c.ShardAssignment(
+                shard_id=shard.shard_id, shard_index=0, node=shard.node, gpus=list(shard.gpus)
+            )
+        ],
+        verdicts=[
+            c.NodeVerdict(
+                node=shard.node,
+                fits=True,
+                reason=f"already runs {shard.shard_id} ({','.join(shard.gpus)}), ready",
+            )
+        ],
+        explanation=f"{rid} adopts {shard.shard_id} (of {was}) that {shard.node} still runs",
+        adopted=True,
+    )
+    sc.apply(ev)
+    return ev
+
+
+def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool:
+    return old is not None and old.model == new.model and old.verdicts == new.verdicts
+
+
+def _number(rid: str) -> int:
+    tail = rid.rsplit("-r", 1)[-1]
+    return -int(tail) if tail.isdigit() else 0
+
+
+# ---------------------------------------------------------------- commands
+
+
+def command_key(shard_id: str, action: str) -> str:
+    """Deterministic, so the agent recognises a re-issued command as the same one."""
+    return f"{shard_id}:{action}"
+
+
+def commands(
+    state: ClusterState, *, skip: set[str] = frozenset(), timings: CommandTimings | None = None
+) -> list[c.Message]:
+    """Commands the state calls for, to alive nodes only, sorted by shard id."""
+    t = timings or CommandTimings()
+    out: list[c.Message] = []
+    for sid in sorted(state.shards):
+        shard = state.shards[sid]
+        node = state.nodes.get(shard.node)
+        if shard.terminal or sid in skip or node is None or node.liveness != Liveness.ALIVE:
+            continue
+        owner = state.replicas.get(shard.replica_id)
+        owned = owner is not None and any(
+            a.shard_id == sid and a.node == shard.node for a in owner.assignments
+        )
+        if owned and not owner.retired:
+            if shard.state == c.ShardState.PENDING:
+                out.append(_start(state, owner, shard))
+        elif shard.state == c.ShardState.READY and owned:
+            # Drain before stop: requests in flight finish, routers see "draining".
+            out.append(
+                c.DrainShard(
+                    key=command_key(sid, "drain"),
+                    node=shard.node,
+                    shard_id=sid,
+                    deadline_seconds=t.drain_deadline,
+                )
+            )
+        elif shard.state != c.ShardState.DRAINING:
+            out.append(
+                c.StopShard(
+                    key=command_key(sid, "stop"),
+                    node=shard.node,
+                    shard_id=sid,
+                    grace_seconds=t.stop_grace,
+                )
+            )
+    return out
+
+
+def _start(state: ClusterState, replica: ReplicaView, shard: ShardView) -> c.StartShard:
+    decl = state.models.get(replica.model)
+    profile = decl.profile if decl is not None else c.ServingProfile()
+    nnodes = len(replica.assignments)
+    master_addr, master_port = "", 0
+    if nnodes > 1:
+        rank0 = min(replica.assignments, key=lambda a: a.shard_index)
+        head = state.nodes.get(rank0.node)
+        master_addr = head.host.address if head is not None else ""
+        span = zlib.crc32(replica.replica_id.encode()) % MASTER_PORT_SPAN
+        master_port = MASTER_PORT_BASE + span
+    return c.StartShard(
+        key=command_key(shard.shard_id, "start"),
+        node=shard.node,
+        shard_id=shard.shard_id,
+        model=replica.model,
+        replica_id=replica.replica_id,
+        shard_index=shard.shard_index,
+        profile=profile,
+        gpus=list(shard.gpus),
+        served_model_name=replica.model,
+        nnodes=nnodes,
+        node_rank=shard.shard_index,
+        master_addr=master_addr,
+        master_port=master_port,
+    )
