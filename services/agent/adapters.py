@@ -1,0 +1,164 @@
+"""Engine adapters: a StartShard command plus local facts -> a command line and environment.
+
+Pure functions, pinned by unit tests. Each adapter writes the flags it owns from the
+profile, then appends `profile.engine_args` verbatim: vLLM, SGLang and the simulator
+all parse with argparse, where a repeated flag's last value wins, so an operator can
+override anything the adapter chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from llmgw import contracts as c
+
+VLLM_DEFAULT_MASTER_PORT = 29501
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What the agent decided locally for one launch."""
+
+    port: int  # 0 when the shard serves no HTTP
+    gpu_indices: list[int]  # NVML indices of the assigned GPUs, in assignment order
+    bind_host: str
+    command: list[str]  # the engine's executable prefix, from config
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the agent's environment
+    port: int = 0  # 0: nothing to probe over HTTP (a headless rank)
+    advertised: bool = True  # False: routers must not send requests here
+
+
+def served_name(cmd: c.StartShard) -> str:
+    return cmd.served_model_name or cmd.model
+
+
+def model_ref(cmd: c.StartShard) -> str:
+    return cmd.profile.model_ref or cmd.model
+
+
+def _gpu_env(ctx: LaunchContext) -> dict[str, str]:
+    # NVML indices under PCI bus order: CUDA's default order differs from NVML's, and
+    # GPU UUIDs in CUDA_VISIBLE_DEVICES crash several vLLM versions.
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ctx.gpu_indices),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "PYTHONUNBUFFERED": "1",  # the output tail on failure must be current
+    }
+
+
+def _opt(flag: str, value: object | None) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def is_head(cmd: c.StartShard) -> bool:
+    return cmd.nnodes <= 1 or cmd.node_rank == 0
+
+
+def vllm_serves_http(cmd: c.StartShard) -> bool:
+    return is_head(cmd)
+
+
+def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
+    p = cmd.profile
+    argv = [*ctx.command, "serve", model_ref(cmd)]
+    if is_head(cmd):
+        argv += ["--host", ctx.bind_host, "--port", str(ctx.port)]
+    argv += [
+        "--served-model-name",
+        served_name(cmd),
+        "--tensor-parallel-size",
+        str(p.gpus_per_shard),
+    ]
+    if cmd.nnodes > 1:
+        # Tensor parallel inside a node, pipeline parallel across nodes (vLLM's advice).
+        argv += [
+            "--pipeline-parallel-size", str(cmd.nnodes),
+            "--nnodes", str(cmd.nnodes),
+            "--node-rank", str(cmd.node_rank),
+            "--master-addr", cmd.master_addr,
+            "--master-port", str(cmd.master_port or VLLM_DEFAULT_MASTER_PORT),
+        ]  # fmt: skip
+        if not is_head(cmd):
+            argv.append("--headless")
+    argv += _opt("--max-model-len", p.max_model_len)
+    argv += _opt("--gpu-memory-utilization", p.gpu_memory_utilization)
+    argv += _opt("--max-num-seqs", p.max_num_seqs)
+    argv += p.engine_args
+    head = is_head(cmd)
+    return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
+
+
+def sglang_serves_http(cmd: c.StartShard) -> bool:
+    return is_head(cmd)
+
+
+def sglang(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
+    p = cmd.profile
+    argv = [
+        *ctx.command,
+        "--model-path", model_ref(cmd),
+        "--served-model-name", served_name(cmd),
+        "--tp", str(p.gpus_per_shard),
+        "--enable-metrics",  # SGLang exposes /metrics only when asked
+    ]  # fmt: skip
+    head = is_head(cmd)
+    if head:
+        argv += ["--host", ctx.bind_host, "--port", str(ctx.port)]
+    if cmd.nnodes > 1:
+        argv += [
+            "--nnodes", str(cmd.nnodes),
+            "--node-rank", str(cmd.node_rank),
+            "--dist-init-addr", f"{cmd.master_addr}:{cmd.master_port}",
+        ]  # fmt: skip
+    argv += _opt("--context-length", p.max_model_len)
+    argv += _opt("--mem-fraction-static", p.gpu_memory_utilization)
+    argv += _opt("--max-running-requests", p.max_num_seqs)
+    argv += p.engine_args
+    return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
+
+
+def sim_serves_http(cmd: c.StartShard) -> bool:
+    return True
+
+
+def sim(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
+    """The simulator is one process; a non-head rank runs one too, as a stand-in that
+    holds its GPUs and reports health, but routers are not told about it."""
+    p = cmd.profile
+    argv = [
+        *ctx.command,
+        "--model", model_ref(cmd),
+        "--served-model-name", served_name(cmd),
+        "--host", ctx.bind_host,
+        "--port", str(ctx.port),
+    ]  # fmt: skip
+    argv += _opt("--max-num-seqs", p.max_num_seqs)
+    argv += _opt("--max-model-len", p.max_model_len)
+    argv += p.engine_args
+    return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port, advertised=is_head(cmd))
+
+
+@dataclass(frozen=True)
+class Adapter:
+    build: Callable[[c.StartShard, LaunchContext], LaunchSpec]
+    serves_http: Callable[[c.StartShard], bool]
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "vllm": Adapter(vllm, vllm_serves_http),
+    "sglang": Adapter(sglang, sglang_serves_http),
+    "sim": Adapter(sim, sim_serves_http),
+}
+
+
+def engine_environment(base: Mapping[str, str], spec: LaunchSpec) -> dict[str, str]:
+    """The agent's environment without its own LLMGW_* settings, plus the adapter's."""
+    env = {k: v for k, v in base.items() if not k.startswith("LLMGW_")}
+    env.update(spec.env)
+    return env

@@ -1,0 +1,531 @@
+"""The node agent: one process per GPU node, talking to the control plane only over NATS.
+
+Tasks, all owned (started and cancelled) by `Agent.run`:
+  publisher   ships shard status and registration in order, retrying until acknowledged
+  heartbeats  one Heartbeat per interval on the node's subject
+  commands    pulls StartShard / StopShard / DrainShard from the node's durable consumer
+  load        scrapes engine /metrics several times a second, publishes LoadSample (core NATS)
+  resync      after each reconnect: provision, re-register, re-bind the consumer
+  one supervisor per engine (shard.py)
+
+Engines belong to the node, not to this process: on SIGTERM the agent stops consuming
+commands and exits, leaving engines serving; the next agent re-adopts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from llmgw import __version__, bus, subjects
+from llmgw import contracts as c
+
+from . import adapters, procs, validate
+from .config import AgentConfig, parse_port_range
+from .decide import Action, ShardView, answer_state, decide
+from .inventory import Inventory
+from .metrics import Load
+from .shard import EngineShard, Timing
+from .state import ShardRecord, StateDir
+
+log = logging.getLogger(__name__)
+
+S = c.ShardState
+FETCH_BATCH = 16
+
+
+def status_of(node: str, rec: ShardRecord, command_key: str | None = None) -> c.ShardStatus:
+    return c.ShardStatus(
+        node=node,
+        shard_id=rec.shard_id,
+        model=rec.model,
+        replica_id=rec.replica_id,
+        shard_index=rec.shard_index,
+        state=rec.state,
+        url=rec.url,
+        port=rec.port,
+        gpus=list(rec.gpus),
+        command_key=rec.command_key if command_key is None else command_key,
+        reason=rec.reason,
+        exit_code=rec.exit_code,
+        output_tail=list(rec.output_tail),
+        max_running=rec.max_running,
+    )
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Engines set SO_REUSEADDR too: a port in TIME_WAIT is free for them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        node: str,
+        inventory: Inventory,
+        state_dir: StateDir,
+        engines: dict[str, str | None],
+    ):
+        self.cfg = cfg
+        self.node = node
+        self.inventory = inventory
+        self.state_dir = state_dir
+        self.engines = engines  # name -> None if installed, else why not
+        self.boot_id = c.new_id()  # changes on every agent process start
+        self.ports = parse_port_range(cfg.engine_port_range)
+        self.bind_host = cfg.engine_bind_host or cfg.advertise_address
+        self.probe_host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "") else self.bind_host
+        self.timing = Timing(
+            ready_timeout=cfg.ready_timeout_seconds,
+            ready_poll=cfg.ready_poll_seconds,
+            headless_settle=cfg.headless_settle_seconds,
+            drain_settle=cfg.drain_settle_seconds,
+            tail_lines=cfg.output_tail_lines,
+        )
+        self.shards: dict[str, EngineShard] = {}
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self.http: httpx.AsyncClient | None = None
+        self.registered = asyncio.Event()  # set once the first registration is acknowledged
+        self._outbox: collections.deque[c.Message] = collections.deque()
+        self._outbox_ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._rebind = False
+        self._hb_seq = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._resync_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Ask `run` to return (SIGTERM): stop consuming, leave engines running."""
+        self._stop.set()
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self) -> None:
+        self.http = httpx.AsyncClient(trust_env=False)
+        try:
+            self._adopt()
+            connect = asyncio.create_task(
+                bus.connect(
+                    self.cfg.nats,
+                    name=f"agent-{self.node}",
+                    on_reconnect=self._on_reconnect,
+                    on_disconnect=self._on_disconnect,
+                )
+            )
+            stop_wait = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({connect, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            if not connect.done():
+                connect.cancel()
+                await asyncio.gather(connect, return_exceptions=True)
+                return
+            self.nc = connect.result()
+            self.js = self.nc.jetstream()
+            log.info("connected to NATS as node %s (boot %s)", self.node, self.boot_id)
+            self._spawn(self._publisher(), "publisher")
+            self._resync_task = self._spawn(self._resync(first=True), "resync")
+            self._spawn(self._heartbeats(), "heartbeats")
+            commands = self._spawn(self._commands(), "commands")
+            self._spawn(self._load_samples(), "load")
+            await self._stop.wait()
+            commands.cancel()  # stop consuming first: no command half-handled at exit
+            await asyncio.gather(commands, return_exceptions=True)
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        running = [s for s in self.shards.values() if s.task and not s.task.done()]
+        background = [t for t in self._tasks if t.get_name() != "publisher"]
+        for task in background + [s.task for s in running]:
+            task.cancel()
+        await asyncio.gather(*background, *(s.task for s in running), return_exceptions=True)
+        if running:
+            log.info(
+                "exiting; %d engine(s) keep running and will be re-adopted: %s",
+                len(running),
+                ", ".join(s.rec.shard_id for s in running),
+            )
+        # Give queued shard status a moment to reach the control plane.
+        deadline = time.monotonic() + 3.0
+        while self._outbox and self.nc is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await bus.close_quietly(self.nc)
+        if self.http is not None:
+            await self.http.aclose()
+
+    # ------------------------------------------------------------ adoption
+
+    def _adopt(self) -> None:
+        """Take back the engines an earlier agent process launched (state dir)."""
+        records = self.state_dir.load_all()
+        for rec in self.state_dir.prune(records):
+            records.remove(rec)
+        for rec in records:
+            shard = self._new_shard(rec)
+            if rec.terminal:
+                continue
+            alive = rec.pid is not None and procs.is_alive(
+                rec.pid, rec.proc_start, rec.kernel_boot_id
+            )
+            if not alive:
+                shard.fail(None, "the engine exited while the agent was not running")
+                continue
+            log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
+            self._supervise(shard)
+
+    def _new_shard(self, rec: ShardRecord, proc: subprocess.Popen | None = None) -> EngineShard:
+        shard = EngineShard(
+            rec,
+            state_dir=self.state_dir,
+            timing=self.timing,
+            emit=self._emit,
+            http=self.http,
+            probe_host=self.probe_host,
+            proc=proc,
+        )
+        self.shards[rec.shard_id] = shard
+        return shard
+
+    def _supervise(self, shard: EngineShard) -> None:
+        shard.task = self._spawn(shard.supervise(), f"shard-{shard.rec.shard_id}")
+
+    def live_shards(self) -> list[EngineShard]:
+        return [s for s in self.shards.values() if not s.rec.terminal]
+
+    # ------------------------------------------------------------ publishing
+
+    def _emit(self, rec: ShardRecord) -> None:
+        self._enqueue(status_of(self.node, rec))
+
+    def _enqueue(self, msg: c.Message) -> None:
+        self._outbox.append(msg)
+        self._outbox_ready.set()
+
+    def registration(self) -> c.NodeRegistered:
+        return c.NodeRegistered(
+            node=self.node,
+            agent_version=__version__,
+            gpus=dict(self.inventory.gpus),
+            host=self.inventory.host,
+            labels=dict(self.cfg.labels),
+            engines=sorted(name for name, why in self.engines.items() if why is None),
+            shards=[s.rec.info() for s in self.live_shards()],
+            boot_id=self.boot_id,
+        )
+
+    async def _publisher(self) -> None:
+        """Publish the outbox in order; a message leaves it only once JetStream stored it."""
+        delay = 0.1
+        while True:
+            if not self._outbox:
+                self._outbox_ready.clear()
+                await self._outbox_ready.wait()
+                continue
+            msg = self._outbox[0]
+            try:
+                await bus.publish(self.js, msg, deadline=5.0)
+            except Exception as exc:  # disconnected, stream missing...: keep it and retry
+                log.warning("publishing %s failed (%s); retrying", type(msg).__name__, exc)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            self._outbox.popleft()
+            if isinstance(msg, c.NodeRegistered):
+                self.registered.set()
+
+    async def _on_disconnect(self) -> None:
+        self.registered.clear()
+
+    async def _on_reconnect(self) -> None:
+        if self._resync_task is not None:
+            self._resync_task.cancel()
+        self._resync_task = self._spawn(self._resync(first=False), "resync")
+
+    async def _resync(self, first: bool) -> None:
+        """Make sure streams exist, then tell the control plane the whole truth again."""
+        delay = 0.2
+        while True:
+            try:
+                await bus.provision(self.js, self.cfg.bus)
+                break
+            except Exception as exc:
+                log.warning("provisioning streams failed (%s); retrying", exc)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+        self._enqueue(self.registration())
+        if not first:
+            self._rebind = True
+            log.info("reconnected: re-registering with %d shard(s)", len(self.live_shards()))
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.heartbeat_interval_seconds
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            self._hb_seq += 1
+            hb = c.Heartbeat(
+                node=self.node,
+                boot_id=self.boot_id,
+                seq=self._hb_seq,
+                shards={s.rec.shard_id: s.rec.state for s in self.live_shards()},
+            )
+            try:
+                await bus.publish(self.js, hb, deadline=interval)
+            except Exception as exc:
+                log.debug("heartbeat %d not published: %s", hb.seq, exc)
+            next_at += interval  # a fixed rate, not interval-plus-publish-time
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            if loop.time() - next_at > interval:
+                next_at = loop.time()  # after a long stall, don't burst to catch up
+
+    async def _load_samples(self) -> None:
+        interval = self.cfg.load_interval_seconds
+        while True:
+            started = time.monotonic()
+            shards = [
+                s
+                for s in self.shards.values()
+                if s.rec.state in (S.READY, S.DRAINING) and s.rec.advertised and s.rec.port
+            ]
+            if shards:
+                loads = await asyncio.gather(
+                    *(s.scrape(timeout=max(interval, 0.5)) for s in shards)
+                )
+                for shard, load in zip(shards, loads, strict=True):
+                    shard.load = load
+                    if load is not None:
+                        await self._publish_load(shard, load)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def _publish_load(self, shard: EngineShard, load: Load) -> None:
+        sample = c.LoadSample(
+            node=self.node,
+            shard_id=shard.rec.shard_id,
+            model=shard.rec.model,
+            url=shard.rec.url,
+            waiting=load.waiting,
+            running=load.running,
+            kv_usage=load.kv_usage,
+            block_size=load.block_size,
+            num_blocks=load.num_blocks,
+        )
+        try:
+            # Core NATS, fire and forget: a lost sample is replaced a fraction of a second later.
+            await self.nc.publish(subjects.load(self.node), c.encode(sample))
+        except Exception as exc:
+            log.debug("load sample not published: %s", exc)
+
+    # ------------------------------------------------------------ commands
+
+    async def _commands(self) -> None:
+        sub = None
+        delay = 0.2
+        while True:
+            try:
+                if sub is None or self._rebind:
+                    self._rebind = False
+                    sub = await bus.ensure_pull_consumer(
+                        self.js,
+                        subjects.COMMANDS_STREAM,
+                        durable=f"agent-{self.node}",
+                        filter_subject=subjects.commands(self.node),
+                    )
+                msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+            except TimeoutError:
+                continue  # nothing to do
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("command consumer failed (%s); re-binding", exc)
+                sub = None
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.2
+            for msg in msgs:
+                try:
+                    await self._on_command_msg(msg)
+                except Exception as exc:  # an ack lost to a disconnect: the command comes again
+                    log.warning("command acknowledgement failed: %s", exc)
+
+    async def _on_command_msg(self, msg) -> None:
+        try:
+            cmd = c.decode(msg.data, c.Command)
+        except c.ContractError as exc:
+            # Dead letter: logged with its payload and terminated, never redelivered.
+            log.error("dead letter on %s: %s; payload %r", msg.subject, exc.reason, msg.data[:500])
+            await msg.term()
+            return
+        try:
+            self.handle(cmd)
+        except Exception:
+            log.exception("command %s (%s) could not be handled", cmd.key, type(cmd).__name__)
+            await msg.term()
+            return
+        await msg.ack()
+
+    def handle(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> None:
+        """Apply one command; every command is answered with a shard status."""
+        if cmd.node != self.node:
+            log.error("command %s is for node %s, not %s: ignored", cmd.key, cmd.node, self.node)
+            return
+        shard = self.shards.get(cmd.shard_id)
+        view = None
+        if shard is not None:
+            view = ShardView(shard.rec.state, frozenset(shard.rec.keys), shard.rec.stopping)
+        action = decide(cmd, view)
+        log.info(
+            "command %s %s for shard %s: %s",
+            type(cmd).__name__,
+            cmd.key,
+            cmd.shard_id,
+            action.value,
+        )
+        if action is Action.LAUNCH:
+            self._launch(cmd, shard)
+        elif action is Action.STOP:
+            # Answered by the `stopped` status once the engine is gone.
+            shard.request_stop(cmd.key, cmd.grace_seconds if isinstance(cmd, c.StopShard) else 10.0)
+        elif action is Action.DRAIN:
+            shard.request_drain(cmd.key, cmd.deadline_seconds)
+        elif shard is None:
+            self._enqueue(
+                c.ShardStatus(
+                    node=self.node,
+                    shard_id=cmd.shard_id,
+                    model="",
+                    replica_id="",
+                    state=answer_state(None),
+                    command_key=cmd.key,
+                    reason="no such shard on this node",
+                )
+            )
+        else:
+            shard.note_command(cmd.key)
+            self._enqueue(status_of(self.node, shard.rec, cmd.key))
+
+    # ------------------------------------------------------------ launching
+
+    def _facts(self) -> validate.NodeFacts:
+        holders = {gpu: s.rec.shard_id for s in self.live_shards() for gpu in s.rec.gpus}
+        probe = self.inventory.probe
+        return validate.NodeFacts(
+            node=self.node,
+            gpus=self.inventory.gpus,
+            gpu_holders=holders,
+            free_memory=probe.free_memory if probe else (lambda uuid: None),
+            process_count=probe.process_count if probe else (lambda uuid: None),
+            engine_missing=lambda engine: self.engines.get(engine),
+            path_exists=lambda path: Path(path).expanduser().exists(),
+        )
+
+    def _free_port(self) -> int | None:
+        taken = {s.rec.port for s in self.live_shards()}
+        for port in self.ports:
+            if port not in taken and port_is_free(self.bind_host, port):
+                return port
+        return None
+
+    def _launch(self, cmd: c.StartShard, previous: EngineShard | None) -> None:
+        keys = list(previous.rec.keys) if previous else []
+        rec = ShardRecord(
+            shard_id=cmd.shard_id,
+            model=cmd.model,
+            replica_id=cmd.replica_id,
+            shard_index=cmd.shard_index,
+            engine=cmd.profile.engine,
+            command_key=cmd.key,
+            keys=[*keys, cmd.key],
+            start=cmd,
+            gpus=list(cmd.gpus),
+            max_running=cmd.profile.max_num_seqs,
+            log_path=str(self.state_dir.log_path(cmd.shard_id)),
+        )
+        shard = self._new_shard(rec)
+        reason = validate.check(cmd, self._facts())
+        adapter = adapters.ADAPTERS.get(cmd.profile.engine)
+        port = 0
+        if reason is None and adapter.serves_http(cmd):
+            port = self._free_port() or 0
+            if not port:
+                reason = f"no free port in the engine port range {self.cfg.engine_port_range}"
+        if reason is not None:
+            shard.transition(S.FAILED, reason=reason)
+            return
+        spec = adapter.build(
+            cmd,
+            adapters.LaunchContext(
+                port=port,
+                gpu_indices=[self.inventory.gpus[g].index for g in cmd.gpus],
+                bind_host=self.bind_host,
+                command=self._engine_command(cmd.profile.engine),
+            ),
+        )
+        rec.port = spec.port
+        rec.advertised = spec.advertised
+        rec.url = (
+            f"http://{self.cfg.advertise_address}:{spec.port}"
+            if spec.advertised and spec.port
+            else ""
+        )
+        rec.argv = spec.argv
+        rec.launched_at = time.time()
+        shard.transition(S.LAUNCHING)
+        try:
+            with open(rec.log_path, "wb") as out:
+                proc = subprocess.Popen(
+                    spec.argv,
+                    env=adapters.engine_environment(os.environ, spec),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    # Its own session: signals to the agent's process group (a Ctrl-C, a
+                    # service manager stopping the agent) do not reach the engine.
+                    start_new_session=True,
+                    cwd=self.state_dir.root,
+                )
+        except OSError as exc:
+            shard.transition(S.FAILED, reason=f"cannot start {spec.argv[0]}: {exc.strerror or exc}")
+            return
+        shard.proc = proc
+        rec.pid = proc.pid
+        rec.proc_start = procs.process_start(proc.pid)
+        rec.kernel_boot_id = procs.kernel_boot_id()
+        shard.transition(S.LOADING)
+        self._supervise(shard)
+
+    def _engine_command(self, engine: str) -> list[str]:
+        return {
+            "vllm": self.cfg.vllm_command,
+            "sglang": self.cfg.sglang_command,
+            "sim": self.cfg.sim_command,
+        }[engine]

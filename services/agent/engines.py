@@ -1,0 +1,56 @@
+"""Which engines this node can run, found once at agent start.
+
+An engine counts as installed when its executable resolves and, for the Python
+engines, its module is importable by the Python that will run it. Installing an
+engine while an agent runs takes an agent restart to be noticed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+from .config import AgentConfig
+
+# The module whose presence means the engine is installed (checked without importing it).
+_MODULES = {"vllm": None, "sglang": "sglang", "sim": "llmgw.simengine.cli"}
+
+_FIND_SPEC = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+
+
+def _module_missing(python: str, module: str) -> str | None:
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+    else:
+        try:
+            res = subprocess.run(
+                [python, "-c", _FIND_SPEC, module], capture_output=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"cannot run {python}: {exc}"
+        found = res.returncode == 0
+    return None if found else f"Python module {module} is not importable by {python}"
+
+
+def missing(command: list[str], module: str | None) -> str | None:
+    """None when `command` can run, else why not."""
+    if not command:
+        return "no command configured"
+    exe = shutil.which(command[0])
+    if exe is None:
+        return f"{command[0]} not found (not on PATH or not executable)"
+    if module is None:
+        return None
+    return _module_missing(exe, module)
+
+
+def detect(cfg: AgentConfig) -> dict[str, str | None]:
+    """Engine name -> None when installed, else the reason it is not."""
+    commands = {"vllm": cfg.vllm_command, "sglang": cfg.sglang_command, "sim": cfg.sim_command}
+    return {name: missing(cmd, _MODULES[name]) for name, cmd in commands.items()}

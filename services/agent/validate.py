@@ -1,0 +1,99 @@
+"""Checks a StartShard before anything launches, so a bad profile fails in milliseconds
+with a reason an operator can act on, not after minutes of model loading.
+
+Pure: the facts about the node (inventory, GPUs held by shards, live NVML readings,
+which engines and paths exist) are passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from llmgw import contracts as c
+
+from .adapters import ADAPTERS, model_ref
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node: str
+    gpus: Mapping[str, c.GpuInfo]  # inventory by UUID
+    gpu_holders: Mapping[str, str] = field(default_factory=dict)  # UUID -> shard id using it
+    # Where NVML can tell (None otherwise): free memory and foreign compute processes per GPU.
+    free_memory: Callable[[str], int | None] = lambda uuid: None
+    process_count: Callable[[str], int | None] = lambda uuid: None
+    # None when the engine can run here, else why not.
+    engine_missing: Callable[[str], str | None] = lambda engine: None
+    path_exists: Callable[[str], bool] = lambda path: True
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.startswith(("/", "./", "../", "~"))
+
+
+def check(cmd: c.StartShard, facts: NodeFacts) -> str | None:
+    """None when the shard may launch, else the first reason it may not."""
+    p = cmd.profile
+    if p.engine not in ADAPTERS:
+        return f"unknown engine {p.engine!r} (this agent runs: {', '.join(sorted(ADAPTERS))})"
+    missing = facts.engine_missing(p.engine)
+    if missing:
+        return f"engine {p.engine} is not installed on this node: {missing}"
+    if p.gpus_per_shard < 1:
+        return f"profile.gpus_per_shard must be at least 1, got {p.gpus_per_shard}"
+    if len(set(cmd.gpus)) != len(cmd.gpus):
+        return f"the same GPU is assigned twice: {cmd.gpus}"
+    if len(cmd.gpus) != p.gpus_per_shard:
+        return (
+            f"{len(cmd.gpus)} GPU(s) assigned but the tensor parallel size "
+            f"(profile.gpus_per_shard) is {p.gpus_per_shard}"
+        )
+    for uuid in cmd.gpus:
+        gpu = facts.gpus.get(uuid)
+        if gpu is None:
+            return f"GPU {uuid} does not exist on node {facts.node}"
+        holder = facts.gpu_holders.get(uuid)
+        if holder is not None and holder != cmd.shard_id:
+            return f"GPU {uuid} (index {gpu.index}) is in use by shard {holder}"
+        procs = facts.process_count(uuid)
+        if procs:
+            return f"GPU {uuid} (index {gpu.index}) is busy: {procs} compute process(es) run on it"
+        need = p.min_gpu_memory_bytes
+        if need and gpu.memory_bytes < need:
+            return (
+                f"GPU {uuid} (index {gpu.index}) has {_gib(gpu.memory_bytes)}, "
+                f"the profile needs {_gib(need)} per GPU"
+            )
+        free = facts.free_memory(uuid)
+        if need and free is not None and free < need:
+            return (
+                f"GPU {uuid} (index {gpu.index}) has only {_gib(free)} free, "
+                f"the profile needs {_gib(need)} per GPU"
+            )
+    ref = model_ref(cmd)
+    if not ref.strip():
+        return "no model reference: profile.model_ref and the model name are both empty"
+    if _looks_like_path(ref) and not facts.path_exists(ref):
+        return f"model path {ref} does not exist on node {facts.node}"
+    for name in ("max_model_len", "max_num_seqs"):
+        value = getattr(p, name)
+        if value is not None and value < 1:
+            return f"profile.{name} must be positive, got {value}"
+    gmu = p.gpu_memory_utilization
+    if gmu is not None and not 0 < gmu <= 1:
+        return f"profile.gpu_memory_utilization must be in (0, 1], got {gmu}"
+    if cmd.nnodes > 1:
+        if not 0 <= cmd.node_rank < cmd.nnodes:
+            return f"node_rank {cmd.node_rank} is outside 0..{cmd.nnodes - 1}"
+        if not cmd.master_addr:
+            return f"a {cmd.nnodes}-node replica needs master_addr (the rank-0 node's address)"
+        if p.engine == "sglang" and not cmd.master_port:
+            return "a multi-node SGLang replica needs master_port (for --dist-init-addr)"
+    return None

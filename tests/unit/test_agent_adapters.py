@@ -1,0 +1,165 @@
+"""Engine adapters: the exact command lines and environments, pinned."""
+
+import pytest
+
+from llmgw import contracts as c
+from llmgw.agent import adapters
+from llmgw.agent.adapters import LaunchContext
+
+
+def start(engine="vllm", **kw) -> c.StartShard:
+    profile = kw.pop("profile", None) or c.ServingProfile(
+        engine=engine, model_ref="meta-llama/Llama-3.1-8B-Instruct", gpus_per_shard=2
+    )
+    return c.StartShard(
+        key="k1",
+        node="n1",
+        shard_id="s1",
+        model="llama-8b",
+        replica_id="r1",
+        profile=profile,
+        gpus=["GPU-a", "GPU-b"],
+        **kw,
+    )
+
+
+CTX = LaunchContext(port=8101, gpu_indices=[3, 1], bind_host="10.0.0.5", command=["vllm"])
+
+
+def test_vllm_single_node_command_line_and_environment():
+    cmd = start(
+        profile=c.ServingProfile(
+            engine="vllm",
+            model_ref="meta-llama/Llama-3.1-8B-Instruct",
+            gpus_per_shard=2,
+            max_model_len=8192,
+            max_num_seqs=128,
+            gpu_memory_utilization=0.9,
+            engine_args=["--enable-chunked-prefill", "--max-num-seqs", "64"],
+        )
+    )
+    spec = adapters.vllm(cmd, CTX)
+    assert spec.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
+        "--host", "10.0.0.5", "--port", "8101",
+        "--served-model-name", "llama-8b",
+        "--tensor-parallel-size", "2",
+        "--max-model-len", "8192",
+        "--gpu-memory-utilization", "0.9",
+        "--max-num-seqs", "128",
+        "--enable-chunked-prefill", "--max-num-seqs", "64",  # operator's args last: they win
+    ]  # fmt: skip
+    # NVML indices in assignment order, never UUIDs; PCI order so CUDA agrees with NVML.
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "3,1"
+    assert spec.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert spec.port == 8101 and spec.advertised
+
+
+def test_vllm_served_model_name_overrides_the_catalog_name():
+    spec = adapters.vllm(start(served_model_name="llama"), CTX)
+    i = spec.argv.index("--served-model-name")
+    assert spec.argv[i + 1] == "llama"
+
+
+def test_vllm_multi_node_head_and_headless_ranks():
+    head = adapters.vllm(
+        start(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29600), CTX
+    )
+    assert head.argv[-10:] == [
+        "--pipeline-parallel-size", "2",
+        "--nnodes", "2", "--node-rank", "0",
+        "--master-addr", "10.0.0.1", "--master-port", "29600",
+    ]  # fmt: skip
+    assert "--headless" not in head.argv and "--port" in head.argv
+    assert head.advertised and head.port == 8101
+
+    worker = adapters.vllm(start(nnodes=2, node_rank=1, master_addr="10.0.0.1"), CTX)
+    assert worker.argv[-1] == "--headless"
+    assert "--port" not in worker.argv and "--host" not in worker.argv
+    assert worker.argv[worker.argv.index("--master-port") + 1] == "29501"  # vLLM's default
+    assert worker.port == 0 and not worker.advertised
+    assert not adapters.vllm_serves_http(start(nnodes=2, node_rank=1, master_addr="h"))
+
+
+def test_sglang_command_line():
+    cmd = start(
+        engine="sglang",
+        profile=c.ServingProfile(
+            engine="sglang",
+            model_ref="Qwen/Qwen2.5-7B-Instruct",
+            gpus_per_shard=2,
+            max_model_len=4096,
+            max_num_seqs=32,
+            gpu_memory_utilization=0.85,
+        ),
+    )
+    ctx = LaunchContext(
+        port=8102,
+        gpu_indices=[0, 1],
+        bind_host="0.0.0.0",
+        command=["python3", "-m", "sglang.launch_server"],
+    )
+    spec = adapters.sglang(cmd, ctx)
+    assert spec.argv == [
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", "Qwen/Qwen2.5-7B-Instruct",
+        "--served-model-name", "llama-8b",
+        "--tp", "2",
+        "--enable-metrics",
+        "--host", "0.0.0.0", "--port", "8102",
+        "--context-length", "4096",
+        "--mem-fraction-static", "0.85",
+        "--max-running-requests", "32",
+    ]  # fmt: skip
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_sglang_multi_node_uses_dist_init_addr():
+    cmd = start(engine="sglang", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=5000)
+    spec = adapters.sglang(cmd, CTX)
+    i = spec.argv.index("--nnodes")
+    assert spec.argv[i : i + 6] == [
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+    ]  # fmt: skip
+    assert "--port" not in spec.argv and not spec.advertised
+
+
+def test_sim_command_line():
+    cmd = start(
+        profile=c.ServingProfile(
+            engine="sim", gpus_per_shard=1, max_num_seqs=8, engine_args=["--ttft-ms", "1"]
+        )
+    )
+    ctx = LaunchContext(
+        port=8103, gpu_indices=[5], bind_host="127.0.0.1", command=["llmgw", "sim-engine"]
+    )
+    spec = adapters.sim(cmd, ctx)
+    assert spec.argv == [
+        "llmgw", "sim-engine",
+        "--model", "llama-8b",  # no model_ref: the catalog name
+        "--served-model-name", "llama-8b",
+        "--host", "127.0.0.1", "--port", "8103",
+        "--max-num-seqs", "8",
+        "--ttft-ms", "1",
+    ]  # fmt: skip
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "5" and spec.port == 8103 and spec.advertised
+
+
+def test_sim_non_head_rank_is_not_advertised():
+    spec = adapters.sim(start(engine="sim", nnodes=2, node_rank=1, master_addr="h"), CTX)
+    assert spec.port == 8101 and not spec.advertised
+
+
+@pytest.mark.parametrize("engine", sorted(adapters.ADAPTERS))
+def test_every_engine_has_an_adapter_that_builds(engine):
+    adapter = adapters.ADAPTERS[engine]
+    spec = adapter.build(start(engine=engine), CTX)
+    assert spec.argv[: len(CTX.command)] == CTX.command
+
+
+def test_engine_environment_drops_the_agents_own_settings():
+    spec = adapters.LaunchSpec(argv=["x"], env={"CUDA_VISIBLE_DEVICES": "0"})
+    env = adapters.engine_environment(
+        {"PATH": "/bin", "LLMGW_NODE_ID": "n1", "CUDA_VISIBLE_DEVICES": "7"}, spec
+    )
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}

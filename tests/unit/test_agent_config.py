@@ -1,0 +1,76 @@
+"""Agent configuration: flags over env over file, and clear errors."""
+
+import argparse
+
+import pytest
+
+from llmgw.agent import cli
+from llmgw.agent.config import (
+    AgentConfig,
+    parse_labels,
+    parse_port_range,
+    resolve_node_id,
+    resolve_state_dir,
+)
+from llmgw.config import ConfigError
+
+
+def args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_port_range():
+    assert parse_port_range("8100-8199") == range(8100, 8200)
+    assert parse_port_range("9000") == range(9000, 9001)
+    for bad in ("x-y", "9000-8000", "0-10", "8100-70000"):
+        with pytest.raises(ConfigError, match="engine_port_range"):
+            parse_port_range(bad)
+
+
+def test_labels():
+    assert parse_labels("fabric=ib-a, zone=z1") == {"fabric": "ib-a", "zone": "z1"}
+    assert parse_labels("") == {}
+    with pytest.raises(ConfigError, match="'fabric' is not KEY=VALUE"):
+        parse_labels("fabric")
+
+
+def test_flags_override_file_and_environment(tmp_path, monkeypatch):
+    f = tmp_path / "agent.yaml"
+    f.write_text("node_id: from-file\nlabels: {zone: z9}\nheartbeat_interval_seconds: 5\n")
+    monkeypatch.setenv("LLMGW_HEARTBEAT_INTERVAL_SECONDS", "3")
+    monkeypatch.setenv("LLMGW_FAKE_GPUS", "4x24GiB")
+    cfg = cli.load_config(args("--config", str(f), "--node-id", "n7", "--labels", "fabric=ib-a"))
+    assert cfg.node_id == "n7"
+    assert cfg.labels == {"zone": "z9", "fabric": "ib-a"}  # flag labels merge over the file's
+    assert cfg.heartbeat_interval_seconds == 3 and cfg.fake_gpus == "4x24GiB"
+
+
+def test_bad_values_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="engine_port_range"):
+        cli.load_config(args("--engine-port-range", "abc"))
+    with pytest.raises(ConfigError, match="heartbeat_interval_seconds"):
+        cli.load_config(args("--heartbeat-interval", "0"))
+    f = tmp_path / "agent.yaml"
+    f.write_text("no_such_key: 1\n")
+    with pytest.raises(ConfigError, match="no_such_key"):
+        cli.load_config(args("--config", str(f)))
+
+
+def test_node_id_must_fit_a_subject():
+    assert resolve_node_id(AgentConfig(node_id="gpu-01")) == "gpu-01"
+    with pytest.raises(ConfigError, match="node_id"):
+        resolve_node_id(AgentConfig(node_id="gpu.01"))
+    assert resolve_node_id(AgentConfig())  # the host name, made safe
+
+
+def test_state_dir_default_is_per_node(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert resolve_state_dir(AgentConfig(), "n1") == tmp_path / "llmgw" / "agent-n1"
+    assert resolve_state_dir(AgentConfig(state_dir="/x"), "n1").as_posix() == "/x"
+
+
+def test_bad_config_exits_2(capsys):
+    assert cli.run(args("--engine-port-range", "abc")) == 2
+    assert "engine_port_range" in capsys.readouterr().err
