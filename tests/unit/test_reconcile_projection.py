@@ -1,0 +1,74 @@
+"""The router projection records, computed from the state (the KV writer is integration-tested)."""
+
+from llmgw import contracts as c
+from llmgw import subjects as s
+from llmgw.reconciler import projection_kv as p
+from llmgw.reconciler import reconcile
+
+from ._cluster import Log, model, node, status
+
+S = c.ShardState
+
+
+def placed(log: Log) -> Log:
+    log.append(*reconcile.decide(log.state).events)
+    return log
+
+
+def test_only_serving_replicas_are_endpoints_and_retired_ones_drain():
+    log = placed(
+        Log().append(
+            node("a", 2),
+            c.ModelDeclared(
+                name="m",
+                replicas=2,
+                aliases=["mm"],
+                fallbacks=["other"],
+                profile=c.ServingProfile(max_num_seqs=64),
+            ),
+        )
+    )
+    assert p.model_record(log.state, "m").endpoints == []  # pending shards serve nothing
+    log.append(status(log.state, "m-r1-s0", S.LOADING))
+    log.append(status(log.state, "m-r2-s0", S.READY, url="http://a:8001", max_running=32))
+    rec = p.model_record(log.state, "m")
+    assert [(e.id, e.url, e.state, e.max_running) for e in rec.endpoints] == [
+        ("m-r2-s0", "http://a:8001", c.EndpointState.READY, 32)
+    ]
+    assert rec.aliases == ["mm"] and rec.fallbacks == ["other"]
+    log.append(status(log.state, "m-r1-s0", S.READY, url="http://a:8000"))
+    assert p.model_record(log.state, "m").endpoints[0].max_running == 64  # profile hint
+    log.append(c.ModelDeclared(name="m", replicas=1, profile=c.ServingProfile()))
+    log.append(*reconcile.decide(log.state).events)  # retires m-r2, the newest
+    states = {e.id: e.state for e in p.model_record(log.state, "m").endpoints}
+    assert states == {"m-r1-s0": c.EndpointState.READY, "m-r2-s0": c.EndpointState.DRAINING}
+    log.append(status(log.state, "m-r2-s0", S.STOPPED))
+    assert [e.id for e in p.model_record(log.state, "m").endpoints] == ["m-r1-s0"]
+
+
+def test_multi_node_replica_is_one_endpoint_once_every_shard_is_ready():
+    fab = {"fabric": "ib"}
+    log = placed(
+        Log().append(
+            node("a", 1, labels=fab), node("b", 1, labels=fab), model("w", shards_per_replica=2)
+        )
+    )
+    log.append(status(log.state, "w-r1-s0", S.READY))
+    assert p.model_record(log.state, "w").endpoints == []
+    log.append(status(log.state, "w-r1-s1", S.READY))
+    eps = p.model_record(log.state, "w").endpoints
+    assert [(e.id, e.node) for e in eps] == [("w-r1-s0", "a")]
+
+
+def test_affected_keys_and_comparison_ignore_the_envelope():
+    log = placed(Log().append(node("a", 1), model("m"), c.TenantDeclared(name="t", band="gold")))
+    keys = p.affected(log.state, {("shard", "m-r1-s0"), ("tenant", "t"), ("node", "a")})
+    assert keys == {(s.ENDPOINTS_BUCKET, "m"), (s.TENANTS_BUCKET, "t")}
+    one = p.model_record(log.state, "m")
+    log.append(c.ModelDeclared(name="m2"))  # unrelated: only based_on_seq moves
+    two = p.model_record(log.state, "m")
+    assert one.based_on_seq != two.based_on_seq and one.id != two.id
+    assert p.comparable(one) == p.comparable(two)
+    assert p.record_for(log.state, (s.TENANTS_BUCKET, "t")).band == "gold"
+    assert p.kv_key((s.TENANTS_BUCKET, "t")) == s.tenant_key("t")
+    assert p.record_for(log.state, (s.ENDPOINTS_BUCKET, "gone")) is None
