@@ -229,15 +229,20 @@ class Engine:
             self._finish(req, req.final_reason, now)
         elif req.hang_after is not None and req.generated >= req.hang_after:
             # Wedged: keeps its slot and blocks, produces nothing until aborted.
-            self._decoding.pop(req, None)
+            self._stop_decoding(req)
         else:
             self._decoding[req] = None
+
+    def _stop_decoding(self, req: Request) -> None:
+        self._decoding.pop(req, None)
+        if not self._decoding:
+            self._decode_due = None
 
     def _preempt(self, req: Request) -> None:
         self.pool.release(req.blocks)
         req.blocks = []
         del self.running[req]
-        self._decoding.pop(req, None)
+        self._stop_decoding(req)
         req.state = State.WAITING
         req.epoch += 1
         self.waiting.appendleft(req)
@@ -249,7 +254,7 @@ class Engine:
         self.pool.release(req.blocks)
         req.blocks = []
         self.running.pop(req, None)
-        self._decoding.pop(req, None)
+        self._stop_decoding(req)
         req.state = State.FINISHED
         req.finished_reason = reason
         self.stats.finished[reason] += 1

@@ -18,6 +18,7 @@ from llmgw.simengine import tokens
 
 _encode = msgspec.json.encode
 _PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
+_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -254,6 +255,9 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         msg = str(exc)
         m = _PATH_RE.search(msg)
         param = m.group("path") if m else None
+        missing = _MISSING_RE.search(msg)
+        if missing:
+            param = f"{param}.{missing['field']}" if param else missing["field"]
         raise ApiError(400, f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
