@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -36,9 +37,10 @@ class BusConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Stream and bucket settings; a section of each service's config."""
 
     replicas: int = 1  # 3 in a clustered JetStream
-    events_max_age_seconds: float = (
-        0  # 0: keep the event log forever (the archive is in Postgres too)
-    )
+    # Event log retention; 0: keep forever. The reconciler archives every folded
+    # event in Postgres, so audits outlive whatever the stream keeps.
+    events_max_age_seconds: float = 0
+    events_max_bytes: int = 0
     duplicate_window_seconds: float = 120
     commands_max_age_seconds: float = 86400
     presence_ttl_seconds: float = 10
@@ -151,6 +153,7 @@ def stream_configs(cfg: BusConfig) -> list[jsapi.StreamConfig]:
             storage=jsapi.StorageType.FILE,
             retention=jsapi.RetentionPolicy.LIMITS,
             max_age=cfg.events_max_age_seconds or None,
+            max_bytes=cfg.events_max_bytes or None,
             # -1: an event log must never drop history per subject.
             max_msgs_per_subject=-1,
             duplicate_window=cfg.duplicate_window_seconds,
@@ -224,12 +227,23 @@ async def ensure_pull_consumer(
     ack_wait: float = 30.0,
     max_ack_pending: int = 10_000,
     deliver_policy: jsapi.DeliverPolicy = jsapi.DeliverPolicy.ALL,
+    ack_policy: jsapi.AckPolicy = jsapi.AckPolicy.EXPLICIT,
+    start_seq: int | None = None,
+    recreate: bool = False,
 ) -> JetStreamContext.PullSubscription:
     """Create the durable if missing, then bind to it.
 
     `pull_subscribe(durable=...)` silently ignores its config when the durable
     exists, so creation and binding are separate steps.
+
+    `start_seq` delivers from that stream sequence on; with `recreate` the
+    durable is deleted and made afresh, dropping whatever it had delivered but
+    not seen acknowledged. A consumer whose position lives elsewhere (the
+    reconciler's, in Postgres) recreates it on every start: stale pending
+    messages would otherwise be redelivered after newer ones, out of order.
     """
+    if start_seq is not None:
+        deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
     cfg = jsapi.ConsumerConfig(
         # `name` as well as `durable_name`: nats-py then creates through
         # $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, the only form the mTLS
@@ -237,12 +251,18 @@ async def ensure_pull_consumer(
         # that the body's filter matches the one in the subject.
         name=durable,
         durable_name=durable,
-        ack_policy=jsapi.AckPolicy.EXPLICIT,
+        ack_policy=ack_policy,
         ack_wait=ack_wait,
         max_ack_pending=max_ack_pending,
         deliver_policy=deliver_policy,
+        opt_start_seq=start_seq,
         filter_subject=filter_subject,
     )
+    if recreate:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_consumer(stream, durable)
+        await js.add_consumer(stream, cfg)
+        return await js.pull_subscribe_bind(durable=durable, stream=stream)
     try:
         await js.consumer_info(stream, durable)
     except NotFoundError:

@@ -1,0 +1,57 @@
+"""The reconciler's configuration: defaults < YAML file < LLMGW_* environment < CLI flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+
+from llmgw import bus, config
+
+from . import leader, schema
+from .actor import ActorConfig
+
+
+class FoldConfig(config.ConfigStruct, kw_only=True):
+    batch_size: int = 500  # messages per fetch, and per transaction at most
+    fetch_wait_seconds: float = 0.5  # how long an empty fetch waits for new events
+    ack_wait_seconds: float = 30.0  # redelivery of fetched, unacknowledged events
+
+
+class LeaderConfig(config.ConfigStruct, kw_only=True):
+    lock_id: int = leader.DEFAULT_LOCK_ID  # the advisory lock every reconciler competes for
+    retry_interval_seconds: float = 1.0  # how often a standby tries the lock
+    check_interval_seconds: float = 1.0  # how often the leader checks the lock's connection
+
+
+class ReconcilerConfig(config.ConfigStruct, kw_only=True):
+    id: str = ""  # "" -> <hostname>-<pid>
+    nats_url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
+    database_url: str = schema.DEFAULT_DATABASE_URL
+    admin_listen: str = "127.0.0.1:9300"  # /metrics, /healthz, /readyz, the operator API
+    log_level: str = "info"
+    bus: bus.BusConfig = msgspec.field(default_factory=bus.BusConfig)
+    fold: FoldConfig = msgspec.field(default_factory=FoldConfig)
+    leader: LeaderConfig = msgspec.field(default_factory=LeaderConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+
+
+def resolve_id(cfg: ReconcilerConfig) -> str:
+    return cfg.id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def validate(cfg: ReconcilerConfig) -> list[str]:
+    """Problems a decoder cannot see, each naming its key."""
+    problems = []
+    if not 1 <= cfg.fold.batch_size <= 10_000:
+        problems.append(f"fold.batch_size = {cfg.fold.batch_size}: must be 1..10000")
+    if cfg.fold.fetch_wait_seconds <= 0:
+        problems.append("fold.fetch_wait_seconds: must be > 0")
+    if cfg.leader.retry_interval_seconds <= 0 or cfg.leader.check_interval_seconds <= 0:
+        problems.append("leader.*_interval_seconds: must be > 0")
+    try:
+        config.host_port(cfg.admin_listen, 9300)
+    except config.ConfigError as exc:
+        problems.append(f"admin_listen: {exc}")
+    return problems

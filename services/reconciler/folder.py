@@ -1,0 +1,174 @@
+"""Fold a batch of log entries into the state and commit it with its stream sequence.
+
+The consumer hands over entries in stream order. For each one above the stored
+position: decode it, dead-letter it if it is not a well-formed event that its
+subject may carry (or a duplicate of an event already folded), else fold it
+and archive it. Then one transaction writes everything the batch did and moves
+the position to the batch's last sequence. Entries at or below the position
+are skipped: redelivery after a crash between commit and ack changes nothing.
+
+If the fold itself raises on an event (a bug, not bad input), the in-memory
+state may be half-changed: it is reloaded from Postgres, the batch is folded
+again with that event dead-lettered, and the fold goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw import contracts as c
+from llmgw import logs, subjects
+
+from . import fold, store
+from . import rows as r
+from .fold import Change
+from .state import ClusterState
+
+log = logging.getLogger(__name__)
+
+EVENT_TYPES: tuple[type[c.Message], ...] = typing.get_args(c.EventMessage)
+_AGENT_EVENTS = typing.get_args(c.AgentEvent)
+
+
+class Entry(NamedTuple):
+    """One message of the log: stream sequence, subject, raw bytes."""
+
+    seq: int
+    subject: str
+    data: bytes
+
+
+@dataclass
+class BatchResult:
+    folded: int = 0
+    skipped: int = 0  # at or below the stored position (redelivered)
+    dead: int = 0
+    last_seq: int = 0
+    changes: set[Change] = field(default_factory=set)
+
+
+def classify(subject: str, data: bytes) -> c.Message | str:
+    """The event, or the reason it must be dead-lettered."""
+    try:
+        event = c.decode(data)
+    except c.ContractError as exc:
+        return f"malformed: {exc.reason}"
+    if not isinstance(event, EVENT_TYPES):
+        return f"not an event: {c.type_tag(type(event))} does not belong in the event log"
+    if isinstance(event, _AGENT_EVENTS) and subjects.node_of_subject(subject) != event.node:
+        # Agents may publish only under their own node's prefix; an event about
+        # another node on this subject is an impersonation or a bug.
+        return f"subject {subject} does not belong to node {event.node!r}"
+    return event
+
+
+class _FoldCrash(Exception):
+    def __init__(self, seq: int, reason: str):
+        self.seq = seq
+        self.reason = reason
+
+
+def replace_contents(state: ClusterState, fresh: ClusterState) -> None:
+    """Make `state` equal `fresh` in place: the actor keeps a reference to the object."""
+    for name in state.__struct_fields__:
+        setattr(state, name, getattr(fresh, name))
+
+
+class Folder:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        state: ClusterState,
+        *,
+        position_name: str = store.POSITION_NAME,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.engine = engine
+        self.state = state
+        self.position_name = position_name
+        self.clock = clock
+
+    async def fold_batch(self, entries: Sequence[Entry]) -> BatchResult:
+        fresh = [e for e in entries if e.seq > self.state.last_seq]
+        skipped = len(entries) - len(fresh)
+        if not fresh:
+            return BatchResult(skipped=skipped, last_seq=self.state.last_seq)
+        poison: dict[int, str] = {}
+        while True:
+            try:
+                result = await self._fold_and_commit(fresh, poison)
+            except _FoldCrash as crash:
+                log.exception("fold failed at seq %d; dead-lettering it", crash.seq)
+                poison[crash.seq] = crash.reason
+                replace_contents(self.state, await store.load_state(self.engine))
+                continue
+            result.skipped = skipped
+            return result
+
+    async def _fold_and_commit(
+        self, entries: Sequence[Entry], poison: dict[int, str]
+    ) -> BatchResult:
+        state = self.state
+        first_seq = state.last_seq
+        now = self.clock()
+        decoded = [(e, poison.get(e.seq) or classify(e.subject, e.data)) for e in entries]
+        ids = [ev.id for _, ev in decoded if not isinstance(ev, str)]
+        result = BatchResult()
+        archive: list[r.Row] = []
+        decisions: list[r.Row] = []
+        dead: list[r.Row] = []
+        async with self.engine.begin() as conn:
+            seen = await store.known_ids(conn, ids)
+            for entry, event in decoded:
+                if not isinstance(event, str) and event.id in seen:
+                    event = f"duplicate: event id {event.id} was folded at seq {seen[event.id]}"
+                if isinstance(event, str):
+                    dead.append(_dead_row(entry, event, now))
+                    state.last_seq = entry.seq
+                    continue
+                token = logs.event_seq.set(entry.seq)
+                try:
+                    result.changes |= fold.apply(state, entry.seq, event)
+                except Exception as exc:
+                    raise _FoldCrash(
+                        entry.seq, f"fold failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+                finally:
+                    logs.event_seq.reset(token)
+                seen[event.id] = entry.seq
+                archive.append(r.archive_row(entry.seq, entry.subject, entry.data, event))
+                row = r.decision_row(entry.seq, event)
+                if row is not None:
+                    decisions.append(row)
+            batch = store.BatchWrites(
+                first_seq=first_seq,
+                last_seq=state.last_seq,
+                state=r.writes_for(state, result.changes),
+                archive=archive,
+                decisions=decisions,
+                dead_letters=dead,
+            )
+            await store.write_batch(conn, batch, self.position_name)
+        for row in dead:
+            log.warning("dead-lettered seq %d on %s: %s", row["seq"], row["subject"], row["reason"])
+        result.folded = len(archive)
+        result.dead = len(dead)
+        result.last_seq = state.last_seq
+        return result
+
+
+def _dead_row(entry: Entry, reason: str, now: float) -> r.Row:
+    return {
+        "seq": entry.seq,
+        "subject": entry.subject,
+        "reason": reason,
+        "raw": entry.data,
+        "received_at": now,
+    }

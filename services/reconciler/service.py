@@ -1,0 +1,247 @@
+"""The reconciler process: compete for leadership; while leading, fold the log and act.
+
+    start ──► schema at head? ──► NATS (provision) ──► admin listener
+                                                      │
+          ┌────────────── standby: try the lock every second ◄──────┐
+          ▼                                                         │
+        leader: load state from Postgres, recreate the durable      │
+        consumer at stored seq + 1, start the actor, then fold      │
+        batch after batch (commit, ack, tell the actor) until the   │
+        lock's connection fails, the fold fails, or SIGTERM ────────┘
+
+Every term starts from what Postgres holds, never from memory: the state a
+previous term left in memory may be ahead of a transaction that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from llmgw import bus, config, subjects
+
+from . import admin, leader, schema, store
+from . import metrics as m
+from .actor import Actor
+from .config import ReconcilerConfig, resolve_id
+from .folder import Entry, Folder
+from .state import ClusterState
+
+log = logging.getLogger(__name__)
+
+DURABLE = "llmgw-reconciler"
+# A fetch that fails this many times in a row (not an empty fetch) ends the term.
+MAX_FETCH_ERRORS = 5
+
+
+class StreamBehind(RuntimeError):
+    """The stream ends before the stored position: it was recreated, or is the wrong one."""
+
+
+class Reconciler:
+    def __init__(
+        self,
+        cfg: ReconcilerConfig,
+        *,
+        actor_factory: Callable[[], Actor] | None = None,
+    ):
+        self.cfg = cfg
+        self.id = resolve_id(cfg)
+        self.role = admin.Role(self.id)
+        self.actor_factory = actor_factory or (lambda: Actor(cfg.actor))
+        self.stop = asyncio.Event()
+        self.state: ClusterState | None = None  # the live state while leading
+        self.nc: NATS | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        engine = schema.make_engine(self.cfg.database_url)
+        server: admin.AdminServer | None = None
+        try:
+            if not await self._wait_for_schema(engine):
+                return 1
+            if self.stop.is_set():
+                return 0
+            self.nc = await bus.connect(self.cfg.nats_url, name=f"reconciler-{self.id}")
+            js = self.nc.jetstream()
+            await bus.provision(js, self.cfg.bus)
+            host, port = config.host_port(self.cfg.admin_listen, 9300)
+            server = admin.AdminServer(admin.build_app(engine, self.role), host, port)
+            await server.start()
+            log.info("reconciler %s up; admin on %s:%d", self.id, host, port)
+            await self._compete(engine, self.nc, js)
+            return 0
+        except schema.SchemaError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            self.role.name = "stopping"
+            if server is not None:
+                await server.stop()
+            await bus.close_quietly(self.nc)
+            await engine.dispose()
+            log.info("reconciler %s stopped", self.id)
+
+    async def _wait_for_schema(self, engine: AsyncEngine) -> bool:
+        """True once the schema is at head; False (logged) if it is not; waits out a down DB."""
+        warned = False
+        while not self.stop.is_set():
+            try:
+                await schema.require_head(engine)
+                return True
+            except schema.SchemaError as exc:
+                log.error("%s", exc)
+                return False
+            except (OSError, OperationalError, DBAPIError) as exc:
+                if not warned:
+                    log.warning("database not reachable (%s); waiting for it", exc)
+                    warned = True
+            await self._sleep(2.0)
+        return True
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), timeout=seconds)
+
+    # ------------------------------------------------------------ leadership
+
+    async def _compete(self, engine: AsyncEngine, nc: NATS, js: JetStreamContext) -> None:
+        lcfg = self.cfg.leader
+        dsn = schema.asyncpg_dsn(self.cfg.database_url)
+        while not self.stop.is_set():
+            self.role.name = "standby"
+            m.LEADER.set(0)
+            lease = await leader.acquire(
+                dsn,
+                self.stop,
+                lock_id=lcfg.lock_id,
+                retry_interval=lcfg.retry_interval_seconds,
+                check_interval=lcfg.check_interval_seconds,
+            )
+            if lease is None:
+                return
+            backoff = 1.0
+            try:
+                await self._lead(engine, nc, js, lease)
+            except store.Fenced as exc:
+                log.error("fenced: %s; stepping down", exc)
+            except StreamBehind as exc:
+                log.error("%s", exc)
+                backoff = 10.0
+            except Exception:
+                log.exception("leader term ended by an error; stepping down")
+            finally:
+                m.LEADER.set(0)
+                self.state = None
+                await lease.release()
+            if not self.stop.is_set():
+                self.role.name = "standby"
+                await self._sleep(backoff)
+
+    async def _lead(
+        self, engine: AsyncEngine, nc: NATS, js: JetStreamContext, lease: leader.Lease
+    ) -> None:
+        self.role.name = "leader"
+        m.LEADER.set(1)
+        m.LEADER_TERMS.inc()
+        state = await store.load_state(engine)
+        self.state = state
+        m.FOLDED_SEQ.set(state.last_seq)
+        await _check_stream(js, state.last_seq)
+        log.info("leading from seq %d", state.last_seq)
+        psub = await bus.ensure_pull_consumer(
+            js,
+            subjects.EVENTS_STREAM,
+            DURABLE,
+            subjects.EVENTS_ALL,
+            ack_wait=self.cfg.fold.ack_wait_seconds,
+            max_ack_pending=max(10_000, 4 * self.cfg.fold.batch_size),
+            ack_policy=jsapi.AckPolicy.ALL,
+            start_seq=state.last_seq + 1,
+            recreate=True,
+        )
+        actor = self.actor_factory()
+        tasks: list[asyncio.Task] = []
+        fold: asyncio.Task | None = None
+        try:
+            await actor.start(nc, js, state)
+            fold = asyncio.create_task(self._fold_loop(psub, Folder(engine, state), actor))
+            lost = asyncio.create_task(lease.lost.wait())
+            stopping = asyncio.create_task(self.stop.wait())
+            tasks = [fold, lost, stopping]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if lost.done():
+                log.error("lost the leader lock's connection: stopped acting")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await asyncio.wait_for(actor.stop(), timeout=15)
+            except Exception:
+                log.exception("actor did not stop cleanly")
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        if fold is not None and fold.done() and not fold.cancelled() and fold.exception():
+            raise fold.exception()  # type: ignore[misc]
+
+    async def _fold_loop(self, psub, folder: Folder, actor: Actor) -> None:
+        fcfg = self.cfg.fold
+        errors = 0
+        while True:
+            try:
+                msgs = await psub.fetch(fcfg.batch_size, timeout=fcfg.fetch_wait_seconds)
+            except TimeoutError:  # nothing new (nats' TimeoutError subclasses the builtin)
+                m.FOLD_LAG.set(0)
+                errors = 0
+                continue
+            except Exception as exc:
+                errors += 1
+                if errors >= MAX_FETCH_ERRORS:
+                    raise
+                log.warning("fetch from the event log failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            errors = 0
+            if not msgs:
+                continue
+            entries = [Entry(msg.metadata.sequence.stream, msg.subject, msg.data) for msg in msgs]
+            with m.BATCH_SECONDS.time():
+                result = await folder.fold_batch(entries)
+            # AckPolicy.ALL: acknowledging the last acknowledges the whole batch.
+            await msgs[-1].ack()
+            m.EVENTS_FOLDED.inc(result.folded)
+            m.EVENTS_SKIPPED.inc(result.skipped)
+            m.DEAD_LETTERS.inc(result.dead)
+            m.FOLDED_SEQ.set(result.last_seq)
+            m.FOLD_LAG.set(msgs[-1].metadata.num_pending)
+            if result.folded or result.dead:
+                await actor.on_state_changed(folder.state, result.changes)
+
+
+async def _check_stream(js: JetStreamContext, position: int) -> None:
+    info = await js.stream_info(subjects.EVENTS_STREAM)
+    if info.state.last_seq < position:
+        raise StreamBehind(
+            f"{subjects.EVENTS_STREAM} ends at seq {info.state.last_seq} but the database has "
+            f"folded up to seq {position}: the stream was recreated or is not this database's. "
+            "Restore the stream, or reset the database (llmgw migrate --downgrade base, then "
+            "llmgw migrate) to fold the new log from the start."
+        )
+    if info.state.first_seq > position + 1:
+        log.warning(
+            "events %d..%d expired from the stream before they were folded; continuing from %d",
+            position + 1,
+            info.state.first_seq - 1,
+            info.state.first_seq,
+        )

@@ -1,0 +1,202 @@
+"""The Postgres tables: projections of the folded state, the event archive, and bookkeeping.
+
+Two kinds of table live here:
+
+- state projections (nodes, shards, replicas, models, tenants, bands,
+  placement_failures, replica_counters): one row per entry of `ClusterState`.
+  Column names are the field names of the state's views, so a row is
+  `msgspec.to_builtins(view)` and a view is `msgspec.convert(row, View)`;
+  loading the state back from these tables is exact.
+- logs derived from events (event_archive, placement_decisions, dead_letters)
+  and the consumer position, which moves in the same transaction as every
+  other write of a batch.
+
+Alembic migrations (migrations/versions) create these tables; a test checks
+that the migrations and these models agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, Double, Index, Integer, LargeBinary, Text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+Json = dict[str, Any]
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {Json: JSONB, list[Any]: JSONB, int: BigInteger, float: Double}
+
+
+# ------------------------------------------------------------------ state projections
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    node: Mapped[str] = mapped_column(Text, primary_key=True)
+    gpus: Mapped[Json]  # GPU UUID -> GpuInfo
+    host: Mapped[Json]
+    labels: Mapped[Json]
+    engines: Mapped[list[Any]]
+    boot_id: Mapped[str] = mapped_column(Text)
+    liveness: Mapped[str] = mapped_column(Text)  # alive | unreachable | lost
+    liveness_since: Mapped[float]
+    registered_seq: Mapped[int]
+    registered_at: Mapped[float]
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (
+        Index("ix_shards_node", "node"),
+        Index("ix_shards_model", "model"),
+    )
+
+    shard_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    model: Mapped[str] = mapped_column(Text)
+    replica_id: Mapped[str] = mapped_column(Text)
+    shard_index: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str] = mapped_column(Text)
+    gpus: Mapped[list[Any]]
+    state: Mapped[str] = mapped_column(Text)
+    url: Mapped[str] = mapped_column(Text)
+    port: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    output_tail: Mapped[list[Any]]
+    max_running: Mapped[int | None] = mapped_column(Integer)
+    updated_seq: Mapped[int]
+    updated_at: Mapped[float]
+
+
+class Replica(Base):
+    __tablename__ = "replicas"
+    __table_args__ = (Index("ix_replicas_model", "model"),)
+
+    replica_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    model: Mapped[str] = mapped_column(Text)
+    assignments: Mapped[list[Any]]
+    decided_seq: Mapped[int]
+    retired: Mapped[bool] = mapped_column(Boolean)
+    retired_reason: Mapped[str] = mapped_column(Text)
+
+
+class Model(Base):
+    """The declared model, as the last ModelDeclared said (event id and ts kept)."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    aliases: Mapped[list[Any]]
+    fallbacks: Mapped[list[Any]]
+    replicas: Mapped[int] = mapped_column(Integer)
+    profile: Mapped[Json]
+    scheduling: Mapped[Json]
+    deadlines: Mapped[Json]
+    event_id: Mapped[str] = mapped_column(Text)
+    event_ts: Mapped[float]
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    band: Mapped[str] = mapped_column(Text)
+    key_hashes: Mapped[list[Any]]
+    quotas: Mapped[Json]
+    event_id: Mapped[str] = mapped_column(Text)
+    event_ts: Mapped[float]
+
+
+class BandRow(Base):
+    __tablename__ = "bands"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    position: Mapped[int] = mapped_column(Integer)  # 0 = highest priority
+    ceiling: Mapped[float]
+    queue_capacity: Mapped[int] = mapped_column(Integer)
+    queue_ttl_seconds: Mapped[float]
+
+
+class PlacementFailure(Base):
+    """The latest failure to place, per replica not placed yet (state, not history)."""
+
+    __tablename__ = "placement_failures"
+
+    replica_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    model: Mapped[str] = mapped_column(Text)
+    based_on_seq: Mapped[int]
+    verdicts: Mapped[list[Any]]
+    explanation: Mapped[str] = mapped_column(Text)
+    event_id: Mapped[str] = mapped_column(Text)
+    event_ts: Mapped[float]
+
+
+class ReplicaCounter(Base):
+    """How many replicas a model has ever had: replica ids are never reused."""
+
+    __tablename__ = "replica_counters"
+
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    last_n: Mapped[int]
+
+
+# ------------------------------------------------------------------ event-derived logs
+
+
+class PlacementDecision(Base):
+    """Every PlacementDecided / PlacementFailed, with the verdicts that explain it."""
+
+    __tablename__ = "placement_decisions"
+    __table_args__ = (Index("ix_placement_decisions_model_seq", "model", "seq"),)
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    outcome: Mapped[str] = mapped_column(Text)  # decided | failed
+    model: Mapped[str] = mapped_column(Text)
+    replica_id: Mapped[str] = mapped_column(Text)
+    based_on_seq: Mapped[int]
+    assignments: Mapped[list[Any]]
+    adopted: Mapped[bool] = mapped_column(Boolean)  # took over shards a node already ran
+    verdicts: Mapped[list[Any]]
+    explanation: Mapped[str] = mapped_column(Text)
+    ts: Mapped[float]
+
+
+class ArchivedEvent(Base):
+    """Every folded event, byte for byte: audits and replays outlive stream retention."""
+
+    __tablename__ = "event_archive"
+    __table_args__ = (Index("ux_event_archive_msg_id", "msg_id", unique=True),)
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    subject: Mapped[str] = mapped_column(Text)
+    type: Mapped[str] = mapped_column(Text)
+    msg_id: Mapped[str] = mapped_column(Text)
+    ts: Mapped[float]
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class DeadLetter(Base):
+    """An event the fold could not apply: the raw bytes and why, acknowledged and skipped."""
+
+    __tablename__ = "dead_letters"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    subject: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str] = mapped_column(Text)
+    raw: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[float]
+
+
+class ConsumerPosition(Base):
+    """The last stream sequence whose effects are committed, per consumer."""
+
+    __tablename__ = "consumer_positions"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    stream: Mapped[str] = mapped_column(Text)
+    last_seq: Mapped[int]
+    updated_at: Mapped[float]
