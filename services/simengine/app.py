@@ -252,7 +252,10 @@ class SimApp:
         await _send_json(send, 200, self._models_body)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, b"")
+        if self.driver.failure is not None:
+            await _send_error(send, ApiError(503, f"engine dead: {self.driver.failure!r}"))
+        else:
+            await _send_json(send, 200, b"")
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = generate_latest(self.registry)

@@ -35,10 +35,19 @@ class Driver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Future | None = None
+        # Set if the step loop died of a bug: /health then answers 503, as vLLM's does when
+        # its engine core is gone.
+        self.failure: BaseException | None = None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._run(), name="simengine-steps")
+        self._task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
+            log.error("engine step loop died; requests will not progress", exc_info=self.failure)
 
     async def stop(self) -> None:
         if self._task is not None:

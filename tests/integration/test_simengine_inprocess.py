@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 from llmgw.simengine.testing import sim_in_process
 
@@ -32,3 +33,20 @@ async def test_in_process_exit_fault_stops_serving_and_sets_exited():
             r = await http.post("/v1/completions", json={"model": "sim-model", "prompt": "x"})
             assert r.status_code == 200
         await sim.exited.wait()
+
+
+async def test_health_is_200_until_the_engine_loop_dies_then_503():
+    async with sim_in_process() as sim:
+        async with httpx.AsyncClient(base_url=sim.url, timeout=5) as http:
+            assert (await http.get("/health")).status_code == 200
+
+            def broken(now: float) -> list:
+                raise RuntimeError("simulated engine bug")
+
+            sim.app.engine.step = broken
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(
+                    "/v1/completions", json={"model": "sim-model", "prompt": "x"}, timeout=0.3
+                )
+            r = await http.get("/health")
+            assert r.status_code == 503 and "simulated engine bug" in r.json()["error"]["message"]
