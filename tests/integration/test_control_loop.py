@@ -1,0 +1,336 @@
+"""The control loop on real NATS: decisions, commands, agents answering, liveness, KV.
+
+A small in-test leader folds LLMGW_EVENTS into a ClusterState and drives the
+Actor exactly as the reconciler's leader loop does (start, on_state_changed
+after each batch, stop). Agents are simulated in-process: they heartbeat,
+answer commands with shard-status events, and can be "killed" (heartbeats
+stop, commands go unanswered). Timings are scaled down (liveness in tenths of
+a second) so the whole file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import pytest
+
+from llmgw import bus
+from llmgw import contracts as c
+from llmgw import subjects as s
+from llmgw.reconciler import fold
+from llmgw.reconciler.actor import Actor, ActorConfig
+from llmgw.reconciler.state import ClusterState, Liveness
+
+S = c.ShardState
+FAST = ActorConfig(
+    unreachable_after=0.6,
+    lost_after=1.2,
+    liveness_tick=0.1,
+    command_retry_initial=0.3,
+    command_retry_max=1.0,
+    resync_interval=0.3,
+    fold_wait_timeout=5.0,
+)
+DEADLINE = 15.0
+
+
+class Leader:
+    """Fold the event stream into a state and tell the actor, batch by batch."""
+
+    def __init__(self, nc, js, actor: Actor):
+        self.nc, self.js, self.actor = nc, js, actor
+        self.state = ClusterState()
+        self.events: list[tuple[int, c.Message]] = []
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.js.subscribe(s.EVENTS_ALL, ordered_consumer=True)
+        await self.actor.start(self.nc, self.js, self.state)
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self._sub.next_msg(timeout=None)
+            batch = [msg]
+            while self._sub.pending_msgs:
+                batch.append(await self._sub.next_msg())
+            changes: set = set()
+            for m in batch:
+                ev = c.decode(m.data)
+                self.events.append((m.metadata.sequence.stream, ev))
+                changes |= fold.apply(self.state, m.metadata.sequence.stream, ev)
+            await self.actor.on_state_changed(self.state, changes)
+            self.changed.set()
+
+    async def stop(self) -> None:
+        await self.actor.stop()
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+    async def until(self, what: str, pred: Callable[[ClusterState], object]) -> object:
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + DEADLINE
+        while True:
+            got = pred(self.state)
+            if got:
+                return got
+            if loop.time() > stop_at:
+                raise AssertionError(f"timed out waiting for {what}")
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=0.2)
+
+    def of(self, kind: type) -> list:
+        return [ev for _, ev in self.events if isinstance(ev, kind)]
+
+
+class SimAgent:
+    """A node: registers, heartbeats, and answers commands like an agent would."""
+
+    def __init__(self, js, nc, name: str, n_gpus: int = 1, labels=None, drop_first_start=False):
+        self.js, self.nc, self.name = js, nc, name
+        self.n_gpus, self.labels = n_gpus, labels or {}
+        self.received: list[c.Message] = []
+        self.running: dict[str, c.StartShard] = {}
+        self.drop_first_start = drop_first_start
+        self.alive = True
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(s.commands(self.name), cb=self._on_command)
+        await bus.publish(
+            self.js,
+            c.NodeRegistered(
+                node=self.name,
+                engines=["sim"],
+                labels=self.labels,
+                gpus={
+                    f"{self.name}-g{i}": c.GpuInfo(
+                        uuid=f"{self.name}-g{i}", index=i, name="sim", memory_bytes=80 << 30
+                    )
+                    for i in range(self.n_gpus)
+                },
+            ),
+        )
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
+
+    async def _heartbeat(self) -> None:
+        n = 0
+        while True:
+            if self.alive:
+                n += 1
+                await self.js.publish(
+                    s.heartbeat(self.name), c.encode(c.Heartbeat(node=self.name, seq=n))
+                )
+            await asyncio.sleep(0.1)
+
+    def kill(self) -> None:
+        self.alive = False
+
+    async def _status(self, cmd, state: S, **kw) -> None:
+        start = self.running.get(cmd.shard_id)
+        await bus.publish(
+            self.js,
+            c.ShardStatus(
+                node=self.name,
+                shard_id=cmd.shard_id,
+                model=start.model if start else "",
+                replica_id=start.replica_id if start else "",
+                state=state,
+                command_key=cmd.key,
+                **kw,
+            ),
+        )
+
+    async def _on_command(self, msg) -> None:
+        if not self.alive:
+            return
+        cmd = c.decode(msg.data)
+        self.received.append(cmd)
+        if isinstance(cmd, c.StartShard):
+            if self.drop_first_start:
+                self.drop_first_start = False
+                return  # lost: the reconciler must re-issue it
+            if cmd.shard_id in self.running:
+                return  # same key again: already done
+            self.running[cmd.shard_id] = cmd
+            await self._status(cmd, S.LOADING, gpus=cmd.gpus)
+            port = 9000 + len(self.running)
+            await self._status(
+                cmd, S.READY, url=f"http://{self.name}:{port}", port=port, max_running=8
+            )
+        elif isinstance(cmd, c.DrainShard):
+            await self._status(cmd, S.DRAINING)
+            await self._status(cmd, S.STOPPED)
+            self.running.pop(cmd.shard_id, None)
+        elif isinstance(cmd, c.StopShard):
+            await self._status(cmd, S.STOPPED)
+            self.running.pop(cmd.shard_id, None)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+class Cluster:
+    def __init__(self, nc, js):
+        self.nc, self.js = nc, js
+        self.agents: list[SimAgent] = []
+        self.leader = Leader(nc, js, Actor(FAST))
+
+    async def add(self, name: str, **kw) -> SimAgent:
+        agent = SimAgent(self.js, self.nc, name, **kw)
+        self.agents.append(agent)
+        await agent.start()
+        return agent
+
+    def commands(self) -> list[tuple[str, str]]:
+        return [(type(x).__name__, x.shard_id) for ag in self.agents for x in ag.received]
+
+
+@pytest.fixture
+async def cluster(nats):
+    js = nats.jetstream()
+    await bus.provision(js)
+    cl = Cluster(nats, js)
+    await cl.leader.start()
+    try:
+        yield cl
+    finally:
+        await cl.leader.stop()
+        for a in cl.agents:
+            await a.stop()
+
+
+async def kv_record(js, model: str) -> c.ModelEndpoints | None:
+    kv = await js.key_value(s.ENDPOINTS_BUCKET)
+    try:
+        entry = await kv.get(s.endpoints_key(model))
+    except Exception:
+        return None
+    return c.decode(entry.value) if entry.value else None
+
+
+async def wait_kv(js, model: str, pred, what: str):
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + DEADLINE
+    while loop.time() < stop_at:
+        rec = await kv_record(js, model)
+        if pred(rec):
+            return rec
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"KV never showed {what}; last: {await kv_record(js, model)}")
+
+
+def ready_urls(rec) -> list[str]:
+    return sorted(e.url for e in rec.endpoints if e.state == c.EndpointState.READY) if rec else []
+
+
+async def test_declare_place_start_ready_then_node_lost_and_replaced(cluster):
+    leader, add, js = cluster.leader, cluster.add, cluster.js
+    a = await add("node-a", drop_first_start=True)
+    await add("node-b")
+    await leader.until("two nodes", lambda st: len(st.nodes) == 2)
+    await bus.publish(
+        js, c.ModelDeclared(name="m", aliases=["mm"], profile=c.ServingProfile(engine="sim"))
+    )
+    rec = await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 1, "one ready endpoint")
+    assert rec.aliases == ["mm"] and rec.endpoints[0].max_running == 8
+    first = leader.state.replicas["m-r1"].assignments[0].node
+    assert first == "node-a"  # equal nodes: the node id decides
+    starts = [x for x in a.received if isinstance(x, c.StartShard)]
+    # node-a dropped the first start: it came again, same key, new message id.
+    assert len(starts) >= 2 and {x.key for x in starts} == {"m-r1-s0:start"}
+    assert starts[0].id != starts[1].id
+    agent = a
+
+    agent.kill()
+    await leader.until("unreachable", lambda st: st.nodes[first].liveness == Liveness.UNREACHABLE)
+    await leader.until("lost", lambda st: st.nodes[first].liveness == Liveness.LOST)
+    other = "node-b"
+    rec = await wait_kv(
+        js,
+        "m",
+        lambda r: r and [e.node for e in r.endpoints] == [other] and ready_urls(r),
+        "the replacement on the other node",
+    )
+    assert rec.endpoints[0].replica_id == "m-r2"
+    retired = leader.of(c.ReplicaRetired)
+    assert [(r.replica_id, r.reason) for r in retired] == [
+        ("m-r1", "shard m-r1-s0 failed: node lost; replaced")
+    ]
+    kinds = [type(ev).__name__ for ev in leader.of((c.NodeUnreachable, c.NodeLost))]
+    assert kinds == ["NodeUnreachable", "NodeLost"]
+
+
+async def test_no_capacity_explains_each_node_and_scale_down_drains_first(cluster):
+    leader, add, js = cluster.leader, cluster.add, cluster.js
+    await add("node-a", n_gpus=2)
+    await add("node-b", n_gpus=1)
+    await leader.until("two nodes", lambda st: len(st.nodes) == 2)
+    await bus.publish(
+        js, c.ModelDeclared(name="big", profile=c.ServingProfile(engine="sim", gpus_per_shard=4))
+    )
+    failed = await leader.until("a failure", lambda st: st.failures.get("big-r1"))
+    assert {v.node: v.reason for v in failed.verdicts} == {
+        "node-a": "2 free GPUs of 2, needs 4",
+        "node-b": "1 free GPU of 1, needs 4",
+    }
+    await asyncio.sleep(FAST.resync_interval * 3)
+    assert len(leader.of(c.PlacementFailed)) == 1  # the same failure is not repeated
+
+    await bus.publish(js, c.ModelDeclared(name="m", replicas=3, profile=c.ServingProfile()))
+    await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 3, "three ready endpoints")
+    await bus.publish(js, c.ModelDeclared(name="m", replicas=1, profile=c.ServingProfile()))
+    await wait_kv(js, "m", lambda r: r and len(r.endpoints) == 1, "one endpoint left")
+    retired = {r.replica_id for r in leader.of(c.ReplicaRetired)}
+    assert retired == {"m-r2", "m-r3"}  # the newest go first
+    # Each retired ready shard was drained, and none was stopped outright.
+    cmds = cluster.commands()
+    for rid in retired:
+        assert ("DrainShard", f"{rid}-s0") in cmds
+        assert ("StopShard", f"{rid}-s0") not in cmds
+
+    await bus.publish(js, c.ModelRemoved(name="m"))
+    await wait_kv(js, "m", lambda r: r is None, "the key deleted")
+    await leader.until(
+        "all m shards stopped",
+        lambda st: all(sh.terminal for sh in st.shards.values() if sh.model == "m"),
+    )
+
+
+async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
+    leader, add, js = cluster.leader, cluster.add, cluster.js
+    await add("node-a")
+    dead = await add("node-b")
+    await leader.until("two nodes", lambda st: len(st.nodes) == 2)
+    await bus.publish(js, c.TenantDeclared(name="acme", band="gold"))
+    await bus.publish(js, c.BandsDeclared(bands=[c.Band(name="gold")]))
+    await bus.publish(js, c.ModelDeclared(name="m", replicas=2, profile=c.ServingProfile()))
+    await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 2, "two ready endpoints")
+    tenants = await js.key_value(s.TENANTS_BUCKET)
+    assert c.decode((await tenants.get(s.tenant_key("acme"))).value).band == "gold"
+
+    await leader.actor.stop()  # leadership lost
+    dead.kill()
+    await asyncio.sleep(FAST.lost_after + 0.3)  # silence no leader was watching
+    successor = Actor(FAST)
+    leader.actor = successor
+    await successor.start(nats, js, leader.state)
+    assert successor.projection.writes == 0  # the buckets already matched the state
+    assert successor.liveness.last_seen["node-b"] < successor.liveness.started_at
+    # Grace first: nothing happens at once; then node-b's silence counts from the start.
+    await asyncio.sleep(0.3)
+    assert leader.state.nodes["node-b"].liveness == Liveness.ALIVE
+    await leader.until("lost", lambda st: st.nodes["node-b"].liveness == Liveness.LOST)
+    assert leader.state.nodes["node-a"].liveness == Liveness.ALIVE
