@@ -203,7 +203,13 @@ class Engine:
             # An earlier request in this step may have preempted this one.
             if req in self._decoding:
                 self._emit(req, now, touched)
-        self._decode_due = now + self.step_duration() if self._decoding else None
+        if not self._decoding:
+            self._decode_due = None
+            return
+        # Keep the step cadence when this step ran a little late (timer and scheduling
+        # jitter); restart it from now when a whole step was missed.
+        due = self._decode_due + self.step_duration()
+        self._decode_due = due if due > now else now + self.step_duration()
 
     def _emit(self, req: Request, now: float, touched: list[Request]) -> None:
         """Produce one token for `req`, first finding a KV slot for it (preempting if need be)."""

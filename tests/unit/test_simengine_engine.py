@@ -249,3 +249,17 @@ def test_zero_output_finishes_when_prefill_ends():
     run(eng, 0.0)
     assert r.finished_reason == "stop" and r.generated == 0
     assert eng.stats.prompt_tokens == 10 and eng.pool.used == 0
+
+
+def test_a_late_decode_step_keeps_the_cadence_unless_a_whole_step_was_missed():
+    eng = Engine(EngineParams(itl=0.01))
+    r = req(out=10)
+    eng.add(r, 0.0)
+    eng.step(0.0)
+    eng.step(0.0)  # prefill done: first token, decode due at 0.01
+    assert eng.next_step_at() == pytest.approx(0.01)
+    eng.step(0.013)  # 3 ms late
+    assert eng.next_step_at() == pytest.approx(0.02)
+    eng.step(0.035)  # a whole step missed: restart from now
+    assert eng.next_step_at() == pytest.approx(0.045)
+    assert r.generated == 3
