@@ -10,8 +10,10 @@ a second) so the whole file runs in a few seconds.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import io
 from collections.abc import Callable
 
 import pytest
@@ -19,8 +21,9 @@ import pytest
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold
+from llmgw.reconciler import fold, replay_cli
 from llmgw.reconciler.actor import Actor, ActorConfig
+from llmgw.reconciler.placement import Fit
 from llmgw.reconciler.state import ClusterState, Liveness
 
 S = c.ShardState
@@ -307,6 +310,30 @@ async def test_no_capacity_explains_each_node_and_scale_down_drains_first(cluste
         "all m shards stopped",
         lambda st: all(sh.terminal for sh in st.shards.values() if sh.model == "m"),
     )
+
+    # The log the actor wrote replays to the same decisions, read back from the stream
+    # by the CLI; a placement rule changed in code shows up as a difference.
+    args = argparse.Namespace(
+        from_seq=0,
+        to_seq=None,
+        explain=None,
+        strict=True,
+        verbose=False,
+        database_url=None,
+        api=None,
+        nats=cluster.nc.connected_url.geturl(),
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert await asyncio.to_thread(replay_cli.run, args) == 0
+    decisions = len(leader.of((c.PlacementDecided, c.PlacementFailed)))
+    assert f"{decisions} decisions checked, 0 differ" in out.getvalue()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Fit, "rank", property(lambda f: (f.model_shards, -len(f.free), f.node)))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert await asyncio.to_thread(replay_cli.run, args) == 1
+    assert "DIFFERS" in out.getvalue()
 
 
 async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):

@@ -1,0 +1,96 @@
+"""`llmgw explain MODEL`: where a model's replicas run and why, or why they do not run.
+
+Reads GET /api/explain/{model} from the operator API: the latest placement
+decision or failure per replica, each with a verdict per node, as the
+reconciler recorded it in the log. `-o json` prints the API's answer as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+from urllib.parse import quote
+
+from llmgw.opcli import apiclient
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model name (as declared in the catalog)")
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--all", action="store_true", help="also show the decisions of retired replicas"
+    )
+    apiclient.add_api_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        base = apiclient.find_api_url(args.api)
+        data = apiclient.get_json(base, f"/api/explain/{quote(args.model, safe='')}")
+    except apiclient.ApiError as exc:
+        print(f"llmgw explain: {exc}", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print("\n".join(render(data, show_retired=args.all)))
+    return 0
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts)) if ts else "?"
+
+
+def _where(assignments: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"shard {a['shard_index']} on {a['node']} ({','.join(a['gpus'])})" for a in assignments
+    )
+
+
+def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
+    model = data["model"]
+    replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
+    lines = []
+    if data.get("declared"):
+        p = data.get("profile") or {}
+        lines.append(
+            f"{model}: {data.get('desired_replicas', 0)} replica(s) wanted; engine "
+            f"{p.get('engine', '?')}, {p.get('gpus_per_shard', 1)} GPU(s) per shard x "
+            f"{p.get('shards_per_replica', 1)} shard(s)"
+            + (f", selector {p['selector']}" if p.get("selector") else "")
+        )
+    else:
+        lines.append(f"{model}: not in the catalog (removed); history follows")
+    hidden = 0
+    for d in sorted(data.get("decisions") or [], key=lambda d: d["seq"]):
+        rep = replicas.get(d["replica_id"])
+        if rep is not None and rep.get("retired") and not show_retired:
+            hidden += 1
+            continue
+        lines.append("")
+        head = f"{d['replica_id']}  seq {d['seq']}, based on seq {d['based_on_seq']}, {_when(d.get('ts'))}"
+        if d["outcome"] == "failed":
+            lines.append(f"{head}: NOT PLACED")
+        else:
+            verb = "adopted" if d.get("adopted") else "placed"
+            lines.append(f"{head}: {verb}: {_where(d.get('assignments') or [])}")
+        if rep is not None:
+            state = rep["state"]
+            if rep.get("retired"):
+                state += f" ({rep.get('retired_reason') or 'retired'})"
+            lines.append(f"  now: {state}")
+        if d.get("explanation"):
+            lines.append(f"  why: {d['explanation']}")
+        width = max((len(v["node"]) for v in d.get("verdicts") or []), default=0)
+        for v in d.get("verdicts") or []:
+            mark = "+" if v["fits"] else "-"
+            lines.append(f"  {mark} {v['node']:<{width}}  {v['reason']}")
+    if not data.get("decisions"):
+        lines.append("no placement decisions recorded yet")
+    if hidden:
+        lines.append("")
+        lines.append(f"({hidden} retired replica(s) not shown; --all shows them)")
+    return lines
