@@ -1,0 +1,313 @@
+"""The admission controller: the pure core that decides *when* a request may proceed.
+
+Order for each request: authenticate -> quotas (429) -> flow now or queue
+(503 when the band's queue is full) -> granted, or expired (504), or cancelled
+-> released when the response ends, with the actual token usage. Where a
+request goes is the scheduler's business: a granted request counts against its
+pool from the grant to its release, dispatched or not.
+
+Queues are per pool and band. When capacity frees (a request is released, a
+tick passes and metrics have moved), bands are served in strict priority: a
+band flows while the pool's saturation is below its ceiling, and ceilings
+never increase down the list, so once one band is held every band below it is
+too. Within a band, tenants take turns (queues.py).
+
+No I/O and no asyncio here: time comes from an injected clock and a waiting
+request is woken through the callback on its ticket, so every decision is
+tested with a fake clock. gate.py is the asyncio shell around it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llmgw import contracts
+
+from .config import DEFAULT_BANDS, AdmissionSettings
+from .errors import AdmissionRejected
+from .queues import BandQueue
+from .saturation import Detector, Pool
+from .tenants import Directory, Tenant, TenantSpec
+
+QUEUED, GRANTED, DONE, REJECTED = "queued", "granted", "done", "rejected"
+
+
+class Metrics:
+    """Hooks the controller reports through; metrics.py has the real ones."""
+
+    def admitted(self, band: str, tenant: str, waited: float | None) -> None:
+        """waited is None for a request that flowed at once."""
+
+    def rejected(self, band: str, tenant: str, reason: str) -> None:
+        pass
+
+    def cancelled(self, band: str, tenant: str) -> None:
+        pass
+
+
+class Ticket:
+    """One request's passage through admission; also the router's Grant (`release`)."""
+
+    __slots__ = (
+        "controller",
+        "tenant",
+        "tenant_name",
+        "pool",
+        "band",
+        "tokens",
+        "quota_sec",
+        "created",
+        "deadline",
+        "state",
+        "error",
+        "wake",
+    )
+
+    def __init__(
+        self, controller: Controller, tenant: Tenant, pool: Pool, tokens: int, now: float
+    ) -> None:
+        self.controller = controller
+        self.tenant = tenant
+        self.tenant_name = tenant.name
+        self.pool = pool
+        self.band = tenant.band
+        self.tokens = tokens  # estimate counted against tpm until the actual usage is known
+        self.quota_sec = 0
+        self.created = now
+        self.deadline = now
+        self.state = GRANTED
+        self.error: AdmissionRejected | None = None
+        self.wake: Callable[[Ticket], None] | None = None  # called when a queued ticket resolves
+
+    def release(self, usage: Any = None) -> None:
+        """The response ended; `usage` (prompt_tokens, completion_tokens) when known."""
+        actual = None if usage is None else usage.prompt_tokens + usage.completion_tokens
+        self.controller.finish(self, actual)
+
+
+class Controller:
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        bands: Sequence[contracts.Band] = (),
+        tenants: Sequence[TenantSpec] = (),
+        *,
+        stale_after: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.enabled = settings.enabled
+        self.clock = clock
+        self.metrics = metrics or Metrics()
+        self.bands = list(bands) or list(DEFAULT_BANDS)
+        self.band_index = {b.name: i for i, b in enumerate(self.bands)}
+        self._band_names = [b.name for b in self.bands]
+        self._ceilings = [b.ceiling for b in self.bands]
+        self.routers = settings.routers
+        self.detector = Detector(
+            queue_threshold=settings.queue_threshold,
+            kv_threshold=settings.kv_threshold,
+            stale_after=stale_after,
+            assumed_capacity=settings.assumed_capacity,
+            routers=self.routers,
+        )
+        self.queues: dict[str, list[BandQueue]] = {}  # pool name -> one queue per band
+        self.queued = 0
+        self.directory = Directory([], self.band_index)
+        self.set_tenants(tenants)
+
+    # ------------------------------------------------------------ configuration
+
+    def set_tenants(self, tenants: Sequence[TenantSpec]) -> None:
+        """Replace the tenant set; quota usage carries over for tenants that stay."""
+        self.directory = Directory(
+            tenants,
+            self.band_index,
+            anonymous=self.settings.anonymous_tenant,
+            routers=self.routers,
+            previous=self.directory,
+        )
+
+    @property
+    def open(self) -> bool:
+        """No tenants configured: every request is the anonymous tenant, no key needed."""
+        return self.directory.open
+
+    def set_routers(self, routers: int) -> None:
+        """How many routers share the global quotas and the engines' capacity."""
+        self.routers = max(1, routers)
+        self.detector.routers = self.routers
+        self.directory.set_routers(self.routers)
+
+    # ------------------------------------------------------------ the request path
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        try:
+            return self.directory.authenticate(authorization)
+        except AdmissionRejected as exc:
+            self.metrics.rejected("", "", exc.reason)
+            raise
+
+    def admit(self, tenant: Tenant, model: str, endpoints: Sequence[Any], tokens: int) -> Ticket:
+        """Quotas, then flow or queue. Returns a GRANTED or QUEUED ticket, or raises.
+
+        `endpoints` are the pool's endpoints as the router sees them now.
+        """
+        now = self.clock()
+        band = tenant.band
+        band_name = self._band_names[band]
+        try:
+            quota_sec = tenant.quotas.acquire(now, tokens)
+        except AdmissionRejected as exc:
+            self.metrics.rejected(band_name, tenant.name, exc.reason)
+            raise
+        pool = self.detector.pool(model)
+        pool.endpoints = endpoints
+        ticket = Ticket(self, tenant, pool, tokens, now)
+        ticket.quota_sec = quota_sec
+        if not self.enabled:
+            self.metrics.admitted(band_name, tenant.name, None)
+            return ticket
+        queues = self.queues.get(model)
+        if queues is None:
+            queues = self.queues[model] = [BandQueue() for _ in self.bands]
+        if self._may_flow(pool, queues, band, now):
+            pool.active += 1
+            self.metrics.admitted(band_name, tenant.name, None)
+            return ticket
+        spec = self.bands[band]
+        queue = queues[band]
+        if queue.depth >= spec.queue_capacity:
+            ticket.state = REJECTED
+            self._release_quota(ticket, now, 0)
+            self.metrics.rejected(band_name, tenant.name, "queue_full")
+            raise AdmissionRejected(
+                "queue_full",
+                f"The {band_name!r} queue for model {model!r} is full "
+                f"({spec.queue_capacity} waiting); try again shortly.",
+                retry_after=1,
+            )
+        ticket.state = QUEUED
+        ticket.deadline = now + spec.queue_ttl_seconds
+        queue.push(ticket)
+        self.queued += 1
+        return ticket
+
+    def _may_flow(self, pool: Pool, queues: list[BandQueue], band: int, now: float) -> bool:
+        # Never overtake a queued request of this band or a higher one.
+        for q in queues[: band + 1]:
+            if q.depth:
+                return False
+        ceiling = self._ceilings[band]
+        return ceiling > 1.0 or self.detector.saturation(pool, now) < ceiling
+
+    def finish(self, ticket: Ticket, actual_tokens: int | None = None) -> None:
+        """The request ended (any way): free its capacity, correct its token count.
+
+        Safe to call more than once and in any state; a queued ticket is cancelled.
+        """
+        state = ticket.state
+        if state == QUEUED:
+            self.cancel(ticket)
+            return
+        if state != GRANTED:
+            return
+        ticket.state = DONE
+        self._release_quota(ticket, self.clock(), actual_tokens)
+        if self.enabled:
+            ticket.pool.active -= 1
+            self.pump(ticket.pool.name)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """A queued request whose client left: out of the queue at once, nothing held."""
+        if ticket.state != QUEUED:
+            return
+        self.queues[ticket.pool.name][ticket.band].remove(ticket)
+        self.queued -= 1
+        ticket.state = REJECTED
+        self._release_quota(ticket, self.clock(), 0)
+        self.metrics.cancelled(self._band_names[ticket.band], ticket.tenant_name)
+
+    def _release_quota(self, ticket: Ticket, now: float, actual: int | None) -> None:
+        ticket.tenant.quotas.release(now, ticket.quota_sec, ticket.tokens, actual)
+
+    # ------------------------------------------------------------ capacity frees
+
+    def pump(self, model: str) -> int:
+        """Grant queued requests of one pool while its saturation allows; returns how many."""
+        queues = self.queues.get(model)
+        if not self.queued or queues is None:
+            return 0
+        pool = self.detector.pools[model]
+        now = self.clock()
+        granted = 0
+        for band, queue in enumerate(queues):
+            ceiling = self._ceilings[band]
+            while queue.depth:
+                if ceiling <= 1.0 and self.detector.saturation(pool, now) >= ceiling:
+                    return granted  # ceilings never increase: every lower band is held too
+                ticket: Ticket = queue.pop()  # type: ignore[assignment]
+                self.queued -= 1
+                pool.active += 1
+                ticket.state = GRANTED
+                granted += 1
+                self.metrics.admitted(
+                    self._band_names[band], ticket.tenant_name, now - ticket.created
+                )
+                if ticket.wake is not None:
+                    ticket.wake(ticket)
+        return granted
+
+    def tick(self) -> None:
+        """Periodic: release what capacity allows (metrics move, age out), then expire TTLs."""
+        if not self.queued:
+            return
+        for model in self.queues:
+            self.pump(model)
+        now = self.clock()
+        for queues in self.queues.values():
+            for band, queue in enumerate(queues):
+                deadline = queue.next_deadline()
+                if deadline is None or deadline > now:
+                    continue
+                for ticket in queue.expire(now):
+                    self._expire(ticket, band, now)  # type: ignore[arg-type]
+
+    def _expire(self, ticket: Ticket, band: int, now: float) -> None:
+        self.queued -= 1
+        ticket.state = REJECTED
+        self._release_quota(ticket, now, 0)
+        name = self._band_names[band]
+        self.metrics.rejected(name, ticket.tenant_name, "queue_timeout")
+        ticket.error = AdmissionRejected(
+            "queue_timeout",
+            f"The request waited {now - ticket.created:.1f}s in the {name!r} queue "
+            f"(limit {self.bands[band].queue_ttl_seconds:g}s) without capacity freeing up.",
+        )
+        if ticket.wake is not None:
+            ticket.wake(ticket)
+
+    def next_deadline(self) -> float | None:
+        soonest = None
+        for queues in self.queues.values():
+            for queue in queues:
+                d = queue.next_deadline()
+                if d is not None and (soonest is None or d < soonest):
+                    soonest = d
+        return soonest
+
+    # ------------------------------------------------------------ introspection
+
+    def saturation(self, model: str) -> float:
+        return self.detector.saturation(self.detector.pool(model), self.clock())
+
+    def queue_depths(self) -> dict[tuple[str, str], int]:
+        """(model, band) -> queued requests."""
+        return {
+            (model, self._band_names[band]): q.depth
+            for model, queues in self.queues.items()
+            for band, q in enumerate(queues)
+        }

@@ -1,0 +1,115 @@
+"""The router's admission gate: the asyncio shell around the controller.
+
+It implements the router's Gate seam (seam.py): `admit` runs after the request
+is parsed and its model resolved, before scheduling, and returns the ticket as
+the grant the proxy releases with the engine's usage when the response ends.
+
+A request that flows at once never awaits anything and allocates no future.
+Only a queued one waits; the proxy cancels the waiting task the moment its
+client disconnects, and the cancellation takes the ticket out of the queue.
+One timer, armed only while something is queued, expires TTLs and re-checks
+saturation as scraped metrics move or age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llmgw import contracts
+
+from .config import AdmissionSettings
+from .controller import QUEUED, Controller, Metrics, Ticket
+from .tenants import TenantSpec
+
+log = logging.getLogger(__name__)
+
+
+def estimate_tokens(body_bytes: int, max_tokens: int | None, default_max_tokens: int) -> int:
+    """Prompt at ~4 bytes a token (the whole body, so a slight overestimate) plus the
+    completion allowance: O(1), and the actual usage corrects it when the response ends."""
+    return body_bytes // 4 + (max_tokens if max_tokens and max_tokens > 0 else default_max_tokens)
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        bands: Sequence[contracts.Band] = (),
+        tenants: Sequence[TenantSpec] = (),
+        *,
+        stale_after: float = 1.0,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.controller = Controller(
+            settings, bands, tenants, stale_after=stale_after, clock=clock, metrics=metrics
+        )
+        self._timer: asyncio.TimerHandle | None = None
+        if self.controller.open:
+            log.warning(
+                "no tenants configured: every request is served as one anonymous tenant "
+                "without an API key; configure tenants to require keys"
+            )
+
+    @property
+    def active(self) -> bool:
+        """False when the gate has nothing to do (admission off and no tenants)."""
+        return self.settings.enabled or not self.controller.open
+
+    async def admit(self, request: Any, route: Any, headers: dict[bytes, bytes]) -> Ticket:
+        """Authenticate, check quotas, then flow or wait. Raises AdmissionRejected
+        (401, 429, 503, 504); cancelling the wait takes the request out of its queue."""
+        c = self.controller
+        auth = headers.get(b"authorization")
+        tenant = c.authenticate(None if auth is None else auth.decode("latin-1"))
+        tokens = estimate_tokens(
+            len(request.body), request.max_tokens, self.settings.default_max_tokens
+        )
+        ticket = c.admit(tenant, route.name, route.endpoints, tokens)
+        if ticket.state == QUEUED:
+            await self.wait(ticket)
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> None:
+        """Until a queued ticket is granted; raises its 504 if it expires first."""
+        self._arm()
+        resolved = asyncio.get_running_loop().create_future()
+        ticket.wake = lambda _t: resolved.done() or resolved.set_result(None)
+        try:
+            await resolved
+        except BaseException:
+            # Cancelled (the client went away): leave the queue, or give back a grant
+            # that raced in just before the cancellation.
+            self.controller.finish(ticket)
+            raise
+        finally:
+            ticket.wake = None
+        if ticket.error is not None:
+            raise ticket.error
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self) -> None:
+        if self._timer is not None or not self.controller.queued:
+            return
+        delay = self.settings.tick_seconds
+        deadline = self.controller.next_deadline()
+        if deadline is not None:
+            delay = min(delay, deadline - self.controller.clock())
+        self._timer = asyncio.get_running_loop().call_later(max(delay, 0.001), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        try:
+            self.controller.tick()
+        except Exception:  # a bug here must not strand every queued request
+            log.exception("admission tick failed")
+        self._arm()

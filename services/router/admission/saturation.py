@@ -1,0 +1,106 @@
+"""The saturation detector: one number per pool (the endpoints serving a model).
+
+    saturation = min(1, max(queued / (queue_threshold * endpoints),
+                            mean KV use / kv_threshold))
+
+over the pool's ready endpoints. `queued` is the worse of two views:
+- scraped: the engines' own waiting counts (exact, but up to a scrape interval
+  late, and engine-wide, so it sees other routers' traffic too);
+- the router's own, which never lags: this router's requests for the pool that
+  admission granted and that have not finished (dispatched or not: between
+  admission and dispatch a request is invisible to every other count), or the
+  endpoints' in-flight counts if higher (endpoints shared with other models),
+  minus the pool's batch capacity. Capacity is what an engine runs at once: its
+  `max_running` hint when declared, else the high-water mark of the running
+  counts scraped from it (vLLM's metrics do not say max-num-seqs), and
+  `assumed_capacity` until the first scrape.
+
+A sample older than `stale_after` is ignored, so a pool whose scrapes fail is
+judged by the router's view alone rather than by a frozen number. Saturation is
+clamped to 1, so a band ceiling above 1 is never held back.
+
+With several routers (or worker processes) behind a load balancer each gets its
+share of the traffic, so each counts capacity / routers against its own work.
+
+Endpoints are read duck-typed (the router's EndpointRuntime): `id`, `state`,
+`inflight`, `load` (waiting, running, kv_usage, at; or None) and
+`spec.max_running`. The cost is O(endpoints in the pool) per evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llmgw.contracts import EndpointState
+
+READY = EndpointState.READY
+
+
+class Pool:
+    __slots__ = ("name", "endpoints", "active")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.endpoints: Sequence[Any] = ()  # the latest route's endpoints
+        self.active = 0  # granted by admission and not yet finished
+
+
+class Detector:
+    def __init__(
+        self,
+        *,
+        queue_threshold: float = 5.0,
+        kv_threshold: float = 0.8,
+        stale_after: float = 1.0,
+        assumed_capacity: int = 1,
+        routers: int = 1,
+    ) -> None:
+        self.queue_threshold = queue_threshold
+        self.kv_threshold = kv_threshold
+        self.stale_after = stale_after
+        self.assumed_capacity = assumed_capacity
+        self.routers = routers
+        self.pools: dict[str, Pool] = {}
+        self.learned: dict[str, int] = {}  # endpoint id -> high-water mark of running
+
+    def pool(self, model: str) -> Pool:
+        pool = self.pools.get(model)
+        if pool is None:
+            pool = self.pools[model] = Pool(model)
+        return pool
+
+    def capacity(self, ep: Any) -> int:
+        learned = self.learned.get(ep.id, 0)
+        load = ep.load
+        if load is not None and load.running > learned:
+            learned = self.learned[ep.id] = int(load.running)
+        hint = ep.spec.max_running
+        if hint:
+            return max(hint, learned)
+        return learned or self.assumed_capacity
+
+    def saturation(self, pool: Pool, now: float) -> float:
+        n = 0
+        in_flight = 0
+        capacity = 0
+        waiting = 0.0
+        kv_sum = 0.0
+        oldest_fresh = now - self.stale_after
+        for ep in pool.endpoints:
+            if ep.state is not READY:
+                continue
+            n += 1
+            in_flight += ep.inflight
+            capacity += self.capacity(ep)
+            load = ep.load
+            if load is not None and load.at >= oldest_fresh:
+                waiting += load.waiting
+                kv_sum += load.kv_usage
+        if not n:
+            # Nothing to protect: let the request through so the router answers at once.
+            return 0.0
+        own = max(pool.active, in_flight) - capacity / self.routers
+        queued = waiting if waiting > own else own
+        sat = max(queued / (self.queue_threshold * n), kv_sum / n / self.kv_threshold)
+        return sat if sat < 1.0 else 1.0

@@ -1,0 +1,49 @@
+"""The seam between "may this request proceed, and when" and "where does it go".
+
+(Moved here from the router's services/router/admission.py, which the
+admission package shadows: same interface, same meaning.)
+
+The proxy calls `admit` after the request is parsed and its model resolved,
+and before scheduling. Authentication, quotas and admission queues live behind
+this interface; scheduling and dispatch never see tenants. A gate rejects by
+raising `RouterError` (401, 429, 503, 504 ...), and may wait (queue) before
+returning. If the client disconnects while it waits, the waiting task is
+cancelled: a gate must leave its queue on `CancelledError`. The returned grant
+is released exactly once, with the engine's usage when known, however the
+request ended.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from llmgw.router.requests import Parsed, Usage
+    from llmgw.router.view import ModelRoute
+
+
+class Grant(Protocol):
+    def release(self, usage: Usage | None) -> None: ...
+
+
+class Gate(Protocol):
+    async def admit(
+        self, request: Parsed, route: ModelRoute, headers: dict[bytes, bytes]
+    ) -> Grant: ...
+
+
+class _OpenGrant:
+    __slots__ = ()
+
+    def release(self, usage: Usage | None) -> None:
+        pass
+
+
+_OPEN_GRANT = _OpenGrant()
+
+
+class OpenGate:
+    """Router-only mode without admission: every request proceeds at once."""
+
+    async def admit(self, request: Parsed, route: ModelRoute, headers: dict[bytes, bytes]) -> Grant:
+        return _OPEN_GRANT

@@ -1,0 +1,116 @@
+"""Tenants and API-key authentication.
+
+Keys are never stored: a presented key is hashed (SHA-256, about a microsecond)
+and looked up by its hash, then the stored hash is compared with
+hmac.compare_digest so the comparison itself leaks no timing. Keys and hashes
+are never logged or echoed back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import Protocol
+
+from llmgw import contracts, keys
+
+from .errors import AdmissionRejected
+from .quotas import TenantQuotas
+
+ANONYMOUS = "anonymous"
+
+
+class Tenant:
+    __slots__ = ("name", "band", "declared", "quotas", "key_hashes")
+
+    def __init__(
+        self,
+        name: str,
+        band: int,
+        declared: contracts.Quotas,
+        quotas: TenantQuotas,
+        key_hashes: Sequence[str],
+    ):
+        self.name = name
+        self.band = band  # index into the band list, 0 = highest priority
+        self.declared = declared  # global limits, before dividing among routers
+        self.quotas = quotas
+        self.key_hashes = tuple(key_hashes)
+
+    def __repr__(self) -> str:  # never show key hashes
+        return f"Tenant({self.name!r}, band={self.band})"
+
+
+class TenantSpec(Protocol):
+    """What a tenant is declared as: config entry or control-plane TenantRecord alike."""
+
+    name: str
+    band: str
+    key_hashes: list[str]
+    quotas: contracts.Quotas
+
+
+class Directory:
+    """API key -> tenant. Rebuilt whole on reconfiguration; quota usage carries over by name."""
+
+    def __init__(
+        self,
+        specs: Sequence[TenantSpec],
+        band_index: dict[str, int],
+        *,
+        anonymous: str = "",
+        routers: int = 1,
+        previous: Directory | None = None,
+    ) -> None:
+        old = previous.by_name if previous else {}
+        self.by_name: dict[str, Tenant] = {}
+        self._by_hash: dict[str, Tenant] = {}
+        for spec in specs:
+            quotas = old[spec.name].quotas if spec.name in old else None
+            if quotas is None:
+                quotas = TenantQuotas(spec.quotas, routers)
+            else:
+                quotas.set_limits(spec.quotas, routers)
+            tenant = Tenant(spec.name, band_index[spec.band], spec.quotas, quotas, spec.key_hashes)
+            self.by_name[spec.name] = tenant
+            for digest in spec.key_hashes:
+                self._by_hash[digest] = tenant
+        # No tenants at all: every request is one anonymous tenant in the lowest band.
+        self.open = not specs
+        if self.open:
+            prior = old.get(ANONYMOUS)
+            unlimited = contracts.Quotas()
+            quotas = prior.quotas if prior else TenantQuotas(unlimited, routers)
+            lowest = len(band_index) - 1
+            self.by_name[ANONYMOUS] = Tenant(ANONYMOUS, lowest, unlimited, quotas, ())
+            anonymous = ANONYMOUS
+        self.anonymous = self.by_name[anonymous] if anonymous else None
+
+    def set_routers(self, routers: int) -> None:
+        for tenant in self.by_name.values():
+            tenant.quotas.set_limits(tenant.declared, routers)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant for an Authorization header value, or a 401 AdmissionRejected."""
+        if self.open:
+            return self.anonymous  # type: ignore[return-value]
+        if not authorization:
+            if self.anonymous is not None:
+                return self.anonymous
+            raise AdmissionRejected(
+                "missing_api_key",
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+            )
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise AdmissionRejected(
+                "invalid_api_key",
+                "The Authorization header must be 'Bearer <key>'.",
+            )
+        digest = keys.HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+        tenant = self._by_hash.get(digest)
+        if tenant is None or not any(hmac.compare_digest(h, digest) for h in tenant.key_hashes):
+            raise AdmissionRejected("invalid_api_key", "Incorrect API key provided.")
+        return tenant

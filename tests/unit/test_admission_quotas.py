@@ -1,0 +1,116 @@
+"""Quotas: rpm, tpm with correction from actual usage, concurrency, Retry-After, divisor."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from llmgw import contracts
+from llmgw.router.admission import AdmissionRejected
+from llmgw.router.admission.quotas import MinuteWindow, TenantQuotas
+
+
+def q(routers: int = 1, **limits) -> TenantQuotas:
+    return TenantQuotas(contracts.Quotas(**limits), routers)
+
+
+def rejected(quotas: TenantQuotas, now: float, tokens: int = 1) -> AdmissionRejected:
+    with pytest.raises(AdmissionRejected) as err:
+        quotas.acquire(now, tokens)
+    return err.value
+
+
+def test_rpm_retry_after_is_when_the_window_frees():
+    quotas = q(rpm=3)
+    for t in (1000.2, 1000.5, 1010.7):
+        quotas.acquire(t, 1)
+    e = rejected(quotas, 1020.3)
+    assert (e.status, e.reason, e.retry_after) == (429, "rate_limit_rpm", 40)  # 1060.0 - 1020.3
+    assert (b"retry-after", b"40") in e.headers
+    body = msgspec.json.decode(e.body())["error"]
+    assert body["type"] == "requests" and body["code"] == "rate_limit_exceeded"
+    assert "40s" in body["message"]
+    assert rejected(quotas, 1059.9).retry_after == 1
+    quotas.acquire(1060.0, 1)  # the two requests of second 1000 have left the window
+    quotas.acquire(1060.0, 1)
+    # Whole-second buckets: what came in during second 1010 leaves the window at 1070.
+    assert rejected(quotas, 1060.0).retry_after == 10
+
+
+def test_tpm_counts_the_estimate_then_the_actual_usage():
+    quotas = q(tpm=1000)
+    sec = quotas.acquire(100.0, 600)  # prompt estimate + max_tokens
+    e = rejected(quotas, 101.0, 600)
+    assert (e.reason, e.retry_after) == ("rate_limit_tpm", 59)
+    assert msgspec.json.decode(e.body())["error"]["type"] == "tokens"
+    quotas.release(102.0, sec, 600, 120)  # the engine reported 120 tokens used
+    assert quotas.tokens.total == 120
+    quotas.acquire(103.0, 600)
+    assert quotas.tokens.total == 720
+
+
+def test_actual_usage_above_the_estimate_counts_too():
+    quotas = q(tpm=1000)
+    sec = quotas.acquire(100.0, 100)
+    quotas.release(101.0, sec, 100, 950)
+    assert rejected(quotas, 102.0, 100).reason == "rate_limit_tpm"
+
+
+def test_a_correction_after_the_window_passed_changes_nothing():
+    quotas = q(tpm=1000)
+    sec = quotas.acquire(100.0, 900)
+    quotas.acquire(150.0, 50)
+    quotas.release(170.0, sec, 900, 10)  # second 100 left the window at 160
+    assert quotas.tokens.total == 50
+
+
+def test_usage_unknown_keeps_the_estimate():
+    quotas = q(tpm=1000)
+    sec = quotas.acquire(100.0, 700)
+    quotas.release(101.0, sec, 700, None)
+    assert quotas.tokens.total == 700 and quotas.in_flight == 0
+
+
+def test_a_request_larger_than_the_whole_tpm_is_told_not_to_retry():
+    e = rejected(q(tpm=1000), 100.0, 1001)
+    assert (e.status, e.reason) == (429, "request_too_large")
+    assert (b"x-should-retry", b"false") in e.headers
+
+
+def test_concurrency():
+    quotas = q(concurrency=2)
+    a = quotas.acquire(1.0, 1)
+    quotas.acquire(1.0, 1)
+    e = rejected(quotas, 1.0)
+    assert (e.reason, e.retry_after) == ("rate_limit_concurrency", 1)
+    quotas.release(2.0, a, 1, 1)
+    quotas.acquire(2.0, 1)
+
+
+def test_a_rejected_request_counts_against_nothing():
+    quotas = q(rpm=10, tpm=100, concurrency=1)
+    quotas.acquire(1.0, 50)
+    rejected(quotas, 1.0, 10)  # concurrency
+    assert (quotas.requests.total, quotas.tokens.total, quotas.in_flight) == (1, 50, 1)
+
+
+def test_global_limits_are_divided_among_routers():
+    quotas = q(routers=3, rpm=600, tpm=200_000, concurrency=64)
+    assert (quotas.rpm, quotas.tpm, quotas.concurrency) == (200, 66_666, 21)
+    quotas.set_limits(contracts.Quotas(rpm=600, concurrency=2), 4)
+    assert (quotas.rpm, quotas.tpm, quotas.concurrency) == (150, None, 1)  # never below 1
+
+
+def test_no_quotas_means_no_limits():
+    quotas = q()
+    for i in range(10_000):
+        quotas.acquire(1.0 + i / 1000, 10_000)
+
+
+def test_minute_window_forgets_after_a_long_quiet():
+    w = MinuteWindow()
+    w.add(10.0, 5)
+    w.add(30.0, 5)
+    assert w.advance(69.9) and w.total == 10
+    assert w.advance(70.0) and w.total == 5
+    assert w.advance(500.0) and w.total == 0

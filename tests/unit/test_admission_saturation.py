@@ -1,0 +1,100 @@
+"""The saturation detector: scraped metrics, the router's own view, staleness, capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw import contracts
+from llmgw.contracts import EndpointState
+from llmgw.router.admission.saturation import Detector, Pool
+from llmgw.router.load import Load
+
+NOW = 500.0
+
+
+class Ep:
+    def __init__(self, id: str, max_running: int | None = None):
+        self.id = id
+        self.state = EndpointState.READY
+        self.inflight = 0
+        self.load: Load | None = None
+        self.spec = contracts.Endpoint(id=id, url=f"http://{id}", max_running=max_running)
+
+    def scraped(self, running=0, waiting=0, kv=0.0, age=0.1) -> Ep:
+        self.load = Load(waiting=waiting, running=running, kv_usage=kv, at=NOW - age)
+        return self
+
+
+def pool(*eps: Ep, active: int = 0) -> Pool:
+    p = Pool("m")
+    p.endpoints = eps
+    p.active = active
+    return p
+
+
+def detector(**kw) -> Detector:
+    kw.setdefault("queue_threshold", 5.0)
+    kw.setdefault("kv_threshold", 0.8)
+    return Detector(**kw)
+
+
+def test_scraped_waiting_and_kv_the_worse_of_the_two():
+    d = detector()
+    a = Ep("a").scraped(running=8, waiting=4, kv=0.2)
+    b = Ep("b").scraped(running=8, waiting=0, kv=0.4)
+    # waiting 4 over 2 endpoints x threshold 5 = 0.4; mean KV 0.3 / 0.8 = 0.375
+    assert d.saturation(pool(a, b), NOW) == 0.4
+    b.scraped(running=8, kv=1.0)
+    assert d.saturation(pool(a, b), NOW) == pytest.approx(0.75)  # mean KV 0.6 / 0.8
+
+
+def test_the_router_view_counts_queued_work_before_metrics_show_it():
+    d = detector()
+    a = Ep("a").scraped(running=8)  # capacity learned: 8
+    a.inflight = 8  # a full batch is not a queue
+    assert d.saturation(pool(a), NOW) == 0.0
+    a.inflight = 11  # 3 beyond the batch: the engine is queueing, whatever the scrape says
+    assert d.saturation(pool(a), NOW) == 0.6
+    # Grants not yet dispatched count as well.
+    assert d.saturation(pool(a, active=13), NOW) == 1.0
+
+
+def test_stale_metrics_are_ignored_and_the_router_view_remains():
+    d = detector(stale_after=1.0)
+    a = Ep("a").scraped(running=4, waiting=10, kv=0.9, age=1.5)
+    assert d.saturation(pool(a), NOW) == 0.0
+    a.inflight = 6  # the learned capacity (4) still applies
+    assert d.saturation(pool(a), NOW) == 0.4
+    a.scraped(running=4, waiting=10, kv=0.9, age=0.2)
+    assert d.saturation(pool(a), NOW) == 1.0
+
+
+def test_capacity_is_the_hint_or_the_high_water_mark_of_running():
+    d = detector(assumed_capacity=1)
+    a = Ep("a")
+    assert d.capacity(a) == 1  # nothing known yet
+    a.scraped(running=6)
+    assert d.capacity(a) == 6
+    a.scraped(running=2)
+    assert d.capacity(a) == 6  # a high-water mark: a quiet moment does not shrink it
+    b = Ep("b", max_running=32).scraped(running=5)
+    assert d.capacity(b) == 32
+    b.scraped(running=40)
+    assert d.capacity(b) == 40
+
+
+def test_several_routers_each_count_their_share_of_capacity():
+    d = detector(routers=2)
+    a = Ep("a", max_running=10)
+    a.inflight = 8  # 3 beyond this router's half of 10
+    assert d.saturation(pool(a), NOW) == 0.6
+
+
+def test_only_ready_endpoints_count():
+    d = detector()
+    a = Ep("a", max_running=2)
+    b = Ep("b", max_running=100)
+    b.state = EndpointState.DRAINING
+    a.inflight = 4
+    assert d.saturation(pool(a, b), NOW) == 0.4
+    assert d.saturation(pool(b), NOW) == 0.0
