@@ -177,9 +177,20 @@ class Agent:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await bus.close_quietly(self.nc)
+        await self._close_nats()
         if self.http is not None:
             await self.http.aclose()
+
+    async def _close_nats(self) -> None:
+        # Not drain(): draining waits on the cancelled pull subscription's queue for its full
+        # timeout. Everything worth sending was published and acknowledged already.
+        if self.nc is None or self.nc.is_closed:
+            return
+        try:
+            await self.nc.flush(timeout=1)
+        except Exception as exc:
+            log.debug("flush before close failed: %s", exc)
+        await self.nc.close()
 
     # ------------------------------------------------------------ adoption
 
@@ -470,8 +481,8 @@ class Agent:
             max_running=cmd.profile.max_num_seqs,
             log_path=str(self.state_dir.log_path(cmd.shard_id)),
         )
+        reason = validate.check(cmd, self._facts())  # before this shard counts as holding GPUs
         shard = self._new_shard(rec)
-        reason = validate.check(cmd, self._facts())
         adapter = adapters.ADAPTERS.get(cmd.profile.engine)
         port = 0
         if reason is None and adapter.serves_http(cmd):

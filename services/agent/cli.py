@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmgw agent: {exc}", file=sys.stderr)
         return 2
     logs.setup("agent", cfg.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per probe and scrape otherwise
     try:
         inventory = discover(node, cfg.fake_gpus, cfg.advertise_address)
     except InventoryError as exc:
