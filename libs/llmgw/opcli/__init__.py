@@ -1,0 +1,1 @@
+"""Operator CLI commands that read the reconciler's API or the event log (`llmgw get`, ...)."""

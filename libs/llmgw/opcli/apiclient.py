@@ -1,0 +1,86 @@
+"""Finding and calling the operator API (and NATS) from the CLI.
+
+Where the operator API is, in order: `--api URL`, then `LLMGW_API_URL`, then
+`api_url` in the `cluster.json` that a running `llmgw dev` writes to its data
+dir (`LLMGW_DATA_DIR`, default `.llmgw/` in the current directory). NATS the
+same way: `--nats`, `LLMGW_NATS_URL`, `cluster.json`'s `nats_url`, then the
+default local server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class ApiError(RuntimeError):
+    """The API could not be found, reached, or answered with an error: a message for humans."""
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("LLMGW_DATA_DIR") or ".llmgw")
+
+
+def _cluster_file_value(key: str) -> str | None:
+    path = data_dir() / "cluster.json"
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def find_api_url(explicit: str | None) -> str:
+    url = explicit or os.environ.get("LLMGW_API_URL") or _cluster_file_value("api_url")
+    if not url:
+        raise ApiError(
+            "no operator API: pass --api URL, set LLMGW_API_URL, or run `llmgw dev` "
+            f"(it writes {data_dir() / 'cluster.json'})"
+        )
+    return url.rstrip("/")
+
+
+def find_nats_url(explicit: str | None) -> str:
+    return (
+        explicit
+        or os.environ.get("LLMGW_NATS_URL")
+        or _cluster_file_value("nats_url")
+        or DEFAULT_NATS_URL
+    )
+
+
+def add_api_argument(parser) -> None:
+    parser.add_argument(
+        "--api", metavar="URL", help="operator API (default: $LLMGW_API_URL, then llmgw dev's)"
+    )
+
+
+def add_nats_argument(parser) -> None:
+    parser.add_argument(
+        "--nats", metavar="URL", help="NATS URL (default: $LLMGW_NATS_URL, then llmgw dev's)"
+    )
+
+
+def get_json(base_url: str, path: str, params: dict[str, Any] | None = None) -> Any:
+    """GET base_url+path as JSON; ApiError with a clear message on any failure."""
+    url = base_url + path
+    try:
+        resp = httpx.get(url, params=params, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise ApiError(f"cannot reach the operator API at {base_url}: {exc}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text.strip()[:200]
+        raise ApiError(f"{url}: HTTP {resp.status_code}: {message}")
+    try:
+        return resp.json()
+    except ValueError:
+        raise ApiError(f"{url}: the answer is not JSON") from None

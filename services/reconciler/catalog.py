@@ -1,0 +1,387 @@
+"""The catalog file: what should run. Parse, validate, and diff against the log. Pure.
+
+A catalog file is the WHOLE desired catalog:
+
+    bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
+    models:  [{name, aliases, fallbacks, replicas, profile, scheduling, deadlines}]
+    tenants: [{name, band, key_hashes, quotas}]
+
+Entries are the message contract's own types (ServingProfile, SchedulingSpec,
+DeadlineSpec, Quotas, Band), so the file and the events cannot drift apart.
+`plan()` compares it with the current catalog (folded from the log's catalog
+subjects) and returns only the events that change something: models and
+tenants declared when new or different, removed when gone, bands re-declared
+when the list differs. Applying the same file twice yields no events.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from llmgw import contracts as c
+from llmgw import subjects
+
+ENGINES = ("vllm", "sglang", "sim")
+_KEY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+_ENVELOPE = ("type", "v", "id", "ts")
+
+
+class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    aliases: list[str] = msgspec.field(default_factory=list)
+    fallbacks: list[str] = msgspec.field(default_factory=list)
+    replicas: int = 1
+    profile: c.ServingProfile = msgspec.field(default_factory=c.ServingProfile)
+    scheduling: c.SchedulingSpec = msgspec.field(default_factory=c.SchedulingSpec)
+    deadlines: c.DeadlineSpec = msgspec.field(default_factory=c.DeadlineSpec)
+
+    def event(self) -> c.ModelDeclared:
+        return msgspec.convert(msgspec.to_builtins(self), c.ModelDeclared)
+
+
+class CatalogTenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    band: str
+    key_hashes: list[str] = msgspec.field(default_factory=list)
+    quotas: c.Quotas = msgspec.field(default_factory=c.Quotas)
+
+    def event(self) -> c.TenantDeclared:
+        return msgspec.convert(msgspec.to_builtins(self), c.TenantDeclared)
+
+
+class Catalog(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    bands: list[c.Band] = msgspec.field(default_factory=list)
+    models: list[CatalogModel] = msgspec.field(default_factory=list)
+    tenants: list[CatalogTenant] = msgspec.field(default_factory=list)
+
+
+class CatalogError(ValueError):
+    """Every problem found in a catalog file, one per line, each naming entry and field."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def _describe(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def _unknown_keys(data: Any, cls: type, path: str) -> list[str]:
+    """Keys the struct (recursively) does not have: typos that would silently do nothing."""
+    if not (isinstance(data, dict) and isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        return []
+    fields = {f.encode_name: f.type for f in msgspec.structs.fields(cls)}
+    out = []
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            out.append(f"{where}: unknown field (known: {known})")
+        else:
+            out += _unknown_keys(value, fields[key], where)
+    return out
+
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_EXPECTED_RE = re.compile(r"^Expected `(?P<want>[^`]+)`, got `[^`]+`$")
+
+
+def _lookup(data: Any, path: str) -> Any:
+    cur = data
+    for m in re.finditer(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", path):
+        try:
+            cur = cur[m.group(1)] if m.group(1) is not None else cur[int(m.group(2))]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return cur
+
+
+def _convert_error(exc: msgspec.ValidationError, data: Any) -> str:
+    msg = str(exc)
+    m = _PATH_RE.search(msg)
+    path = m.group("path").lstrip(".") if m else ""
+    reason = msg[: m.start()] if m else msg
+    expected = _EXPECTED_RE.match(reason)
+    if expected:
+        want = expected.group("want").replace(" | null", " or null")
+        reason = f"expected {want}, got {_describe(_lookup(data, m.group('path') if m else ''))}"
+    else:
+        reason = reason[0].lower() + reason[1:].replace("`", "")
+    return f"{path}: {reason}" if path else reason
+
+
+def _entries(data: dict[str, Any], section: str, cls: type, problems: list[str]) -> list[Any]:
+    raw = data.get(section, [])
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        problems.append(f"{section}: expected a list of entries, got {_describe(raw)}")
+        return []
+    out = []
+    for i, entry in enumerate(raw):
+        label = f"{section}[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{label}: expected a mapping, got {_describe(entry)}")
+            continue
+        if isinstance(entry.get("name"), str):
+            label += f" (name={entry['name']})"
+        unknown = _unknown_keys(entry, cls, "")
+        if unknown:
+            problems += [f"{label}: {u}" for u in unknown]
+            continue
+        try:
+            out.append((label, msgspec.convert(entry, cls, strict=True)))
+        except msgspec.ValidationError as exc:
+            problems.append(f"{label}: {_convert_error(exc, entry)}")
+    return out
+
+
+def _raw_names(data: dict[str, Any], section: str) -> set[str]:
+    entries = data.get(section)
+    if not isinstance(entries, list):
+        return set()
+    return {e["name"] for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)}
+
+
+def parse(data: Any) -> Catalog:
+    """A validated Catalog from parsed YAML, or CatalogError listing every problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise CatalogError([f"the catalog must be a mapping, got {_describe(data)}"])
+    problems = [
+        f"{key}: unknown section (known: bands, models, tenants)"
+        for key in data
+        if key not in ("bands", "models", "tenants")
+    ]
+    bands = _entries(data, "bands", c.Band, problems)
+    models = _entries(data, "models", CatalogModel, problems)
+    tenants = _entries(data, "tenants", CatalogTenant, problems)
+    # Entries that failed to parse still exist for references: one error, not two.
+    problems += _check(
+        bands, models, tenants, _raw_names(data, "models"), _raw_names(data, "bands")
+    )
+    if problems:
+        raise CatalogError(problems)
+    return Catalog(
+        bands=[b for _, b in bands],
+        models=[m for _, m in models],
+        tenants=[t for _, t in tenants],
+    )
+
+
+# ------------------------------------------------------------------ semantic checks
+
+
+def _names(entries: list[tuple[str, Any]], what: str) -> list[str]:
+    problems = []
+    seen: dict[str, str] = {}
+    tokens: dict[str, str] = {}
+    for label, entry in entries:
+        if not entry.name.strip():
+            problems.append(f"{label}: name: must not be empty")
+            continue
+        if entry.name in seen:
+            problems.append(f"{label}: name: duplicate {what} (also {seen[entry.name]})")
+            continue
+        seen[entry.name] = label
+        # Names become subject tokens; two names that map to one token would share a subject.
+        token = subjects.safe_token(entry.name)
+        if token in tokens:
+            problems.append(
+                f"{label}: name: {entry.name!r} and {tokens[token]!r} map to the same "
+                f"subject token {token!r}; rename one"
+            )
+        tokens.setdefault(token, entry.name)
+    return problems
+
+
+def _check_model(label: str, m: CatalogModel) -> list[str]:
+    p = m.profile
+    out = []
+    if m.replicas < 0:
+        out.append(f"{label}: replicas: must be 0 or more, got {m.replicas}")
+    if p.engine not in ENGINES:
+        out.append(f"{label}: profile.engine: {p.engine!r} is not one of {', '.join(ENGINES)}")
+    if p.engine in ("vllm", "sglang") and not p.model_ref:
+        out.append(f"{label}: profile.model_ref: required for engine {p.engine}")
+    if p.gpus_per_shard < 1:
+        out.append(f"{label}: profile.gpus_per_shard: must be at least 1, got {p.gpus_per_shard}")
+    if p.shards_per_replica < 1:
+        out.append(
+            f"{label}: profile.shards_per_replica: must be at least 1, got {p.shards_per_replica}"
+        )
+    if p.min_gpu_memory_bytes < 0:
+        out.append(f"{label}: profile.min_gpu_memory_bytes: must be 0 or more")
+    for name in ("connect", "headers", "first_token", "idle", "total"):
+        if getattr(m.deadlines, name) <= 0:
+            out.append(f"{label}: deadlines.{name}: must be positive seconds")
+    return out
+
+
+def _fallback_cycles(models: list[tuple[str, CatalogModel]]) -> list[str]:
+    graph = {m.name: [f for f in m.fallbacks if f != m.name] for _, m in models}
+    labels = {m.name: label for label, m in models}
+    problems = []
+    reported: set[frozenset[str]] = set()
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, []):
+                if nxt == start:
+                    cycle = frozenset(path)
+                    if cycle not in reported:
+                        reported.add(cycle)
+                        shown = " -> ".join([*path, start])
+                        problems.append(f"{labels[start]}: fallbacks: cycle {shown}")
+                elif nxt not in path and nxt in graph:
+                    stack.append((nxt, [*path, nxt]))
+    return problems
+
+
+def _check(
+    bands: list[tuple[str, c.Band]],
+    models: list[tuple[str, CatalogModel]],
+    tenants: list[tuple[str, CatalogTenant]],
+    model_names: set[str],
+    band_names: set[str],
+) -> list[str]:
+    problems = _names(bands, "band") + _names(models, "model") + _names(tenants, "tenant")
+    for label, band in bands:
+        if band.ceiling <= 0:
+            problems.append(f"{label}: ceiling: must be positive, got {band.ceiling}")
+        if band.queue_capacity < 0:
+            problems.append(f"{label}: queue_capacity: must be 0 or more")
+        if band.queue_ttl_seconds <= 0:
+            problems.append(f"{label}: queue_ttl_seconds: must be positive")
+    alias_owner: dict[str, str] = {}
+    for label, m in models:
+        problems += _check_model(label, m)
+        for alias in m.aliases:
+            if alias == m.name:
+                problems.append(f"{label}: aliases: {alias!r} is the model's own name")
+            elif alias in model_names:
+                problems.append(f"{label}: aliases: {alias!r} shadows the model of that name")
+            elif alias in alias_owner and alias_owner[alias] != m.name:
+                problems.append(
+                    f"{label}: aliases: {alias!r} is already an alias of {alias_owner[alias]!r}"
+                )
+            alias_owner.setdefault(alias, m.name)
+        for fb in m.fallbacks:
+            if fb == m.name:
+                problems.append(f"{label}: fallbacks: a model cannot fall back to itself")
+            elif fb not in model_names:
+                problems.append(f"{label}: fallbacks: {fb!r} is not a model in this catalog")
+    problems += _fallback_cycles(models)
+    key_owner: dict[str, str] = {}
+    for label, t in tenants:
+        if t.band not in band_names:
+            known = ", ".join(sorted(band_names)) or "none declared"
+            problems.append(f"{label}: band: {t.band!r} is not a declared band ({known})")
+        for i, h in enumerate(t.key_hashes):
+            if not _KEY_HASH.fullmatch(h):
+                problems.append(
+                    f"{label}: key_hashes[{i}]: expected 'sha256:' and 64 lowercase hex digits "
+                    "(make one with `llmgw keys hash`)"
+                )
+            elif h in key_owner and key_owner[h] != t.name:
+                problems.append(
+                    f"{label}: key_hashes[{i}]: the same key already belongs to tenant "
+                    f"{key_owner[h]!r}"
+                )
+            key_owner.setdefault(h, t.name)
+        for q in ("rpm", "tpm", "concurrency"):
+            value = getattr(t.quotas, q)
+            if value is not None and value <= 0:
+                problems.append(f"{label}: quotas.{q}: must be positive (omit it for no limit)")
+    return problems
+
+
+# ------------------------------------------------------------------ diff
+
+
+@dataclass
+class Current:
+    """The catalog as the log has it: the last event per catalog subject, folded."""
+
+    models: dict[str, c.ModelDeclared] = field(default_factory=dict)
+    tenants: dict[str, c.TenantDeclared] = field(default_factory=dict)
+    bands: list[c.Band] = field(default_factory=list)
+    # The stream sequence of the last message per subject, for optimistic concurrency.
+    subject_seqs: dict[str, int] = field(default_factory=dict)
+
+    def add(self, subject: str, seq: int, event: c.Message) -> None:
+        self.subject_seqs[subject] = seq
+        match event:
+            case c.ModelDeclared():
+                self.models[event.name] = event
+            case c.ModelRemoved():
+                self.models.pop(event.name, None)
+            case c.TenantDeclared():
+                self.tenants[event.name] = event
+            case c.TenantRemoved():
+                self.tenants.pop(event.name, None)
+            case c.BandsDeclared():
+                self.bands = list(event.bands)
+
+
+def _body(msg: c.Message) -> dict[str, Any]:
+    """A message without its envelope: what comparing 'the same declaration' means."""
+    out = msgspec.to_builtins(msg)
+    for key in _ENVELOPE:
+        out.pop(key, None)
+    return out
+
+
+def _changed_fields(old: c.Message, new: c.Message) -> list[str]:
+    a, b = _body(old), _body(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+@dataclass
+class Step:
+    event: c.Message
+    summary: str  # one line an operator reads, e.g. "model llama: changed (replicas)"
+
+
+def plan(catalog: Catalog, current: Current) -> list[Step]:
+    """The events that turn `current` into `catalog`, in an order routers can follow:
+    bands first (tenants name them), declarations, then removals."""
+    steps: list[Step] = []
+    if msgspec.to_builtins(catalog.bands) != msgspec.to_builtins(current.bands):
+        names = ", ".join(b.name for b in catalog.bands) or "none"
+        steps.append(Step(c.BandsDeclared(bands=list(catalog.bands)), f"bands: set to {names}"))
+    for m in catalog.models:
+        ev = m.event()
+        old = current.models.get(m.name)
+        if old is None:
+            steps.append(Step(ev, f"model {m.name}: declared"))
+        elif _body(old) != _body(ev):
+            steps.append(
+                Step(ev, f"model {m.name}: changed ({', '.join(_changed_fields(old, ev))})")
+            )
+    for t in catalog.tenants:
+        ev = t.event()
+        old = current.tenants.get(t.name)
+        if old is None:
+            steps.append(Step(ev, f"tenant {t.name}: declared"))
+        elif _body(old) != _body(ev):
+            steps.append(
+                Step(ev, f"tenant {t.name}: changed ({', '.join(_changed_fields(old, ev))})")
+            )
+    wanted_tenants = {t.name for t in catalog.tenants}
+    for name in sorted(set(current.tenants) - wanted_tenants):
+        steps.append(Step(c.TenantRemoved(name=name), f"tenant {name}: removed"))
+    wanted_models = {m.name for m in catalog.models}
+    for name in sorted(set(current.models) - wanted_models):
+        steps.append(Step(c.ModelRemoved(name=name), f"model {name}: removed"))
+    return steps

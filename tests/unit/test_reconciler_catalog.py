@@ -1,0 +1,160 @@
+"""The catalog file: validation errors that name entry and field, and a minimal diff."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from llmgw import contracts as c
+from llmgw.reconciler import catalog
+
+KEY = "sha256:" + "ab" * 32
+
+GOOD = f"""
+bands:
+  - {{name: interactive, ceiling: 1.5}}
+  - {{name: batch, ceiling: 0.8, queue_capacity: 50}}
+models:
+  - name: llama
+    aliases: [llama-3]
+    fallbacks: [qwen]
+    replicas: 2
+    profile: {{engine: vllm, model_ref: meta/llama, gpus_per_shard: 2, selector: {{fabric: ib}}}}
+  - name: qwen
+    profile: {{engine: sim}}
+    deadlines: {{idle: 5}}
+tenants:
+  - {{name: acme, band: interactive, key_hashes: ["{KEY}"], quotas: {{rpm: 600}}}}
+"""
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(catalog.CatalogError) as err:
+        catalog.parse(yaml.safe_load(text))
+    return err.value.problems
+
+
+def current_of(cat: catalog.Catalog) -> catalog.Current:
+    """The log's view after the catalog was applied once (events folded in order)."""
+    cur = catalog.Current()
+    for i, step in enumerate(catalog.plan(cat, catalog.Current()), 1):
+        cur.add(f"s{i}", i, step.event)
+    return cur
+
+
+def test_good_catalog_parses_into_contract_types():
+    cat = catalog.parse(yaml.safe_load(GOOD))
+    assert [b.name for b in cat.bands] == ["interactive", "batch"]
+    llama = cat.models[0].event()
+    assert isinstance(llama, c.ModelDeclared)
+    assert llama.profile.gpus_per_shard == 2 and llama.profile.selector == {"fabric": "ib"}
+    assert cat.models[1].deadlines.idle == 5.0 and cat.models[1].replicas == 1
+    assert cat.tenants[0].event().quotas.rpm == 600
+
+
+def test_type_errors_name_the_entry_and_the_field():
+    out = problems(
+        """
+models:
+  - name: qwen
+  - name: llama
+    profile: {gpus_per_shard: two}
+"""
+    )
+    assert out == ["models[1] (name=llama): profile.gpus_per_shard: expected int, got 'two'"]
+
+
+def test_unknown_fields_and_sections_are_errors_not_silently_ignored():
+    out = problems(
+        """
+model: []
+models:
+  - name: llama
+    profile: {gpu_per_shard: 2}
+"""
+    )
+    assert any(p.startswith("model: unknown section") for p in out)
+    assert any(
+        p.startswith("models[0] (name=llama): profile.gpu_per_shard: unknown field") for p in out
+    )
+
+
+def test_semantic_errors_are_all_reported():
+    out = problems(
+        f"""
+bands: [{{name: gold}}, {{name: gold}}]
+models:
+  - {{name: a, aliases: [b], fallbacks: [nope]}}
+  - {{name: b, aliases: [x], fallbacks: [c]}}
+  - {{name: c, aliases: [x], fallbacks: [b], replicas: -1}}
+  - {{name: a}}
+  - {{name: d, profile: {{engine: tgi}}}}
+  - {{name: e, profile: {{engine: vllm}}}}
+tenants:
+  - {{name: t1, band: silver, key_hashes: [nothex]}}
+  - {{name: t2, band: gold, key_hashes: ["{KEY}"]}}
+  - {{name: t3, band: gold, key_hashes: ["{KEY}"]}}
+"""
+    )
+    expected = [
+        "bands[1] (name=gold): name: duplicate band (also bands[0] (name=gold))",
+        "models[3] (name=a): name: duplicate model (also models[0] (name=a))",
+        "models[0] (name=a): aliases: 'b' shadows the model of that name",
+        "models[0] (name=a): fallbacks: 'nope' is not a model in this catalog",
+        "models[2] (name=c): aliases: 'x' is already an alias of 'b'",
+        "models[2] (name=c): replicas: must be 0 or more, got -1",
+        "models[4] (name=d): profile.engine: 'tgi' is not one of vllm, sglang, sim",
+        "models[5] (name=e): profile.model_ref: required for engine vllm",
+        "tenants[0] (name=t1): band: 'silver' is not a declared band (gold)",
+        "tenants[2] (name=t3): key_hashes[0]: the same key already belongs to tenant 't2'",
+    ]
+    for line in expected:
+        assert line in out, (line, out)
+    assert any("fallbacks: cycle b -> c -> b" in p for p in out), out
+    assert any(p.startswith("tenants[0] (name=t1): key_hashes[0]: expected 'sha256:'") for p in out)
+
+
+def test_names_that_collide_as_subject_tokens_are_rejected():
+    out = problems("models: [{name: 'org/m'}, {name: 'org_m'}]")
+    assert out == [
+        "models[1] (name=org_m): name: 'org_m' and 'org/m' map to the same subject token "
+        "'org_m'; rename one"
+    ]
+
+
+def test_an_unparseable_entry_is_still_a_known_name_for_references():
+    out = problems("models: [{name: a, fallbacks: [b]}, {name: b, replicas: many}]")
+    assert out == ["models[1] (name=b): replicas: expected int, got 'many'"]
+
+
+def test_plan_publishes_everything_once_then_nothing():
+    cat = catalog.parse(yaml.safe_load(GOOD))
+    first = catalog.plan(cat, catalog.Current())
+    kinds = [type(s.event).__name__ for s in first]
+    assert kinds == ["BandsDeclared", "ModelDeclared", "ModelDeclared", "TenantDeclared"]
+    assert catalog.plan(cat, current_of(cat)) == []
+
+
+def test_plan_publishes_only_what_changed_and_removes_what_is_gone():
+    cat = catalog.parse(yaml.safe_load(GOOD))
+    cur = current_of(cat)
+    edited = yaml.safe_load(GOOD)
+    edited["models"][0]["replicas"] = 3
+    del edited["models"][1]
+    edited["models"][0]["fallbacks"] = []
+    edited["tenants"] = []
+    steps = catalog.plan(catalog.parse(edited), cur)
+    assert [s.summary for s in steps] == [
+        "model llama: changed (fallbacks, replicas)",
+        "tenant acme: removed",
+        "model qwen: removed",
+    ]
+    assert isinstance(steps[0].event, c.ModelDeclared) and steps[0].event.replicas == 3
+    assert isinstance(steps[2].event, c.ModelRemoved) and steps[2].event.name == "qwen"
+
+
+def test_a_removed_then_redeclared_model_counts_as_new():
+    cat = catalog.parse(yaml.safe_load(GOOD))
+    cur = current_of(cat)
+    cur.add("x", 99, c.ModelRemoved(name="qwen"))
+    assert [s.summary for s in catalog.plan(cat, cur)] == ["model qwen: declared"]

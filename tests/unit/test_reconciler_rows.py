@@ -1,0 +1,100 @@
+"""State <-> rows: what the projection tables hold is exactly the folded state."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from llmgw import contracts as c
+from llmgw.reconciler import fold, rows
+from llmgw.reconciler.state import ClusterState
+
+
+def events() -> list[c.Message]:
+    gpus = {
+        f"GPU-{i}": c.GpuInfo(uuid=f"GPU-{i}", index=i, name="H200", memory_bytes=141 << 30)
+        for i in range(2)
+    }
+    return [
+        c.BandsDeclared(bands=[c.Band(name="hi", ceiling=1.5), c.Band(name="lo")]),
+        c.ModelDeclared(name="m", replicas=2, aliases=["mm"]),
+        c.TenantDeclared(name="t", band="hi", quotas=c.Quotas(rpm=10)),
+        c.NodeRegistered(node="a", gpus=gpus, labels={"fabric": "ib"}),
+        c.PlacementDecided(
+            model="m",
+            replica_id="m-r1",
+            based_on_seq=4,
+            assignments=[
+                c.ShardAssignment(shard_id="m-r1-s0", shard_index=0, node="a", gpus=["GPU-0"])
+            ],
+            verdicts=[c.NodeVerdict(node="a", fits=True, reason="2 free GPUs")],
+        ),
+        c.PlacementFailed(model="m", replica_id="m-r2", based_on_seq=5, explanation="no room"),
+        c.ShardStatus(
+            node="a",
+            shard_id="m-r1-s0",
+            model="m",
+            replica_id="m-r1",
+            state=c.ShardState.FAILED,
+            exit_code=1,
+            output_tail=["boom"],
+        ),  # fmt: skip
+        c.NodeUnreachable(node="a", last_seen=1.0),
+    ]
+
+
+def folded() -> ClusterState:
+    st = ClusterState()
+    for seq, ev in enumerate(events(), 1):
+        fold.apply(st, seq, ev)
+    return st
+
+
+def builtins(state: ClusterState):
+    return msgspec.to_builtins(state)
+
+
+def test_rows_round_trip_to_the_same_state():
+    st = folded()
+    table_rows = {name: list(by_key.values()) for name, by_key in rows.all_rows(st).items()}
+    back = rows.state_from_rows(table_rows, st.last_seq)
+    assert builtins(back) == builtins(st)
+    assert [b.name for b in back.bands] == ["hi", "lo"]  # priority order survives
+
+
+def test_writes_follow_the_change_set_including_deletes():
+    st = folded()
+    changes = fold.apply(st, 100, c.ModelRemoved(name="m"))
+    w = rows.writes_for(st, changes)
+    assert w.deletes == {"models": ["m"], "placement_failures": ["m-r2"]}
+    assert w.upserts == {} and w.bands is None
+    changes = fold.apply(st, 101, c.BandsDeclared(bands=[c.Band(name="only")]))
+    assert rows.writes_for(st, changes).bands == [
+        {
+            "name": "only",
+            "ceiling": 1.0,
+            "queue_capacity": 1000,
+            "queue_ttl_seconds": 30.0,
+            "position": 0,
+        }
+    ]
+
+
+def test_a_placement_moves_the_replica_counter_with_it():
+    st = folded()
+    w = rows.writes_for(st, {("replica", "m-r1")})
+    assert w.upserts["replica_counters"] == [{"model": "m", "last_n": 1}]
+
+
+def test_a_change_kind_without_a_table_is_an_error():
+    with pytest.raises(ValueError, match="no projection table"):
+        rows.writes_for(ClusterState(), {("mystery", "x")})
+
+
+def test_decision_rows_keep_every_verdict():
+    ev = events()[4]
+    row = rows.decision_row(9, ev)
+    assert row["outcome"] == "decided" and row["seq"] == 9
+    assert row["verdicts"] == [{"node": "a", "fits": True, "reason": "2 free GPUs"}]
+    assert rows.decision_row(10, events()[5])["outcome"] == "failed"
+    assert rows.decision_row(11, events()[0]) is None
