@@ -1,0 +1,144 @@
+"""The admin listener: /metrics, /healthz, /readyz and /debug/endpoints.
+
+It runs on its own port so that scrapes and probes never queue behind client
+traffic. One process: it reads the service directly (`LocalStats`). Several
+workers: it runs in the parent and merges the workers' snapshots
+(`MergedStats`, see snapshots.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmgw.router import snapshots
+from llmgw.router.metrics import RouterMetrics
+
+# A worker whose snapshot is older than this no longer makes the parent ready.
+SNAPSHOT_FRESH_SECONDS = 5.0
+
+
+class Stats(Protocol):
+    def metrics_text(self) -> bytes: ...
+
+    def readiness(self) -> tuple[bool, str]: ...
+
+    def endpoints(self) -> dict[str, Any]: ...
+
+
+class _Collect:
+    """Adapts a `collect()` callable to prometheus_client's registry."""
+
+    def __init__(self, collect):
+        self.collect = collect
+
+
+def _exposition(collect) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collect(collect))
+    return generate_latest(registry)
+
+
+class LocalStats:
+    def __init__(self, service):
+        self.service = service
+
+    def metrics_text(self) -> bytes:
+        svc = self.service
+        svc.metrics.refresh_endpoints(svc.view.endpoints.values(), time.monotonic())
+        return _exposition(svc.metrics.registry.collect)
+
+    def readiness(self) -> tuple[bool, str]:
+        return self.service.readiness()
+
+    def endpoints(self) -> dict[str, Any]:
+        return {"workers": 1, "endpoints": self.service.describe_endpoints()}
+
+
+class MergedStats:
+    def __init__(self, directory: Path, workers: int):
+        self.directory = directory
+        self.workers = workers
+        self.metrics = RouterMetrics()  # the series definitions; values come from snapshots
+
+    def metrics_text(self) -> bytes:
+        snaps = snapshots.read_all(self.directory)
+        every = [s.metrics for s, _ in snaps]
+        live = [s.metrics for s, alive in snaps if alive]
+        return _exposition(lambda: self.metrics.registry.merged(every, live))
+
+    def readiness(self) -> tuple[bool, str]:
+        now = time.time()
+        fresh = [
+            s
+            for s, alive in snapshots.read_all(self.directory)
+            if alive and now - s.written_at < SNAPSHOT_FRESH_SECONDS
+        ]
+        ready = sum(1 for s in fresh if s.ready)
+        if ready:
+            return True, f"{ready} of {self.workers} workers ready"
+        if not fresh:
+            return False, "no worker has reported yet"
+        return False, "no worker knows a ready endpoint"
+
+    def endpoints(self) -> dict[str, Any]:
+        merged: dict[str, dict[str, Any]] = {}
+        live = [s for s, alive in snapshots.read_all(self.directory) if alive]
+        for snap in live:
+            for ep in snap.endpoints:
+                cur = merged.get(ep["id"])
+                if cur is None:
+                    cur = merged[ep["id"]] = {**ep, "inflight": 0, "per_worker": []}
+                elif ep["load_age_s"] is not None and (
+                    cur["load_age_s"] is None or ep["load_age_s"] < cur["load_age_s"]
+                ):
+                    # The freshest sample any worker holds.
+                    for key in ("load", "load_age_s", "stale", "scrape_error"):
+                        cur[key] = ep[key]
+                cur["inflight"] += ep["inflight"]
+                cur["per_worker"].append(
+                    {"pid": snap.pid, "inflight": ep["inflight"], "circuit": ep["circuit"]}
+                )
+        for cur in merged.values():
+            # The circuit as the worst worker sees it; each worker's is listed.
+            order = {"closed": 0, "half_open": 1, "open": 2}
+            cur["circuit"] = max(
+                (w["circuit"] for w in cur["per_worker"]),
+                key=lambda c: order.get(c["state"], 0),
+            )
+        return {"workers": len(live), "endpoints": list(merged.values())}
+
+
+def admin_app(stats: Stats) -> Starlette:
+    async def metrics(request: Request) -> Response:
+        return Response(stats.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ready, why = stats.readiness()
+        return JSONResponse(
+            {"status": "ready" if ready else "not ready", "detail": why},
+            status_code=200 if ready else 503,
+        )
+
+    async def debug_endpoints(request: Request) -> Response:
+        return JSONResponse(stats.endpoints())
+
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics),
+            Route("/healthz", healthz),
+            Route("/readyz", readyz),
+            Route("/debug/endpoints", debug_endpoints),
+        ]
+    )

@@ -1,0 +1,201 @@
+"""Assembles one router process: view, source, scraper, proxy, and the two apps.
+
+`RouterService` owns every long-lived piece and starts and stops them in
+order. `worker_app` is the factory uvicorn imports in each worker process when
+the router runs with several workers (uvicorn needs an import string then);
+the parent hands the resolved config over in an environment variable, so
+every worker runs exactly what the parent validated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmgw import logs
+from llmgw.router import proxy as px
+from llmgw.router import requests as rq
+from llmgw.router import scheduling, snapshots
+from llmgw.router.admission.gate import from_router_config
+from llmgw.router.config import RouterConfig, projection
+from llmgw.router.errors import error_body
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.scraper import Scraper
+from llmgw.router.view import EndpointSource, EndpointView, StaticSource, ViewSettings
+
+if TYPE_CHECKING:
+    from llmgw.router.admission.seam import Gate
+
+CONFIG_ENV = "LLMGW_ROUTER_RESOLVED_CONFIG"
+SNAPSHOT_ENV = "LLMGW_ROUTER_SNAPSHOT_DIR"
+
+
+class RouterService:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        source: EndpointSource | None = None,
+        gate: Gate | None = None,
+    ):
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.view = EndpointView(
+            ViewSettings(
+                circuit_failures=config.circuit.failures,
+                circuit_cooldown=config.circuit.cooldown_seconds,
+                prefix_capacity=config.prefix.capacity_blocks,
+                scheduling=scheduling.Settings(stale_after=config.scrape.stale_after_seconds),
+            ),
+            observer=self.metrics,
+        )
+        self.source = source or StaticSource(projection(config))
+        self.admission = None
+        if gate is None:
+            gate = self.admission = from_router_config(config, self.metrics.admission)
+        self.proxy = px.Proxy(
+            self.view,
+            self.metrics,
+            px.Settings(
+                max_body_bytes=config.max_body_bytes,
+                attempts_per_model=config.retry.attempts_per_model,
+                prefix_block_bytes=config.prefix.block_bytes,
+                prefix_max_blocks=config.prefix.max_blocks,
+                pool_limit=config.upstream.pool_limit,
+                keepalive_seconds=config.upstream.keepalive_seconds,
+                access_log=config.access_log,
+            ),
+            gate,
+        )
+        self.scraper = (
+            Scraper(self.view, self.metrics, config.scrape) if config.scrape.enabled else None
+        )
+        self.started = False
+        self._writer: snapshots.Writer | None = None
+
+    async def start(self, snapshot_dir: Path | None = None) -> None:
+        await self.proxy.start()
+        await self.source.start(self.view)
+        if self.scraper is not None:
+            await self.scraper.start()
+        self.started = True
+        if snapshot_dir is not None:
+            self._writer = snapshots.Writer(snapshot_dir, self.snapshot)
+            self._writer.start()
+
+    async def stop(self) -> None:
+        self.started = False
+        if self._writer is not None:
+            await self._writer.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        await self.source.stop()
+        await self.proxy.stop()
+        if self.admission is not None:
+            self.admission.close()
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self.started:
+            return False, "starting"
+        if not self.view.ready():
+            return False, "no ready endpoint known"
+        return True, "ok"
+
+    def describe_endpoints(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        stale = self.config.scrape.stale_after_seconds
+        return [ep.describe(now, stale) for ep in self.view.endpoints.values()]
+
+    def snapshot(self) -> snapshots.Snapshot:
+        self.metrics.refresh_endpoints(self.view.endpoints.values(), time.monotonic())
+        return snapshots.Snapshot(
+            pid=os.getpid(),
+            written_at=time.time(),
+            ready=self.readiness()[0],
+            metrics=self.metrics.registry.snapshot(),
+            endpoints=self.describe_endpoints(),
+        )
+
+    # ------------------------------------------------------------ the public app
+
+    def public_app(self, *, lifespan: bool = True, snapshot_dir: Path | None = None) -> Starlette:
+        async def list_models(request: Request) -> Response:
+            created = int(time.time())
+            data = [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "llmgw",
+                    **({"root": canonical} if canonical else {}),
+                }
+                for name, canonical in self.view.models()
+            ]
+            return JSONResponse({"object": "list", "data": data})
+
+        @contextlib.asynccontextmanager
+        async def run(app: Starlette):
+            await self.start(snapshot_dir)
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        routes = [
+            Route(rq.PATHS[kind], self.proxy.endpoint(kind), methods=["POST"])
+            for kind in (rq.CHAT, rq.COMPLETIONS, rq.EMBEDDINGS)
+        ]
+        routes.append(Route("/v1/models", list_models, methods=["GET"]))
+        return Starlette(
+            routes=routes,
+            lifespan=run if lifespan else None,
+            exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    reason = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    message = {
+        404: f"no such endpoint: {request.url.path}",
+        405: f"method {request.method} is not allowed on {request.url.path}",
+    }.get(exc.status_code, str(exc.detail))
+    return _error(exc.status_code, reason, message, request)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # Starlette logs the traceback; the client gets no stack trace.
+    return _error(500, "internal_error", "internal error", request)
+
+
+def _error(status: int, reason: str, message: str, request: Request) -> Response:
+    rid = request.headers.get("x-request-id") or ""
+    return Response(
+        error_body(status, reason, message),
+        status_code=status,
+        media_type="application/json",
+        headers={"x-llmgw-reason": reason, **({"x-request-id": rid} if rid else {})},
+    )
+
+
+def encode_config(config: RouterConfig) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def worker_app() -> Starlette:
+    """The factory each worker process calls (`--workers N`)."""
+    config = msgspec.json.decode(os.environ[CONFIG_ENV].encode(), type=RouterConfig)
+    logs.setup("router", config.log_level)
+    snapshot_dir = os.environ.get(SNAPSHOT_ENV)
+    service = RouterService(config)
+    return service.public_app(snapshot_dir=Path(snapshot_dir) if snapshot_dir else None)

@@ -1,0 +1,252 @@
+"""The router's config file (router-only mode) and its validation.
+
+Models and endpoints in the file are turned into the same per-model records
+the control plane publishes (`contracts.ModelEndpoints`), so both modes feed
+one endpoint view and share one shape for scheduling and deadlines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from llmgw import config as cfg
+from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints, SchedulingSpec
+from llmgw.router import routes
+from llmgw.router.admission import config as admission
+
+
+class ModelConfig(cfg.ConfigStruct):
+    name: str
+    aliases: list[str] = msgspec.field(default_factory=list)
+    # Tried in order when every endpoint of this model fails before the first byte.
+    fallbacks: list[str] = msgspec.field(default_factory=list)
+    scheduling: SchedulingSpec | None = None  # None: model_defaults.scheduling
+    deadlines: DeadlineSpec | None = None  # None: model_defaults.deadlines
+
+
+class EndpointConfig(cfg.ConfigStruct):
+    id: str
+    url: str
+    models: list[str]
+    engine: str = "vllm"  # vllm | sglang | sim: which metric names its /metrics has
+    node: str = ""
+    state: EndpointState = EndpointState.READY
+    max_running: int | None = None
+
+
+class ModelDefaults(cfg.ConfigStruct):
+    scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
+    deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+
+
+class RetryConfig(cfg.ConfigStruct):
+    # Endpoints tried per model (each a different one) before walking the fallbacks.
+    attempts_per_model: int = 3
+
+
+class CircuitConfig(cfg.ConfigStruct):
+    failures: int = 5  # consecutive connect errors, 5xx or deadline misses that open it
+    cooldown_seconds: float = 10.0  # open this long, then one probe request decides
+
+
+class ScrapeConfig(cfg.ConfigStruct):
+    enabled: bool = True
+    interval_seconds: float = 0.2
+    timeout_seconds: float = 1.0
+    # Load older than this is stale: the queue and KV scorers then rate the endpoint
+    # as worst, so fresh endpoints win while the router's own in-flight count and
+    # affinity still spread traffic among stale ones.
+    stale_after_seconds: float = 1.0
+
+
+class PrefixConfig(cfg.ConfigStruct):
+    block_bytes: int = 256  # 64 pseudo-tokens of 4 bytes, as llm-d's approximate matcher
+    max_blocks: int = 128  # hash at most this many leading blocks of a prompt
+    capacity_blocks: int = 16384  # LRU entries per endpoint
+
+
+class UpstreamConfig(cfg.ConfigStruct):
+    pool_limit: int = 4096  # open connections per worker, all endpoints together
+    keepalive_seconds: float = 30.0
+
+
+class RouterConfig(cfg.ConfigStruct):
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "127.0.0.1:9090"
+    workers: int = 1
+    log_level: str = "info"
+    access_log: bool = False  # one line per request; failures are always logged
+    max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_grace_seconds: float = 30.0
+    models: list[ModelConfig] = msgspec.field(default_factory=list)
+    endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
+    model_defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    circuit: CircuitConfig = msgspec.field(default_factory=CircuitConfig)
+    scrape: ScrapeConfig = msgspec.field(default_factory=ScrapeConfig)
+    prefix: PrefixConfig = msgspec.field(default_factory=PrefixConfig)
+    upstream: UpstreamConfig = msgspec.field(default_factory=UpstreamConfig)
+    # Admission control (docs/admission.md): bands highest priority first.
+    admission: admission.AdmissionSettings = msgspec.field(
+        default_factory=admission.AdmissionSettings
+    )
+    bands: list[admission.BandConfig] = msgspec.field(default_factory=list)
+    tenants: list[admission.TenantConfig] = msgspec.field(default_factory=list)
+
+
+# Sections whose structs come from contracts, which (for forward compatibility on
+# the wire) accept unknown keys: check them here so a typo fails at start.
+_CONTRACT_SECTIONS = {"scheduling": SchedulingSpec, "deadlines": DeadlineSpec}
+
+
+def _unknown_keys(raw: dict[str, Any]) -> list[str]:
+    problems = []
+    places: list[tuple[str, Any]] = [("model_defaults", raw.get("model_defaults"))]
+    models = raw.get("models")
+    if isinstance(models, list):
+        places += [(f"models[{i}]", m) for i, m in enumerate(models)]
+    for where, section in places:
+        if not isinstance(section, dict):
+            continue
+        for key, struct in _CONTRACT_SECTIONS.items():
+            value = section.get(key)
+            if not isinstance(value, dict):
+                continue
+            known = {f.encode_name for f in msgspec.structs.fields(struct)}
+            for k in value:
+                if k not in known:
+                    problems.append(
+                        f"{where}.{key}.{k}: unknown key (known: {', '.join(sorted(known))})"
+                    )
+    return problems
+
+
+def validate(config: RouterConfig) -> list[str]:
+    """Every problem in the file, each naming the entry; empty when it is valid."""
+    problems = []
+    if config.workers < 1:
+        problems.append(f"workers = {config.workers}: must be at least 1")
+    if config.max_body_bytes < 1024:
+        problems.append(f"max_body_bytes = {config.max_body_bytes}: must be at least 1024")
+    for field, value in (
+        ("retry.attempts_per_model", config.retry.attempts_per_model),
+        ("circuit.failures", config.circuit.failures),
+        ("prefix.block_bytes", config.prefix.block_bytes),
+        ("prefix.max_blocks", config.prefix.max_blocks),
+        ("prefix.capacity_blocks", config.prefix.capacity_blocks),
+        ("upstream.pool_limit", config.upstream.pool_limit),
+    ):
+        if value < 1:
+            problems.append(f"{field} = {value}: must be at least 1")
+    for field, value in (
+        ("circuit.cooldown_seconds", config.circuit.cooldown_seconds),
+        ("scrape.interval_seconds", config.scrape.interval_seconds),
+        ("scrape.timeout_seconds", config.scrape.timeout_seconds),
+        ("scrape.stale_after_seconds", config.scrape.stale_after_seconds),
+    ):
+        if value <= 0:
+            problems.append(f"{field} = {value}: must be positive")
+    for listen in ("listen", "admin_listen"):
+        try:
+            cfg.host_port(getattr(config, listen), 0)
+        except cfg.ConfigError as exc:
+            problems.append(f"{listen}: {exc}")
+
+    seen: dict[str, int] = {}
+    for i, ep in enumerate(config.endpoints):
+        where = f"endpoints[{i}] (id {ep.id!r})"
+        if ep.id in seen:
+            problems.append(
+                f"{where}: duplicate endpoint id, first used by endpoints[{seen[ep.id]}]"
+            )
+        else:
+            seen[ep.id] = i
+        parts = urlsplit(ep.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"{where}: url {ep.url!r} is not an http(s) URL with a host")
+        if not ep.models:
+            problems.append(f"{where}: serves no models (models is empty)")
+    declared = {m.name for m in config.models}
+    for i, ep in enumerate(config.endpoints):
+        for model in ep.models:
+            if model not in declared:
+                problems.append(
+                    f"endpoints[{i}] (id {ep.id!r}): serves unknown model {model!r} (not in models)"
+                )
+    problems += routes.check(projection(config))
+    problems += admission.check(config.admission, config.bands, config.tenants)
+    return problems
+
+
+def _effective(config: RouterConfig, model: ModelConfig) -> tuple[SchedulingSpec, DeadlineSpec]:
+    return (
+        model.scheduling or config.model_defaults.scheduling,
+        model.deadlines or config.model_defaults.deadlines,
+    )
+
+
+def projection(config: RouterConfig) -> list[ModelEndpoints]:
+    """The file's models and endpoints as the records the control plane would publish."""
+    by_model: dict[str, list[Endpoint]] = {m.name: [] for m in config.models}
+    for ep in config.endpoints:
+        for model in ep.models:
+            by_model.setdefault(model, []).append(
+                Endpoint(
+                    id=ep.id,
+                    url=ep.url.rstrip("/"),
+                    node=ep.node,
+                    state=ep.state,
+                    engine=ep.engine,
+                    max_running=ep.max_running,
+                )
+            )
+    records = []
+    for m in config.models:
+        scheduling, deadlines = _effective(config, m)
+        records.append(
+            ModelEndpoints(
+                model=m.name,
+                endpoints=by_model[m.name],
+                aliases=list(m.aliases),
+                fallbacks=list(m.fallbacks),
+                scheduling=scheduling,
+                deadlines=deadlines,
+            )
+        )
+    return records
+
+
+def _fill_from_defaults(config: RouterConfig, raw: dict[str, Any]) -> None:
+    """A model's scheduling/deadlines keys override model_defaults key by key.
+
+    After decoding, a model's section is a whole struct whose unset keys hold the
+    built-in defaults; the raw file tells which keys the operator actually wrote.
+    """
+    raw_models = raw.get("models") if isinstance(raw.get("models"), list) else []
+    for i, model in enumerate(config.models):
+        raw_model = raw_models[i] if i < len(raw_models) and isinstance(raw_models[i], dict) else {}
+        for key in _CONTRACT_SECTIONS:
+            own = getattr(model, key)
+            written = raw_model.get(key)
+            if own is None or not isinstance(written, dict):
+                continue
+            base = getattr(config.model_defaults, key)
+            explicit = {k: getattr(own, k) for k in written if hasattr(own, k)}
+            setattr(model, key, msgspec.structs.replace(base, **explicit))
+
+
+def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """Load and validate; raises ConfigError listing every problem."""
+    config = cfg.load(RouterConfig, path, overrides=overrides)
+    raw = cfg.read_yaml(path) if path else {}
+    _fill_from_defaults(config, raw)
+    problems = _unknown_keys(raw)
+    problems += validate(config)
+    if problems:
+        source = str(path) if path else "config"
+        raise cfg.ConfigError(f"{source}:\n" + "\n".join(f"  - {p}" for p in problems))
+    return config

@@ -1,0 +1,146 @@
+"""The route table: model names and aliases to models, and each model's fallback chain.
+
+Pure: built from the per-model records (`contracts.ModelEndpoints`) whether they
+come from the router's file or from the control plane. `check` lists every
+problem by name (the config loader refuses to start on any); `build` drops
+what is wrong and keeps the rest, because a live update from the control plane
+must never take the router down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llmgw.contracts import ModelEndpoints
+from llmgw.router import scheduling
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTable:
+    records: dict[str, ModelEndpoints]  # by canonical model name
+    names: dict[str, str]  # model name or alias -> canonical model name
+    chains: dict[str, tuple[str, ...]]  # model, then its fallbacks (transitively) in order
+
+
+def _spec_problems(rec: ModelEndpoints) -> list[str]:
+    where = f"model {rec.model!r}"
+    problems = []
+    for key in ("connect", "headers", "first_token", "idle", "total"):
+        value = getattr(rec.deadlines, key)
+        if not value > 0:
+            problems.append(f"{where}: deadlines.{key} = {value}: must be positive")
+    sched = rec.scheduling
+    for name in sched.filters:
+        if name not in scheduling.FILTERS:
+            problems.append(
+                f"{where}: scheduling.filters: unknown filter {name!r} "
+                f"(known: {', '.join(sorted(scheduling.FILTERS))})"
+            )
+    for name, weight in sched.scorers.items():
+        if name not in scheduling.SCORERS:
+            problems.append(
+                f"{where}: scheduling.scorers: unknown scorer {name!r} "
+                f"(known: {', '.join(sorted(scheduling.SCORERS))})"
+            )
+        elif not weight >= 0:
+            problems.append(f"{where}: scheduling.scorers.{name} = {weight}: must be >= 0")
+    if sched.picker not in scheduling.PICKERS:
+        problems.append(
+            f"{where}: scheduling.picker: unknown picker {sched.picker!r} "
+            f"(known: {', '.join(sorted(scheduling.PICKERS))})"
+        )
+    return problems
+
+
+def _build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
+    problems: list[str] = []
+    by_name: dict[str, ModelEndpoints] = {}
+    for rec in records:
+        if rec.model in by_name:
+            problems.append(f"model {rec.model!r}: declared more than once")
+            continue
+        by_name[rec.model] = rec
+        problems += _spec_problems(rec)
+
+    names = {name: name for name in by_name}
+    for rec in by_name.values():
+        for alias in rec.aliases:
+            if alias in by_name:
+                problems.append(f"model {rec.model!r}: alias {alias!r} shadows model {alias!r}")
+            elif alias in names:
+                problems.append(
+                    f"model {rec.model!r}: alias {alias!r} is already an alias of "
+                    f"model {names[alias]!r}"
+                )
+            else:
+                names[alias] = rec.model
+
+    # Fallbacks may name a model or an alias; keep only those that resolve.
+    fallbacks: dict[str, list[str]] = {}
+    for rec in by_name.values():
+        resolved = []
+        for fb in rec.fallbacks:
+            target = names.get(fb)
+            if target is None:
+                problems.append(
+                    f"model {rec.model!r}: fallback {fb!r} is not a declared model or alias"
+                )
+            elif target == rec.model:
+                problems.append(f"model {rec.model!r}: fallback {fb!r} is the model itself")
+            else:
+                resolved.append(target)
+        fallbacks[rec.model] = resolved
+
+    # A fallback chain is walked depth first; a cycle would make "try the
+    # fallbacks of the fallback" loop, so the edge closing it is reported and cut.
+    cut: set[tuple[str, str]] = set()
+
+    def visit(model: str, path: list[str]) -> None:
+        for fb in fallbacks[model]:
+            if (model, fb) in cut:
+                continue
+            if fb in path:
+                cycle = " -> ".join([*path[path.index(fb) :], fb])
+                problems.append(f"model {model!r}: fallbacks form a cycle: {cycle}")
+                cut.add((model, fb))
+                continue
+            visit(fb, [*path, fb])
+
+    for model in by_name:
+        visit(model, [model])
+
+    chains: dict[str, tuple[str, ...]] = {}
+    for model in by_name:
+        order: list[str] = []
+
+        def walk(m: str, order: list[str] = order) -> None:
+            if m in order:
+                return
+            order.append(m)
+            for fb in fallbacks[m]:
+                if (m, fb) not in cut:
+                    walk(fb)
+
+        walk(model)
+        chains[model] = tuple(order)
+
+    seen_urls: dict[str, str] = {}
+    for rec in by_name.values():
+        for ep in rec.endpoints:
+            first = seen_urls.setdefault(ep.id, ep.url)
+            if first != ep.url:
+                problems.append(
+                    f"model {rec.model!r}: endpoint {ep.id!r} has url {ep.url!r}, "
+                    f"but another model lists it with {first!r}"
+                )
+    return RouteTable(by_name, names, chains), problems
+
+
+def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
+    """The usable route table and the problems that were skipped to get it."""
+    return _build(records)
+
+
+def check(records: Iterable[ModelEndpoints]) -> list[str]:
+    return _build(records)[1]

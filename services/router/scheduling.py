@@ -1,0 +1,349 @@
+"""Where a request goes: filters, then weighted scorers, then a picker.
+
+Each unit is small, named and behind one interface, and a model's pipeline is
+assembled from its `contracts.SchedulingSpec` (names and weights). Pure: the
+caller passes the time, and the random source is injected, so tests drive
+every decision.
+
+Filters drop endpoints that must not get the request. Scorers rate each
+remaining endpoint in 0..1 (higher is better); the pipeline sums them with the
+model's weights and the picker chooses. Scorers that learn from decisions
+(prefix, session) see the chosen endpoint through `picked`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from llmgw.contracts import EndpointState, SchedulingSpec
+
+if TYPE_CHECKING:
+    from llmgw.router.view import EndpointRuntime
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    stale_after: float = 1.0  # seconds after which scraped load no longer counts
+    session_capacity: int = 65536  # sessions remembered per model
+
+
+class Context:
+    """What the pipeline knows about one request."""
+
+    __slots__ = ("now", "model", "prefix", "session", "exclude")
+
+    def __init__(
+        self,
+        now: float,
+        model: str,
+        prefix: list[int] | None = None,
+        session: str | None = None,
+        exclude: Sequence[str] = (),
+    ):
+        self.now = now
+        self.model = model
+        self.prefix = prefix or []  # chained block hashes of the prompt
+        self.session = session
+        self.exclude = exclude  # endpoint ids already tried for this request
+
+
+# ------------------------------------------------------------------ interfaces
+
+
+class Filter(Protocol):
+    name: ClassVar[str]
+
+    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool: ...
+
+
+class Scorer(Protocol):
+    name: ClassVar[str]
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        """Write each candidate's score (0..1, higher is better) into `out`."""
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None: ...
+
+
+class Picker(Protocol):
+    name: ClassVar[str]
+
+    def pick(self, totals: Sequence[float], rng: random.Random) -> int: ...
+
+
+# ------------------------------------------------------------------ filters
+
+
+class ServesModel:
+    name = "serves_model"
+
+    def __init__(self, settings: Settings):
+        pass
+
+    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
+        return ctx.model in ep.models
+
+
+class Ready:
+    """Ready and not draining: a draining engine finishes what it has, takes nothing new."""
+
+    name = "ready"
+
+    def __init__(self, settings: Settings):
+        pass
+
+    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
+        return ep.state is EndpointState.READY
+
+
+class CircuitClosed:
+    """Circuit not open; after the cool-down, one probe may pass."""
+
+    name = "circuit"
+
+    def __init__(self, settings: Settings):
+        pass
+
+    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
+        return ep.circuit.allows(ctx.now)
+
+
+# ------------------------------------------------------------------ scorers
+
+
+class _Stateless:
+    def __init__(self, settings: Settings):
+        self.stale_after = settings.stale_after
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        pass
+
+
+def _min_max(values: list[float | None], out: list[float]) -> None:
+    """Lower is better; unknown (None) scores 0. Relative, so small gaps still separate."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return
+    lo, hi = min(known), max(known)
+    span = hi - lo
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = 0.0
+        elif span == 0:
+            out[i] = 1.0
+        else:
+            out[i] = (hi - v) / span
+
+
+class QueueScorer(_Stateless):
+    """Fewer requests waiting in the engine's queue is better (stale load scores 0)."""
+
+    name = "queue"
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        limit = ctx.now - self.stale_after
+        values: list[float | None] = []
+        for ep in cands:
+            load = ep.load
+            values.append(load.waiting if load is not None and load.at >= limit else None)
+        _min_max(values, out)
+
+
+class KvScorer(_Stateless):
+    """More free KV cache is better (stale load scores 0)."""
+
+    name = "kv"
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        limit = ctx.now - self.stale_after
+        for i, ep in enumerate(cands):
+            load = ep.load
+            out[i] = 1.0 - load.kv_usage if load is not None and load.at >= limit else 0.0
+
+
+class InflightScorer(_Stateless):
+    """Fewer requests this router has in flight there is better: the signal that never lags."""
+
+    name = "inflight"
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        _min_max([ep.inflight for ep in cands], out)
+
+
+class PrefixScorer(_Stateless):
+    """The share of the prompt's leading blocks this router already sent to the endpoint."""
+
+    name = "prefix"
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        hashes = ctx.prefix
+        if not hashes:
+            return
+        n = len(hashes)
+        for i, ep in enumerate(cands):
+            out[i] = ep.prefix.match(hashes) / n
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        if ctx.prefix:
+            ep.prefix.insert(ctx.prefix)
+
+
+class SessionScorer:
+    """Requests with the same session header go where that session went last."""
+
+    name = "session"
+
+    def __init__(self, settings: Settings):
+        self.capacity = settings.session_capacity
+        self.last: OrderedDict[str, str] = OrderedDict()  # session -> endpoint id
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        if ctx.session is None:
+            return
+        target = self.last.get(ctx.session)
+        if target is None:
+            return
+        for i, ep in enumerate(cands):
+            if ep.id == target:
+                out[i] = 1.0
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        if ctx.session is None:
+            return
+        last = self.last
+        last[ctx.session] = ep.id
+        last.move_to_end(ctx.session)
+        if len(last) > self.capacity:
+            last.popitem(last=False)
+
+
+# ------------------------------------------------------------------ pickers
+
+
+class MaxScore:
+    """The highest total; ties broken at random so equal endpoints share the load."""
+
+    name = "max_score"
+
+    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+        best = max(totals)
+        ties = [i for i, t in enumerate(totals) if t >= best - 1e-9]
+        return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+class PowerOfTwo:
+    """The better of two chosen at random: never piles onto one endpoint under bursts."""
+
+    name = "p2c"
+
+    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+        n = len(totals)
+        if n == 1:
+            return 0
+        a, b = rng.sample(range(n), 2)
+        return a if totals[a] >= totals[b] else b
+
+
+class WeightedRandom:
+    """Chance proportional to the total score (uniform when every total is zero)."""
+
+    name = "weighted_random"
+
+    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+        weights = [t if t > 0 else 0.0 for t in totals]
+        total = sum(weights)
+        if total <= 0:
+            return rng.randrange(len(totals))
+        r = rng.random() * total
+        for i, w in enumerate(weights):
+            r -= w
+            if r < 0:
+                return i
+        return len(totals) - 1
+
+
+FILTERS: dict[str, Callable[[Settings], Filter]] = {
+    f.name: f for f in (ServesModel, Ready, CircuitClosed)
+}
+SCORERS: dict[str, Callable[[Settings], Scorer]] = {
+    s.name: s for s in (QueueScorer, KvScorer, InflightScorer, PrefixScorer, SessionScorer)
+}
+PICKERS: dict[str, Callable[[], Picker]] = {
+    p.name: p for p in (MaxScore, PowerOfTwo, WeightedRandom)
+}
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+class Observer(Protocol):
+    """Where filter drops and the chosen endpoint's scores are counted (metrics)."""
+
+    def dropped(self, model: str, filter_name: str, count: int) -> None: ...
+
+    def scored(self, model: str, scorer_name: str, value: float) -> None: ...
+
+
+class Pipeline:
+    def __init__(
+        self,
+        spec: SchedulingSpec,
+        settings: Settings | None = None,
+        *,
+        observer: Observer | None = None,
+        rng: random.Random | None = None,
+    ):
+        settings = settings or Settings()
+        self.spec = spec
+        self.filters = [FILTERS[name](settings) for name in spec.filters]
+        # Weight 0 turns a scorer off without removing it from the file.
+        self.scorers = [
+            (SCORERS[name](settings), weight) for name, weight in spec.scorers.items() if weight > 0
+        ]
+        self.picker = PICKERS[spec.picker]()
+        self.uses_prefix = any(s.name == "prefix" for s, _ in self.scorers)
+        self.session_header = spec.session_header.lower().encode()
+        self.uses_session = any(s.name == "session" for s, _ in self.scorers)
+        self.observer = observer
+        self.rng = rng or random.Random()
+
+    def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
+        """The endpoint for this request, or None when every one was filtered out."""
+        cands = [ep for ep in endpoints if ep.id not in ctx.exclude] if ctx.exclude else endpoints
+        observer = self.observer
+        for f in self.filters:
+            kept = [ep for ep in cands if f.keep(ep, ctx)]
+            if len(kept) != len(cands) and observer is not None:
+                observer.dropped(ctx.model, f.name, len(cands) - len(kept))
+            cands = kept
+            if not cands:
+                return None
+        n = len(cands)
+        if n == 1:
+            chosen = cands[0]
+            if observer is not None:
+                for scorer, _ in self.scorers:
+                    vals = [0.0]
+                    scorer.score(cands, ctx, vals)
+                    observer.scored(ctx.model, scorer.name, vals[0])
+        else:
+            totals = [0.0] * n
+            per_scorer = []
+            for scorer, weight in self.scorers:
+                vals = [0.0] * n
+                scorer.score(cands, ctx, vals)
+                per_scorer.append(vals)
+                for i in range(n):
+                    totals[i] += weight * vals[i]
+            idx = self.picker.pick(totals, self.rng)
+            chosen = cands[idx]
+            if observer is not None:
+                for (scorer, _), vals in zip(self.scorers, per_scorer, strict=True):
+                    observer.scored(ctx.model, scorer.name, vals[idx])
+        for scorer, _ in self.scorers:
+            scorer.picked(chosen, ctx)
+        return chosen

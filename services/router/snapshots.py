@@ -1,0 +1,92 @@
+"""Worker snapshots: how several router processes share one admin listener.
+
+With `--workers N` each worker is its own process with its own counters, view
+and circuits. Each worker writes a snapshot (metrics series, readiness, the
+endpoints as it sees them) to a directory the parent created, every half
+second; the parent's admin listener reads and merges them. Files of workers
+that died are kept for their counters (so totals never go backwards) but no
+longer count for gauges or readiness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+INTERVAL = 0.5
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+class Snapshot(msgspec.Struct):
+    pid: int
+    written_at: float  # wall clock
+    ready: bool
+    metrics: dict[str, list[list[Any]]]
+    endpoints: list[dict[str, Any]]
+
+
+def write(directory: Path, snap: Snapshot) -> None:
+    path = directory / f"worker-{snap.pid}.snap"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(_encoder.encode(snap))
+    os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_all(directory: Path) -> list[tuple[Snapshot, bool]]:
+    """Every worker's latest snapshot, and whether that worker is still alive."""
+    out = []
+    for path in sorted(directory.glob("worker-*.snap")):
+        try:
+            raw = _decoder.decode(path.read_bytes())
+            snap = msgspec.convert(raw, Snapshot)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue  # being replaced right now, or from an older version
+        out.append((snap, _alive(snap.pid)))
+    return out
+
+
+class Writer:
+    """The worker side: a task that writes this process's snapshot periodically."""
+
+    def __init__(self, directory: Path, make: Callable[[], Snapshot]):
+        self.directory = directory
+        self.make = make
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.flush()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            write(self.directory, self.make())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(INTERVAL)
+            self.flush()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.flush()

@@ -1,0 +1,369 @@
+"""Upstreams the router's tests and benchmarks control, and an in-process router.
+
+- `FakeEngine`: an aiohttp server speaking just enough OpenAI to be routed to,
+  whose behaviour each test sets: stream these events, answer this status, hang
+  before the headers or after N events, drop the connection, report this load
+  on /metrics. It records what it received and notices disconnects.
+- `fast_upstream`: the fastest upstream Python can offer (a raw asyncio
+  protocol answering every POST with 16 SSE events at once), for benchmarks;
+  `python -m llmgw.router.testing fast PORT` runs it as its own process.
+- `running_router`: a RouterService with its public and admin servers on free
+  ports in the current event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.localservers import free_port
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chat_chunks(model: str, n: int, rid: str = "chatcmpl-1", usage: bool = False) -> list[bytes]:
+    """n content events, an optional usage event, then [DONE]: a vLLM-shaped stream."""
+    out = []
+    for i in range(n):
+        delta: dict[str, Any] = {"content": f"t{i} "}
+        if i == 0:
+            delta["role"] = "assistant"
+        out.append(
+            sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "finish_reason": "length" if i == n - 1 else None,
+                        }
+                    ],
+                }
+            )
+        )
+    if usage:
+        out.append(
+            sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                }
+            )
+        )
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeEngine:
+    """One programmable upstream; change its fields between requests."""
+
+    name: str = "engine"
+    tokens: int = 4
+    delay: float = 0.0  # between events
+    status: int = 200
+    hang_before_headers: bool = False
+    hang_after: int | None = None  # events sent before going silent (a wedged engine)
+    drop_after: int | None = None  # events sent before the connection is cut
+    events: list[bytes] | None = None  # exact stream to send (else chat_chunks)
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    metrics_status: int = 200
+    seen: list[Seen] = field(default_factory=list)
+    active: int = 0  # requests being answered right now
+    cancelled: int = 0  # requests whose client went away
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/embeddings", self._embed)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self.port = self.port or free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv_usage}\n'
+        )
+        return web.Response(text=text, status=self.metrics_status)
+
+    async def _record(self, request: web.Request) -> dict[str, Any]:
+        body = await request.json()
+        self.seen.append(Seen(request.path, dict(request.headers), body))
+        return body
+
+    async def _embed(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "fake failure"}}, status=self.status)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "model": self.name,
+                "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            }
+        )
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        self.active += 1
+        try:
+            if self.hang_before_headers:
+                await asyncio.sleep(3600)
+            if self.status != 200:
+                return web.json_response(
+                    {"error": {"message": f"{self.name} fails", "type": "server_error"}},
+                    status=self.status,
+                )
+            model = body.get("model", "m")
+            opts = body.get("stream_options") or {}
+            events = self.events or chat_chunks(
+                model, self.tokens, usage=bool(opts.get("include_usage"))
+            )
+            if not body.get("stream"):
+                return web.json_response(
+                    {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "created": 1,
+                        "model": model,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": f"from {self.name}"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+                    }
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, event in enumerate(events):
+                if self.hang_after is not None and i >= self.hang_after:
+                    await asyncio.sleep(3600)
+                if self.drop_after is not None and i >= self.drop_after:
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
+                await resp.write(event)
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+
+# ------------------------------------------------------------------ fast upstream
+
+_METRICS_PAGE = (
+    b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0.0\n"
+)
+
+
+def _chunked(parts: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+FAST_EVENTS = chat_chunks("m", 15)  # 15 tokens + [DONE]: 16 events
+FAST_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    + _chunked(FAST_EVENTS)
+)
+_FAST_METRICS = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (
+    len(_METRICS_PAGE),
+    _METRICS_PAGE,
+)
+
+
+class _FastProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.get = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self.get = self.parser.get_method() == b"GET"
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        self.transport.write(_FAST_METRICS if self.get else FAST_RESPONSE)
+
+
+async def fast_upstream(port: int, host: str = "127.0.0.1") -> asyncio.AbstractServer:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(_FastProtocol, host, port, backlog=4096)
+
+
+# ------------------------------------------------------------------ in-process router
+
+
+@dataclass
+class RunningRouter:
+    service: Any
+    url: str
+    admin_url: str
+
+
+@contextlib.asynccontextmanager
+async def running_router(config) -> AsyncIterator[RunningRouter]:
+    """A router in this event loop on free ports; `config` is a RouterConfig."""
+    import msgspec
+
+    from llmgw.router.admin import LocalStats, admin_app
+    from llmgw.router.app import RouterService
+    from llmgw.router.server import _Server, admin_config, public_config
+
+    config = msgspec.structs.replace(
+        config,
+        listen=f"127.0.0.1:{free_port()}",
+        admin_listen=f"127.0.0.1:{free_port()}",
+    )
+    service = RouterService(config)
+    public = _Server(public_config(service.public_app(), config))
+    admin = _Server(admin_config(admin_app(LocalStats(service)), config))
+    tasks = [asyncio.create_task(public.serve()), asyncio.create_task(admin.serve())]
+    try:
+        while not (public.started and admin.started):
+            if any(t.done() for t in tasks):
+                for t in tasks:
+                    if t.done():
+                        t.result()
+                raise RuntimeError("router servers exited during startup")
+            await asyncio.sleep(0.005)
+        yield RunningRouter(service, f"http://{config.listen}", f"http://{config.admin_listen}")
+    finally:
+        public.should_exit = admin.should_exit = True
+        public.force_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def bare_relay_app():
+    """The floor the router is measured against: Starlette, one raw ASGI endpoint,
+    one aiohttp session, chunks relayed as they arrive, nothing else. A uvicorn
+    factory; the upstream comes from LLMGW_BARE_UPSTREAM."""
+    import os
+
+    import aiohttp
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    upstream = os.environ["LLMGW_BARE_UPSTREAM"] + "/v1/chat/completions"
+    state: dict[str, aiohttp.ClientSession] = {}
+
+    class Relay:  # a class instance, so Starlette mounts it as a raw ASGI app
+        async def __call__(self, scope, receive, send):
+            await relay(scope, receive, send)
+
+    async def relay(scope, receive, send):
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        async with state["session"].post(
+            upstream, data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            async for chunk in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["session"] = aiohttp.ClientSession()
+        yield
+        await state["session"].close()
+
+    return Starlette(
+        routes=[Route("/v1/chat/completions", Relay(), methods=["POST"])], lifespan=lifespan
+    )
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "fast":
+        print("usage: python -m llmgw.router.testing fast PORT", file=sys.stderr)
+        return 2
+    import uvloop
+
+    async def serve() -> None:
+        server = await fast_upstream(int(argv[1]))
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

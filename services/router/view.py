@@ -1,0 +1,248 @@
+"""The router's in-memory view of models and endpoints, and where it is fed from.
+
+One `EndpointView` holds what the hot path reads: name -> model route, each
+route's endpoints with their live state (load, circuit, in-flight, prefix
+index). An `EndpointSource` feeds it: in router-only mode the config file,
+once (`StaticSource`); with a control plane, a watcher of the projection in
+JetStream KV that calls `replace`/`apply`/`remove` as records change.
+Updates swap whole route objects, so a request in flight keeps the consistent
+snapshot it resolved, and per-endpoint state survives updates by endpoint id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints
+from llmgw.router import routes, scheduling
+from llmgw.router.circuit import Circuit
+from llmgw.router.load import Load
+from llmgw.router.prefix import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ViewSettings:
+    circuit_failures: int = 5
+    circuit_cooldown: float = 10.0
+    prefix_capacity: int = 16384
+    scheduling: scheduling.Settings = scheduling.Settings()
+
+
+class EndpointRuntime:
+    """One engine endpoint and what this router process knows about it right now."""
+
+    __slots__ = (
+        "id",
+        "url",
+        "spec",
+        "models",
+        "state",
+        "circuit",
+        "load",
+        "inflight",
+        "prefix",
+        "scrape_error",
+        "targets",
+    )
+
+    def __init__(self, spec: Endpoint, settings: ViewSettings):
+        self.id = spec.id
+        self.url = spec.url.rstrip("/")
+        self.spec = spec
+        self.models: frozenset[str] = frozenset()
+        self.state = spec.state
+        self.circuit = Circuit(settings.circuit_failures, settings.circuit_cooldown)
+        self.load: Load | None = None
+        self.inflight = 0
+        self.prefix = PrefixIndex(settings.prefix_capacity)
+        self.scrape_error: str | None = None
+        self.targets: dict[str, Any] = {}  # path -> parsed upstream URL (filled by the proxy)
+
+    def describe(self, now: float, stale_after: float) -> dict:
+        load = self.load
+        out: dict[str, Any] = {
+            "id": self.id,
+            "url": self.url,
+            "models": sorted(self.models),
+            "state": self.state.value,
+            "engine": self.spec.engine,
+            "node": self.spec.node,
+            "inflight": self.inflight,
+            "circuit": self.circuit.describe(now),
+            "load": None,
+            "load_age_s": None,
+            "stale": True,
+            "scrape_error": self.scrape_error,
+            "prefix_blocks": len(self.prefix),
+        }
+        if load is not None:
+            out["load"] = {
+                "waiting": load.waiting,
+                "running": load.running,
+                "kv_usage": load.kv_usage,
+                "source": load.source,
+            }
+            age = max(0.0, now - load.at)
+            out["load_age_s"] = round(age, 3)
+            out["stale"] = age > stale_after
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    name: str
+    endpoints: tuple[EndpointRuntime, ...]
+    pipeline: scheduling.Pipeline
+    deadlines: DeadlineSpec
+    fallbacks: tuple[str, ...]  # models to walk, in order, once this one has failed
+
+
+class EndpointView:
+    def __init__(
+        self,
+        settings: ViewSettings | None = None,
+        observer: scheduling.Observer | None = None,
+    ):
+        self.settings = settings or ViewSettings()
+        self.observer = observer
+        self.version = 0
+        self._records: dict[str, ModelEndpoints] = {}
+        self._names: dict[str, str] = {}
+        self._routes: dict[str, ModelRoute] = {}
+        self.endpoints: dict[str, EndpointRuntime] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    # ----------------------------------------------------------- hot path reads
+
+    def resolve(self, name: str) -> ModelRoute | None:
+        """The route for a model name or alias."""
+        canonical = self._names.get(name)
+        return None if canonical is None else self._routes.get(canonical)
+
+    def route(self, model: str) -> ModelRoute | None:
+        return self._routes.get(model)
+
+    # ----------------------------------------------------------- reads for admin
+
+    def models(self) -> list[tuple[str, str | None]]:
+        """(name, canonical model or None for a model itself), models first."""
+        out: list[tuple[str, str | None]] = [(m, None) for m in self._routes]
+        out += [(n, m) for n, m in self._names.items() if n != m]
+        return out
+
+    def ready(self) -> bool:
+        """Some model has an endpoint that is ready and not draining."""
+        return any(
+            ep.state is EndpointState.READY for r in self._routes.values() for ep in r.endpoints
+        )
+
+    # ----------------------------------------------------------- updates
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every change of the endpoint set."""
+        self._listeners.append(listener)
+
+    def replace(self, records: Iterable[ModelEndpoints]) -> list[str]:
+        """Make these records the whole view (a snapshot); returns the problems skipped."""
+        self._records = {}
+        for rec in records:
+            self._records.setdefault(rec.model, rec)
+        return self._rebuild()
+
+    def apply(self, record: ModelEndpoints) -> list[str]:
+        self._records[record.model] = record
+        return self._rebuild()
+
+    def remove(self, model: str) -> list[str]:
+        self._records.pop(model, None)
+        return self._rebuild()
+
+    def update_load(self, endpoint_id: str, load: Load | None, error: str | None = None) -> None:
+        ep = self.endpoints.get(endpoint_id)
+        if ep is None:
+            return
+        if load is not None:
+            ep.load = load
+        ep.scrape_error = error
+
+    def _rebuild(self) -> list[str]:
+        table, problems = routes.build(self._records.values())
+        for p in problems:
+            log.warning("endpoint view: skipped: %s", p)
+
+        old_endpoints = self.endpoints
+        endpoints: dict[str, EndpointRuntime] = {}
+        served: dict[str, set[str]] = {}
+        draining: set[str] = set()
+        for rec in table.records.values():
+            for spec in rec.endpoints:
+                ep = endpoints.get(spec.id)
+                if ep is None:
+                    ep = old_endpoints.get(spec.id)
+                    if ep is None or ep.url != spec.url.rstrip("/"):
+                        ep = EndpointRuntime(spec, self.settings)
+                    ep.spec = spec
+                    endpoints[spec.id] = ep
+                served.setdefault(spec.id, set()).add(rec.model)
+                if spec.state is not EndpointState.READY:
+                    draining.add(spec.id)
+        for ep_id, ep in endpoints.items():
+            ep.models = frozenset(served[ep_id])
+            # An endpoint draining for one model drains for all: it is one engine.
+            ep.state = EndpointState.DRAINING if ep_id in draining else EndpointState.READY
+
+        new_routes: dict[str, ModelRoute] = {}
+        for name, rec in table.records.items():
+            old = self._routes.get(name)
+            if old is not None and old.pipeline.spec == rec.scheduling:
+                pipeline = old.pipeline  # keeps learned state such as session affinity
+            else:
+                pipeline = scheduling.Pipeline(
+                    rec.scheduling, self.settings.scheduling, observer=self.observer
+                )
+            seen: set[str] = set()
+            eps = []
+            for spec in rec.endpoints:
+                if spec.id not in seen:
+                    seen.add(spec.id)
+                    eps.append(endpoints[spec.id])
+            new_routes[name] = ModelRoute(
+                name=name,
+                endpoints=tuple(eps),
+                pipeline=pipeline,
+                deadlines=rec.deadlines,
+                fallbacks=table.chains[name][1:],
+            )
+        self.endpoints = endpoints
+        self._routes = new_routes
+        self._names = table.names
+        self.version += 1
+        for listener in self._listeners:
+            listener()
+        return problems
+
+
+class EndpointSource(Protocol):
+    """Feeds an EndpointView and keeps it current until stopped."""
+
+    async def start(self, view: EndpointView) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class StaticSource:
+    """Router-only mode: the records from the config file, applied once."""
+
+    def __init__(self, records: list[ModelEndpoints]):
+        self.records = records
+
+    async def start(self, view: EndpointView) -> None:
+        view.replace(self.records)
+
+    async def stop(self) -> None:
+        pass
