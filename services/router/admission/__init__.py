@@ -9,7 +9,7 @@ from .config import AdmissionSettings, BandConfig, QuotasConfig, TenantConfig, v
 from .controller import GRANTED, QUEUED, Controller, Ticket
 from .errors import AdmissionRejected
 from .gate import AdmissionGate, estimate_tokens
-from .seam import Gate, Grant, OpenGate
+from .seam import Gate, Grant
 
 __all__ = [
     "GRANTED",
@@ -21,7 +21,6 @@ __all__ = [
     "Controller",
     "Gate",
     "Grant",
-    "OpenGate",
     "QuotasConfig",
     "TenantConfig",
     "Ticket",

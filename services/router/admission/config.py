@@ -54,12 +54,12 @@ class TenantConfig(config.ConfigStruct, kw_only=True):
 DEFAULT_BANDS: tuple[contracts.Band, ...] = (contracts.Band(name="default", ceiling=2.0),)
 
 
-def validate(
+def check(
     settings: AdmissionSettings,
     bands: list[contracts.Band],
     tenants: list[TenantConfig] | list[contracts.TenantRecord],
-) -> None:
-    """Raise ConfigError naming the entry for anything that would misbehave at request time."""
+) -> list[str]:
+    """Every problem that would misbehave at request time, each naming the entry."""
     problems: list[str] = []
     s = settings
     for key, value, ok in (
@@ -130,5 +130,15 @@ def validate(
         problems.append(
             f"admission.anonymous_tenant = {s.anonymous_tenant!r}: no tenant has that name"
         )
+    return problems
+
+
+def validate(
+    settings: AdmissionSettings,
+    bands: list[contracts.Band],
+    tenants: list[TenantConfig] | list[contracts.TenantRecord],
+) -> None:
+    """Raise ConfigError listing every problem `check` finds."""
+    problems = check(settings, bands, tenants)
     if problems:
         raise config.ConfigError("; ".join(problems))

@@ -23,6 +23,7 @@ from llmgw import contracts
 
 from .config import AdmissionSettings
 from .controller import QUEUED, Controller, Metrics, Ticket
+from .metrics import AdmissionMetrics
 from .tenants import TenantSpec
 
 log = logging.getLogger(__name__)
@@ -113,3 +114,24 @@ class AdmissionGate:
         except Exception:  # a bug here must not strand every queued request
             log.exception("admission tick failed")
         self._arm()
+
+
+def from_router_config(
+    config: Any, metrics: AdmissionMetrics | None = None
+) -> AdmissionGate | None:
+    """The gate a router process runs with (`config` is its RouterConfig), or None when
+    admission has nothing to do there (off, and no tenants): the router then skips it."""
+    gate = AdmissionGate(
+        config.admission,
+        config.bands,
+        config.tenants,
+        stale_after=config.scrape.stale_after_seconds,
+        metrics=metrics,
+    )
+    if not gate.active:
+        return None
+    # Each worker process keeps its own counters and sees its share of the traffic.
+    gate.controller.set_routers(config.admission.routers * config.workers)
+    if metrics is not None:
+        metrics.controller = gate.controller
+    return gate

@@ -72,6 +72,7 @@ class AdmissionMetrics(Metrics):
             (),
             merge="max",
         )
+        self.controller: Controller | None = None  # bound when the router builds its gate
         self.series = [
             self.admitted_total,
             self.rejected_total,
@@ -94,10 +95,13 @@ class AdmissionMetrics(Metrics):
     def cancelled(self, band: str, tenant: str) -> None:
         self.cancelled_total.inc((band, tenant))
 
-    def refresh(self, controller: Controller) -> None:
+    def refresh(self) -> None:
         """Set the gauges from the controller's state (when metrics are read)."""
         for gauge in (self.queue_depth, self.saturation, self.outstanding, self.capacity):
             gauge.values.clear()
+        controller = self.controller
+        if controller is None:
+            return
         for key, depth in controller.queue_depths().items():
             self.queue_depth.set(key, float(depth))
         detector = controller.detector

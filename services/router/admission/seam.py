@@ -1,8 +1,5 @@
 """The seam between "may this request proceed, and when" and "where does it go".
 
-(Moved here from the router's services/router/admission.py, which the
-admission package shadows: same interface, same meaning.)
-
 The proxy calls `admit` after the request is parsed and its model resolved,
 and before scheduling. Authentication, quotas and admission queues live behind
 this interface; scheduling and dispatch never see tenants. A gate rejects by
@@ -30,20 +27,3 @@ class Gate(Protocol):
     async def admit(
         self, request: Parsed, route: ModelRoute, headers: dict[bytes, bytes]
     ) -> Grant: ...
-
-
-class _OpenGrant:
-    __slots__ = ()
-
-    def release(self, usage: Usage | None) -> None:
-        pass
-
-
-_OPEN_GRANT = _OpenGrant()
-
-
-class OpenGate:
-    """Router-only mode without admission: every request proceeds at once."""
-
-    async def admit(self, request: Parsed, route: ModelRoute, headers: dict[bytes, bytes]) -> Grant:
-        return _OPEN_GRANT
