@@ -166,9 +166,7 @@ async def test_a_flooding_tenant_cannot_starve_another_of_the_same_band(cluster)
                 flood_waits.append(flood_done - before - 1)
 
         async def queued(band: str) -> float:
-            return await asyncio.to_thread(
-                router.metric, "llmgw_admission_queue_depth", band=band
-            )
+            return await asyncio.to_thread(router.metric, "llmgw_admission_queue_depth", band=band)
 
         async def backlog_of(n: int, band: str) -> None:
             deadline = time.monotonic() + 20
