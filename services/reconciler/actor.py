@@ -86,6 +86,9 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
     drain_deadline: float = 60.0  # DrainShard.deadline_seconds
     stop_grace: float = 10.0  # StopShard.grace_seconds
     heartbeat_rebuild_timeout: float = 10.0  # reading the latest heartbeats at leader start
+    # A replica that still cannot be placed gets its changed verdicts restated at most this
+    # often: in a busy fleet the free-GPU counts in them change with every shard.
+    failure_restate_interval: float = 10.0
 
 
 class Actor:
@@ -103,6 +106,7 @@ class Actor:
         self._awaiting_seq = 0  # our newest published control event's stream seq
         self._awaiting_since = 0.0
         self._registered: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
         self.liveness = LivenessTracker(self.cfg.unreachable_after, self.cfg.lost_after, 0.0)
         self.commands = CommandTracker(self.cfg.command_retry_initial, self.cfg.command_retry_max)
         self.projection: KvProjection | None = None
@@ -269,24 +273,33 @@ class Actor:
         t0 = time.perf_counter()
         plan = reconcile.decide(state, ts=self.clock(), timings=self.timings)
         DECIDE_SECONDS.observe(time.perf_counter() - t0)
-        for ev in plan.events:
+        events = [ev for ev in plan.events if not self._too_soon(state, ev)]
+        for ev in events:
             await self._publish_event(ev)
             if isinstance(ev, c.PlacementDecided):
                 PLACEMENTS.labels("adopted" if ev.adopted else "decided").inc()
                 log.info("%s", ev.explanation)
             elif isinstance(ev, c.PlacementFailed):
+                self._failed_at[ev.replica_id] = self.clock()
                 PLACEMENTS.labels("failed").inc()
                 log.warning("%s", ev.explanation)
             elif isinstance(ev, c.ReplicaRetired):
                 RETIREMENTS.inc()
                 log.info("retired %s: %s", ev.replica_id, ev.reason)
-        if plan.events:
+        if events:
             # Commands follow from the state once these events are folded.
             await self._send(self.commands.due(self.clock()), reissue=True)
             return
         new, again = self.commands.sync(plan.commands, self.clock())
         await self._send(new, reissue=False)
         await self._send(again, reissue=True)
+
+    def _too_soon(self, state: ClusterState, ev: c.Message) -> bool:
+        """A restated failure within the interval: skipped (placement never reads failures)."""
+        if not isinstance(ev, c.PlacementFailed) or ev.replica_id not in state.failures:
+            return False
+        last = self._failed_at.get(ev.replica_id)
+        return last is not None and self.clock() - last < self.cfg.failure_restate_interval
 
     async def _publish_event(self, ev: c.Message) -> None:
         assert self._js is not None
