@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from llmgw import __version__, bus, subjects
 from llmgw import contracts as c
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 S = c.ShardState
 FETCH_BATCH = 16
+STREAM_NOT_FOUND = 10059  # JetStream API error code
 
 
 def status_of(node: str, rec: ShardRecord, command_key: str | None = None) -> c.ShardStatus:
@@ -265,6 +267,8 @@ class Agent:
                 await bus.publish(self.js, msg, deadline=5.0)
             except Exception as exc:  # disconnected, stream missing...: keep it and retry
                 log.warning("publishing %s failed (%s); retrying", type(msg).__name__, exc)
+                if isinstance(exc, NoStreamResponseError):
+                    await self._provision_quietly()
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
                 continue
@@ -296,6 +300,13 @@ class Agent:
         if not first:
             self._rebind = True
             log.info("reconnected: re-registering with %d shard(s)", len(self.live_shards()))
+
+    async def _provision_quietly(self) -> None:
+        """Recreate missing streams (a NATS that lost its storage); failures are retried later."""
+        try:
+            await bus.provision(self.js, self.cfg.bus)
+        except Exception as exc:
+            log.warning("provisioning streams failed: %s", exc)
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_interval_seconds
@@ -332,7 +343,6 @@ class Agent:
                     *(s.scrape(timeout=max(interval, 0.5)) for s in shards)
                 )
                 for shard, load in zip(shards, loads, strict=True):
-                    shard.load = load
                     if load is not None:
                         await self._publish_load(shard, load)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
@@ -377,6 +387,8 @@ class Agent:
                 raise
             except Exception as exc:
                 log.warning("command consumer failed (%s); re-binding", exc)
+                if isinstance(exc, NotFoundError) and exc.err_code == STREAM_NOT_FOUND:
+                    await self._provision_quietly()
                 sub = None
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)

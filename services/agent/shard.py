@@ -72,7 +72,6 @@ class EngineShard:
         self._probe_host = probe_host
         self._wake = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.load: Load | None = None  # latest scrape, kept by the load sampler
 
     # ------------------------------------------------------------ record keeping
 

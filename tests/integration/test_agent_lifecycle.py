@@ -57,7 +57,9 @@ class Watch:
             return await asyncio.wait_for(find(), timeout)
         except TimeoutError:
             seen = "\n  ".join(repr(m)[:300] for m in self.messages[after:][-15:])
-            raise AssertionError(f"no matching message within {timeout}s; last seen:\n  {seen}")
+            raise AssertionError(
+                f"no matching message within {timeout}s; last seen:\n  {seen}"
+            ) from None
 
     def statuses(self, shard_id: str) -> list[c.ShardStatus]:
         return [m for m in self.messages if isinstance(m, c.ShardStatus) and m.shard_id == shard_id]
@@ -397,3 +399,22 @@ async def test_nats_restart_under_the_agent(tmp_path):
         await bus.close_quietly(nc)
     finally:
         server.stop()
+
+
+async def test_lost_streams_are_recreated_and_the_consumer_rebound(nats, nats_url, watch, tmp_path):
+    js = nats.jetstream()
+    cfg = agent_config("n-lost", nats_url, tmp_path / "state")
+    async with running_agent(cfg):
+        # A NATS that lost its storage: the commands stream and the node's consumer are gone.
+        await js.delete_stream(subjects.COMMANDS_STREAM)
+        await eventually(lambda: _stream_exists(js, subjects.COMMANDS_STREAM), bool)
+        await bus.publish(js, start_cmd("n-lost", "after"))
+        await watch.wait_for(status("after", S.READY))
+
+
+async def _stream_exists(js, name: str) -> bool:
+    try:
+        await js.stream_info(name)
+    except Exception:
+        return False
+    return True

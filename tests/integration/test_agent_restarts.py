@@ -105,7 +105,9 @@ async def test_agent_killed_and_restarted_keeps_and_readopts_engines(nats, nats_
         assert engine_pids(state_dir)["keep"] == pids["keep"]
 
         # A second agent on the same state dir refuses to start.
-        clash = subprocess.run(agents[2].argv, env=agents[2].env, capture_output=True, timeout=60)
+        clash = await asyncio.to_thread(
+            subprocess.run, agents[2].argv, env=agents[2].env, capture_output=True, timeout=60
+        )
         assert clash.returncode == 1 and b"in use by another agent" in clash.stderr
 
         # SIGTERM: the agent exits cleanly and leaves its engines serving.
