@@ -78,10 +78,13 @@ async def connect(
     delay = 0.2
     while True:
         try:
-            return await nats.connect(
+            nc = await nats.connect(
                 servers=servers,
                 name=name,
-                max_reconnect_attempts=-1,
+                # With -1 here nats-py would retry the FIRST connect forever inside
+                # connect() (no way to give up, no deadline): try each server twice,
+                # let the loop below decide, and reconnect forever once connected.
+                max_reconnect_attempts=1,
                 reconnect_time_wait=0.5 + random.random(),  # jitter: no fleet-wide lockstep
                 allow_reconnect=True,
                 connect_timeout=connect_timeout,
@@ -90,8 +93,10 @@ async def connect(
                 reconnected_cb=reconnected_cb,
                 **options,
             )
+            nc.options["max_reconnect_attempts"] = -1  # read at each reconnect
+            return nc
         except (OSError, NoServersError, TimeoutError) as exc:
-            # nats-py does not retry a failed first connect; services may start before NATS.
+            # Services may start before NATS: wait for it unless told not to.
             if not wait_for_server or (stop_at is not None and loop.time() + delay > stop_at):
                 raise
             log.warning("nats at %s not reachable (%s); retrying in %.1fs", servers, exc, delay)
