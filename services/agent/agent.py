@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
-from llmgw import __version__, bus, subjects
+from llmgw import __version__, bus, subjects, tlsconfig
 from llmgw import contracts as c
 
 from . import adapters, procs, validate
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 S = c.ShardState
 FETCH_BATCH = 16
 STREAM_NOT_FOUND = 10059  # JetStream API error code
+AGENT_STREAMS = (subjects.EVENTS_STREAM, subjects.HEARTBEATS_STREAM, subjects.COMMANDS_STREAM)
 
 
 def status_of(node: str, rec: ShardRecord, command_key: str | None = None) -> c.ShardStatus:
@@ -137,6 +138,7 @@ class Agent:
                     name=f"agent-{self.node}",
                     on_reconnect=self._on_reconnect,
                     on_disconnect=self._on_disconnect,
+                    **tlsconfig.nats_options(self.cfg.nats_tls),
                 )
             )
             stop_wait = asyncio.create_task(self._stop.wait())
@@ -268,7 +270,7 @@ class Agent:
             except Exception as exc:  # disconnected, stream missing...: keep it and retry
                 log.warning("publishing %s failed (%s); retrying", type(msg).__name__, exc)
                 if isinstance(exc, NoStreamResponseError):
-                    await self._provision_quietly()
+                    await self._ensure_streams()
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
                 continue
@@ -287,26 +289,34 @@ class Agent:
 
     async def _resync(self, first: bool) -> None:
         """Make sure streams exist, then tell the control plane the whole truth again."""
-        delay = 0.2
-        while True:
-            try:
-                await bus.provision(self.js, self.cfg.bus)
-                break
-            except Exception as exc:
-                log.warning("provisioning streams failed (%s); retrying", exc)
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
+        await self._ensure_streams()
         self._enqueue(self.registration())
         if not first:
             self._rebind = True
             log.info("reconnected: re-registering with %d shard(s)", len(self.live_shards()))
 
-    async def _provision_quietly(self) -> None:
-        """Recreate missing streams (a NATS that lost its storage); failures are retried later."""
+    async def _ensure_streams(self) -> None:
+        """Provision only when one of the agent's streams is missing (a NATS that lost its
+        storage, or an agent started first on a fresh one).
+
+        Looking first matters under mTLS: an agent may look its streams up but not create
+        streams or buckets, and a denied request surfaces only as a timeout. Failures are
+        logged; the publisher and the consumer retry on their own.
+        """
         try:
-            await bus.provision(self.js, self.cfg.bus)
+            missing = [name for name in AGENT_STREAMS if not await self._stream_exists(name)]
+            if missing:
+                log.warning("streams %s missing: provisioning", ", ".join(missing))
+                await bus.provision(self.js, self.cfg.bus)
         except Exception as exc:
-            log.warning("provisioning streams failed: %s", exc)
+            log.warning("checking or provisioning streams failed: %s", exc)
+
+    async def _stream_exists(self, name: str) -> bool:
+        try:
+            await self.js.stream_info(name)
+        except NotFoundError:
+            return False
+        return True
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_interval_seconds
@@ -388,7 +398,7 @@ class Agent:
             except Exception as exc:
                 log.warning("command consumer failed (%s); re-binding", exc)
                 if isinstance(exc, NotFoundError) and exc.err_code == STREAM_NOT_FOUND:
-                    await self._provision_quietly()
+                    await self._ensure_streams()
                 sub = None
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
