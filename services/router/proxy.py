@@ -11,12 +11,11 @@ one OpenAI-shaped error event rather than a truncated or spliced answer. The
 response headers are held back until the first event, so an engine that
 accepts a request and then never produces a token can still be retried.
 
-Deadlines (per model): connect, response headers, first token, inter-token
-idle (the watchdog that tells a wedged engine from a slow one) and total.
-One asyncio timeout per attempt is moved from phase to phase.
-
-A client disconnect cancels the request's task at once, which closes the
-upstream connection: the engine aborts the request and frees its KV blocks.
+Deadlines (per model): connect (aiohttp's), then response headers, first
+token, inter-token idle (the watchdog that tells a wedged engine from a slow
+one) and total, enforced by the request's Guard (guard.py). A client
+disconnect cancels the request's task, which closes the upstream connection:
+the engine aborts the request and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from yarl import URL
 from llmgw import logs
 from llmgw.router import requests as rq
 from llmgw.router.errors import RouterError, error_body, error_event
+from llmgw.router.guard import Guard
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prefix import block_hashes
 from llmgw.router.scheduling import Context
@@ -57,6 +57,10 @@ _JSON = b"application/json"
 # the label of llmgw_router_upstream_errors_total.
 _TIMEOUT_STATUS = 504
 _BROKEN_STATUS = 502
+_FOREVER = float("inf")
+
+# See guard.py: a client that leaves sooner is noticed this long after arrival.
+DISCONNECT_WATCH_AFTER = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,30 +103,17 @@ class _OpenGate:
 
 
 class _Exchange:
-    """The state of one client request, shared with its disconnect watcher."""
+    """The state of one client request."""
 
-    __slots__ = ("rid", "t0", "started", "finished", "client_gone", "status", "endpoint", "usage")
+    __slots__ = ("rid", "t0", "started", "status", "endpoint", "usage")
 
     def __init__(self, rid: bytes, t0: float):
         self.rid = rid
         self.t0 = t0
         self.started = False  # bytes reached the client: no more retries
-        self.finished = False
-        self.client_gone = False
         self.status = 0
         self.endpoint = ""
         self.usage: rq.Usage | None = None
-
-
-async def _watch_disconnect(receive, task: asyncio.Task, ex: _Exchange) -> None:
-    """Cancel the request's task the moment its client goes away."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not ex.finished:
-                ex.client_gone = True
-                task.cancel()
-            return
 
 
 class Proxy:
@@ -285,19 +276,18 @@ class Proxy:
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ex))
+        guard = Guard(asyncio.get_running_loop(), task, receive, DISCONNECT_WATCH_AFTER)
         grant: Grant | None = None
         try:
             grant = await self.gate.admit(req, route, headers)
-            await self._dispatch(req, route, headers, ex, send)
+            await self._dispatch(req, route, headers, ex, send, guard)
         except asyncio.CancelledError:
-            if not ex.client_gone:
+            if not guard.client_gone:
                 raise
             task.uncancel()
             ex.status = 499
         finally:
-            ex.finished = True
-            watcher.cancel()
+            guard.close()
             if grant is not None:
                 grant.release(ex.usage)
 
@@ -308,8 +298,9 @@ class Proxy:
         headers: dict[bytes, bytes],
         ex: _Exchange,
         send,
+        guard: Guard,
     ) -> None:
-        deadline = self._ltime() + route.deadlines.total
+        guard.total_at = self._ltime() + route.deadlines.total
         ctx = Context(ex.t0, route.name, exclude=[])
         tried: list[str] = ctx.exclude  # type: ignore[assignment]
         failure: _Failure | None = None
@@ -334,7 +325,7 @@ class Proxy:
             ctx.session = session.decode("latin-1") if session is not None else None
             for _ in range(settings.attempts_per_model):
                 ctx.now = self._time()
-                if self._ltime() >= deadline:
+                if self._ltime() >= guard.total_at:
                     failure = _Failure(
                         "total_timeout",
                         f"no answer within the total deadline of {route.deadlines.total}s",
@@ -348,7 +339,7 @@ class Proxy:
                 if attempts:
                     metrics.retries.inc((route.name,))
                 attempts += 1
-                failure = await self._attempt(ep, current, req, body, ex, send, deadline)
+                failure = await self._attempt(ep, current, req, body, ex, send, guard)
                 if failure is None:
                     return
                 tried.append(ep.id)
@@ -401,135 +392,144 @@ class Proxy:
         body: bytes,
         ex: _Exchange,
         send,
-        deadline: float,
+        guard: Guard,
     ) -> _Failure | None:
         """Send the request to `ep` and relay its answer.
 
         None: the exchange is over (answered, relayed, or ended with an error
         event after its first byte). A _Failure: nothing reached the client.
         """
-        time = self._time
-        ltime = self._ltime
+        clock = self._time
         dl = route.deadlines
-        start = ltime()
         circuit = ep.circuit
-        circuit.dispatched(time())
+        circuit.dispatched(clock())
         ep.inflight += 1
         verdict: bool | None = None  # for the circuit: True healthy, False failed
-        phase = "headers"
         resp: aiohttp.ClientResponse | None = None
         reusable = False
+        guard.arm("headers", dl.headers)
         try:
-            async with asyncio.timeout(min(start + dl.headers, deadline)) as tm:
-                resp = await self.session.post(  # type: ignore[union-attr]
-                    self._target(ep, req.kind),
-                    data=body,
-                    headers={"Content-Type": "application/json", "X-Request-Id": ex.rid.decode()},
-                    timeout=self._connect_timeout(dl.connect),
+            resp = await self.session.post(  # type: ignore[union-attr]
+                self._target(ep, req.kind),
+                data=body,
+                headers={"Content-Type": "application/json", "X-Request-Id": ex.rid.decode()},
+                timeout=self._connect_timeout(dl.connect),
+            )
+            status = resp.status
+            if status >= 500 or status in (408, 429):
+                overloaded = status < 500
+                verdict = None if overloaded else False
+                detail = (await resp.read())[:300].decode("utf-8", "replace")
+                reusable = True
+                return _Failure(
+                    "upstream_overloaded" if overloaded else f"upstream_{status}",
+                    f"endpoint {ep.id} answered {status}: {detail}",
+                    503 if overloaded else _BROKEN_STATUS,
                 )
-                status = resp.status
-                if status >= 500 or status in (408, 429):
-                    overloaded = status < 500
-                    verdict = None if overloaded else False
-                    detail = (await resp.read())[:300].decode("utf-8", "replace")
-                    reusable = True
-                    return _Failure(
-                        "upstream_overloaded" if overloaded else f"upstream_{status}",
-                        f"endpoint {ep.id} answered {status}: {detail}",
-                        503 if overloaded else _BROKEN_STATUS,
-                    )
-                ctype = resp.headers.get("Content-Type", "")
-                if not (req.stream and status == 200 and ctype.startswith("text/event-stream")):
-                    phase = "body"
-                    tm.reschedule(deadline)
-                    data = await resp.read()
-                    reusable = True
+            ctype = resp.headers.get("Content-Type", "")
+            if not (req.stream and status == 200 and ctype.startswith("text/event-stream")):
+                guard.arm("total", _FOREVER)
+                data = await resp.read()
+                reusable = True
+                verdict = True
+                if status == 200:
+                    ex.usage = rq.usage_of(data)
+                ex.started = True
+                ex.status = status
+                ex.endpoint = ep.id
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": status,
+                        "headers": [
+                            (b"content-type", ctype.encode() or _JSON),
+                            (b"content-length", str(len(data)).encode()),
+                            (b"x-request-id", ex.rid),
+                            (b"x-llmgw-endpoint", ep.id.encode()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+                return None
+
+            guard.arm("first_token", dl.first_token)
+            idle = dl.idle
+            content = resp.content
+            metrics = self.metrics
+            key = (route.name,)
+            buf = b""
+            last = 0.0
+            tail_done = False
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                if buf:
+                    chunk = buf + chunk
+                cut = chunk.rfind(b"\n\n")
+                if cut < 0:
+                    buf = chunk
+                    continue
+                cut += 2
+                out, buf = chunk[:cut], chunk[cut:]
+                now = clock()
+                if not ex.started:
                     verdict = True
-                    if status == 200:
-                        ex.usage = rq.usage_of(data)
+                    circuit.success()
                     ex.started = True
-                    ex.status = status
+                    ex.status = 200
                     ex.endpoint = ep.id
+                    metrics.ttft.observe(key, now - ex.t0)
                     await send(
                         {
                             "type": "http.response.start",
-                            "status": status,
+                            "status": 200,
                             "headers": [
-                                (b"content-type", ctype.encode() or _JSON),
-                                (b"content-length", str(len(data)).encode()),
+                                (b"content-type", ctype.encode()),
+                                _NO_CACHE,
                                 (b"x-request-id", ex.rid),
                                 (b"x-llmgw-endpoint", ep.id.encode()),
                             ],
                         }
                     )
-                    await send({"type": "http.response.body", "body": data, "more_body": False})
-                    return None
-
-                phase = "first_token"
-                tm.reschedule(min(ltime() + dl.first_token, deadline))
-                idle = dl.idle
-                content = resp.content
-                metrics = self.metrics
-                key = (route.name,)
-                buf = b""
-                last = 0.0
-                tail_done = False
-                while True:
-                    chunk = await content.readany()
-                    if not chunk:
-                        break
-                    if buf:
-                        chunk = buf + chunk
-                    cut = chunk.rfind(b"\n\n")
-                    if cut < 0:
-                        buf = chunk
-                        continue
-                    cut += 2
-                    out, buf = chunk[:cut], chunk[cut:]
-                    now = time()
-                    if not ex.started:
-                        verdict = True
-                        circuit.success()
-                        ex.started = True
-                        ex.status = 200
-                        ex.endpoint = ep.id
-                        phase = "idle"
-                        metrics.ttft.observe(key, now - ex.t0)
-                        await send(
-                            {
-                                "type": "http.response.start",
-                                "status": 200,
-                                "headers": [
-                                    (b"content-type", ctype.encode()),
-                                    _NO_CACHE,
-                                    (b"x-request-id", ex.rid),
-                                    (b"x-llmgw-endpoint", ep.id.encode()),
-                                ],
-                            }
-                        )
-                    else:
-                        metrics.itl.observe(key, now - last)
-                    last = now
-                    if _USAGE_MARKERS[0] in out or _USAGE_MARKERS[1] in out:
-                        ex.usage = _stream_usage(out) or ex.usage
-                    tail_done = out.endswith(_DONE)
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    tm.reschedule(min(ltime() + idle, deadline))
-                if buf or not tail_done:
-                    verdict = False
-                    if not ex.started:
-                        return _Failure(
-                            "upstream_truncated",
-                            f"endpoint {ep.id} closed the stream before any event",
-                            _BROKEN_STATUS,
-                        )
-                    await self._end_stream(
-                        send, ep, "upstream_truncated", f"endpoint {ep.id} ended the stream early"
+                else:
+                    metrics.itl.observe(key, now - last)
+                last = now
+                if _USAGE_MARKERS[0] in out or _USAGE_MARKERS[1] in out:
+                    ex.usage = _stream_usage(out) or ex.usage
+                tail_done = out.endswith(_DONE)
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+                guard.arm("idle", idle)
+            if buf or not tail_done:
+                verdict = False
+                if not ex.started:
+                    return _Failure(
+                        "upstream_truncated",
+                        f"endpoint {ep.id} closed the stream before any event",
+                        _BROKEN_STATUS,
                     )
-                    return None
-                reusable = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await self._end_stream(
+                    send, ep, "upstream_truncated", f"endpoint {ep.id} ended the stream early"
+                )
                 return None
+            reusable = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return None
+        except asyncio.CancelledError:
+            phase = guard.fired
+            if phase is None:
+                raise  # the client left, or the server is stopping
+            guard.fired = None
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            kind = f"{phase}_timeout"
+            limit = getattr(dl, phase)
+            if phase != "total":
+                verdict = False  # a slow client's total budget says nothing of the engine
+            message = f"endpoint {ep.id}: {phase.replace('_', ' ')} deadline of {limit}s passed"
+            if ex.started:
+                await self._end_stream(send, ep, kind, message, _TIMEOUT_STATUS)
+                return None
+            return _Failure(kind, message, _TIMEOUT_STATUS, final=phase == "total")
         except aiohttp.ConnectionTimeoutError:
             verdict = False
             return _Failure(
@@ -542,19 +542,6 @@ class Proxy:
             return _Failure(
                 "connect_error", f"endpoint {ep.id} refused the connection: {exc.os_error}", 502
             )
-        except TimeoutError:
-            # uvloop's clock ticks in milliseconds: allow for it when telling which
-            # deadline fired.
-            total = ltime() >= deadline - 0.002
-            kind = "total_timeout" if total else f"{phase}_timeout"
-            limit = dl.total if total else getattr(dl, phase)
-            if not total:
-                verdict = False
-            message = f"endpoint {ep.id}: {kind.replace('_', ' ')} after {limit}s"
-            if ex.started:
-                await self._end_stream(send, ep, kind, message, _TIMEOUT_STATUS)
-                return None
-            return _Failure(kind, message, _TIMEOUT_STATUS, final=total)
         except aiohttp.ClientError as exc:
             verdict = False
             message = f"endpoint {ep.id} broke the connection: {exc.__class__.__name__}"
@@ -563,11 +550,12 @@ class Proxy:
                 return None
             return _Failure("upstream_broken", message, _BROKEN_STATUS)
         finally:
+            guard.no_deadline()
             ep.inflight -= 1
             if verdict is True:
                 circuit.success()
             elif verdict is False:
-                circuit.failure(time())
+                circuit.failure(clock())
             else:
                 circuit.abandoned()
             if resp is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
+from llmgw.router.circuit import CLOSED
 
 if TYPE_CHECKING:
     from llmgw.router.view import EndpointRuntime
@@ -57,11 +58,14 @@ class Context:
 class Filter(Protocol):
     name: ClassVar[str]
 
-    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool: ...
+    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
+        """The candidates that may get the request (a whole list at a time: one
+        comprehension is much cheaper per request than a call per endpoint)."""
 
 
 class Scorer(Protocol):
     name: ClassVar[str]
+    learns: ClassVar[bool]  # wants `picked` calls
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         """Write each candidate's score (0..1, higher is better) into `out`."""
@@ -84,8 +88,9 @@ class ServesModel:
     def __init__(self, settings: Settings):
         pass
 
-    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
-        return ctx.model in ep.models
+    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
+        model = ctx.model
+        return [ep for ep in cands if model in ep.models]
 
 
 class Ready:
@@ -96,8 +101,9 @@ class Ready:
     def __init__(self, settings: Settings):
         pass
 
-    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
-        return ep.state is EndpointState.READY
+    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
+        ready = EndpointState.READY
+        return [ep for ep in cands if ep.state is ready]
 
 
 class CircuitClosed:
@@ -108,14 +114,17 @@ class CircuitClosed:
     def __init__(self, settings: Settings):
         pass
 
-    def keep(self, ep: EndpointRuntime, ctx: Context) -> bool:
-        return ep.circuit.allows(ctx.now)
+    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
+        now = ctx.now
+        return [ep for ep in cands if ep.circuit.state is CLOSED or ep.circuit.allows(now)]
 
 
 # ------------------------------------------------------------------ scorers
 
 
 class _Stateless:
+    learns = False
+
     def __init__(self, settings: Settings):
         self.stale_after = settings.stale_after
 
@@ -178,6 +187,7 @@ class PrefixScorer(_Stateless):
     """The share of the prompt's leading blocks this router already sent to the endpoint."""
 
     name = "prefix"
+    learns = True
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         hashes = ctx.prefix
@@ -196,6 +206,7 @@ class SessionScorer:
     """Requests with the same session header go where that session went last."""
 
     name = "session"
+    learns = True
 
     def __init__(self, settings: Settings):
         self.capacity = settings.session_capacity
@@ -305,6 +316,7 @@ class Pipeline:
             (SCORERS[name](settings), weight) for name, weight in spec.scorers.items() if weight > 0
         ]
         self.picker = PICKERS[spec.picker]()
+        self.learners = [s for s, _ in self.scorers if s.learns]
         self.uses_prefix = any(s.name == "prefix" for s, _ in self.scorers)
         self.session_header = spec.session_header.lower().encode()
         self.uses_session = any(s.name == "session" for s, _ in self.scorers)
@@ -312,11 +324,17 @@ class Pipeline:
         self.rng = rng or random.Random()
 
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
-        """The endpoint for this request, or None when every one was filtered out."""
-        cands = [ep for ep in endpoints if ep.id not in ctx.exclude] if ctx.exclude else endpoints
+        """The endpoint for this request, or None when every one was filtered out.
+
+        With one candidate left there is nothing to decide: it is taken without
+        scoring (so scorer metrics describe real choices), and the scorers that
+        learn still see it.
+        """
+        exclude = ctx.exclude
+        cands = [ep for ep in endpoints if ep.id not in exclude] if exclude else list(endpoints)
         observer = self.observer
         for f in self.filters:
-            kept = [ep for ep in cands if f.keep(ep, ctx)]
+            kept = f.select(cands, ctx)
             if len(kept) != len(cands) and observer is not None:
                 observer.dropped(ctx.model, f.name, len(cands) - len(kept))
             cands = kept
@@ -325,11 +343,6 @@ class Pipeline:
         n = len(cands)
         if n == 1:
             chosen = cands[0]
-            if observer is not None:
-                for scorer, _ in self.scorers:
-                    vals = [0.0]
-                    scorer.score(cands, ctx, vals)
-                    observer.scored(ctx.model, scorer.name, vals[0])
         else:
             totals = [0.0] * n
             per_scorer = []
@@ -344,6 +357,6 @@ class Pipeline:
             if observer is not None:
                 for (scorer, _), vals in zip(self.scorers, per_scorer, strict=True):
                     observer.scored(ctx.model, scorer.name, vals[idx])
-        for scorer, _ in self.scorers:
+        for scorer in self.learners:
             scorer.picked(chosen, ctx)
         return chosen

@@ -296,7 +296,6 @@ async def running_router(config) -> AsyncIterator[RunningRouter]:
         yield RunningRouter(service, f"http://{config.listen}", f"http://{config.admin_listen}")
     finally:
         public.should_exit = admin.should_exit = True
-        public.force_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
 
 

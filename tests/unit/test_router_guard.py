@@ -1,0 +1,78 @@
+"""The per-request guard: deadlines by phase, moved lazily, and nothing after close."""
+
+import asyncio
+
+from llmgw.router.guard import Guard
+
+
+async def never(message_type="http.request"):
+    await asyncio.sleep(3600)
+
+
+async def run_guarded(body, watch_after=10.0, receive=never):
+    """Run body(guard) in a task; return (what it returned or 'cancelled', guard)."""
+    holder = {}
+
+    async def main():
+        guard = Guard(asyncio.get_running_loop(), asyncio.current_task(), receive, watch_after)
+        holder["guard"] = guard
+        try:
+            return await body(guard)
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            guard.close()
+
+    result = await asyncio.wait_for(asyncio.create_task(main()), 5)
+    return result, holder["guard"]
+
+
+async def test_a_passed_deadline_cancels_the_task_naming_its_phase():
+    async def body(guard):
+        guard.arm("first_token", 0.02)
+        await asyncio.sleep(1)
+
+    result, guard = await run_guarded(body)
+    assert result == "cancelled" and guard.fired == "first_token"
+
+
+async def test_pushing_the_idle_deadline_later_keeps_a_steady_stream_alive():
+    async def body(guard):
+        for _ in range(8):
+            guard.arm("idle", 0.03)
+            await asyncio.sleep(0.01)
+        return "done"
+
+    result, guard = await run_guarded(body)
+    assert result == "done" and guard.fired is None
+
+
+async def test_the_total_deadline_wins_when_it_comes_first():
+    async def body(guard):
+        guard.total_at = asyncio.get_running_loop().time() + 0.02
+        guard.arm("idle", 10)
+        await asyncio.sleep(1)
+
+    result, guard = await run_guarded(body)
+    assert guard.fired == "total"
+
+
+async def test_a_client_that_leaves_cancels_the_task_once_watched():
+    async def gone():
+        return {"type": "http.disconnect"}
+
+    async def body(guard):
+        await asyncio.sleep(1)
+
+    result, guard = await run_guarded(body, watch_after=0.01, receive=gone)
+    assert result == "cancelled" and guard.client_gone and guard.fired is None
+
+
+async def test_nothing_fires_after_close():
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(asyncio.sleep(0.1))
+    guard = Guard(loop, task, never, 0.0)
+    guard.arm("headers", 0.0)
+    guard.close()
+    await task  # not cancelled
+    assert guard.fired is None
