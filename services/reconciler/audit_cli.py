@@ -14,6 +14,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "llmgw.reconciler.verify",
         "fold the archive from seq 1 and compare with the live projection tables",
     ),
+    "rebuild": (
+        "llmgw.reconciler.rebuild",
+        "rewrite every projection table from the archive (reconcilers stopped)",
+    ),
 }
 
 

@@ -105,7 +105,9 @@ class Folder:
             try:
                 result = await self._fold_and_commit(fresh, poison)
             except _FoldCrash as crash:
+                token = logs.event_seq.set(crash.seq)
                 log.exception("fold failed at seq %d; dead-lettering it", crash.seq)
+                logs.event_seq.reset(token)
                 poison[crash.seq] = crash.reason
                 replace_contents(self.state, await store.load_state(self.engine))
                 continue
@@ -133,15 +135,12 @@ class Folder:
                     dead.append(_dead_row(entry, event, now))
                     state.last_seq = entry.seq
                     continue
-                token = logs.event_seq.set(entry.seq)
                 try:
                     result.changes |= fold.apply(state, entry.seq, event)
                 except Exception as exc:
                     raise _FoldCrash(
                         entry.seq, f"fold failed: {type(exc).__name__}: {exc}"
                     ) from exc
-                finally:
-                    logs.event_seq.reset(token)
                 seen[event.id] = entry.seq
                 archive.append(r.archive_row(entry.seq, entry.subject, entry.data, event))
                 row = r.decision_row(entry.seq, event)

@@ -28,18 +28,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw import bus, config, subjects
 
-from . import admin, leader, schema, store
+from . import admin, consumer, leader, schema, store
 from . import metrics as m
 from .actor import Actor
 from .config import ReconcilerConfig, resolve_id
-from .folder import Entry, Folder
+from .folder import BatchResult, Folder
 from .state import ClusterState
 
 log = logging.getLogger(__name__)
 
 DURABLE = "llmgw-reconciler"
-# A fetch that fails this many times in a row (not an empty fetch) ends the term.
-MAX_FETCH_ERRORS = 5
 
 
 class StreamBehind(RuntimeError):
@@ -196,37 +194,23 @@ class Reconciler:
             raise fold.exception()  # type: ignore[misc]
 
     async def _fold_loop(self, psub, folder: Folder, actor: Actor) -> None:
-        fcfg = self.cfg.fold
-        errors = 0
-        while True:
-            try:
-                msgs = await psub.fetch(fcfg.batch_size, timeout=fcfg.fetch_wait_seconds)
-            except TimeoutError:  # nothing new (nats' TimeoutError subclasses the builtin)
-                m.FOLD_LAG.set(0)
-                errors = 0
-                continue
-            except Exception as exc:
-                errors += 1
-                if errors >= MAX_FETCH_ERRORS:
-                    raise
-                log.warning("fetch from the event log failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
-                continue
-            errors = 0
-            if not msgs:
-                continue
-            entries = [Entry(msg.metadata.sequence.stream, msg.subject, msg.data) for msg in msgs]
-            with m.BATCH_SECONDS.time():
-                result = await folder.fold_batch(entries)
-            # AckPolicy.ALL: acknowledging the last acknowledges the whole batch.
-            await msgs[-1].ack()
+        async def on_batch(result: BatchResult, pending: int) -> None:
             m.EVENTS_FOLDED.inc(result.folded)
             m.EVENTS_SKIPPED.inc(result.skipped)
             m.DEAD_LETTERS.inc(result.dead)
             m.FOLDED_SEQ.set(result.last_seq)
-            m.FOLD_LAG.set(msgs[-1].metadata.num_pending)
+            m.FOLD_LAG.set(pending)
             if result.folded or result.dead:
                 await actor.on_state_changed(folder.state, result.changes)
+
+        await consumer.consume(
+            psub,
+            folder,
+            batch_size=self.cfg.fold.batch_size,
+            fetch_wait=self.cfg.fold.fetch_wait_seconds,
+            on_batch=on_batch,
+            on_idle=lambda: m.FOLD_LAG.set(0),
+        )
 
 
 async def _check_stream(js: JetStreamContext, position: int) -> None:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, text
 from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold, schema, store, verify
+from llmgw.reconciler import fold, rebuild, schema, store, verify
 from llmgw.reconciler import tables as t
 from llmgw.reconciler.folder import Entry, Folder
 from llmgw.reconciler.state import ClusterState
@@ -252,3 +252,7 @@ async def test_replaying_the_archive_reproduces_the_projection(js, engine, datab
     assert "shards m-r1-s0: state: table 'ready' != replay 'failed'" in res.stdout
     assert "placement_decisions 7: missing from the table (replay has it)" in res.stdout
     assert "FAIL: 2 difference(s)" in res.stdout
+    # Rebuilding the projection from the archive repairs it.
+    done = await rebuild.rebuild(engine)
+    assert done.events == len(evs)
+    assert (await verify.verify(engine)).differences == []
