@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from llmgw.localservers import free_port
@@ -132,7 +133,9 @@ class FakeEngine:
 
     async def _record(self, request: web.Request) -> dict[str, Any]:
         body = await request.json()
-        self.seen.append(Seen(request.path, dict(request.headers), body))
+        self.seen.append(
+            Seen(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+        )
         return body
 
     async def _embed(self, request: web.Request) -> web.Response:
@@ -260,6 +263,23 @@ async def fast_upstream(port: int, host: str = "127.0.0.1") -> asyncio.AbstractS
 # ------------------------------------------------------------------ in-process router
 
 
+def config_for(engines: list[FakeEngine], model: str = "m", **overrides: Any):
+    """A RouterConfig routing `model` to these engines (ids are their names), with
+    deadlines short enough for tests; keyword arguments replace config keys."""
+    from llmgw.contracts import DeadlineSpec
+    from llmgw.router import config as rc
+
+    base = rc.RouterConfig(
+        models=[rc.ModelConfig(name=model)],
+        endpoints=[rc.EndpointConfig(id=e.name, url=e.url, models=[model]) for e in engines],
+        model_defaults=rc.ModelDefaults(
+            deadlines=DeadlineSpec(connect=1.0, headers=1.0, first_token=1.0, idle=1.0, total=5.0)
+        ),
+        scrape=rc.ScrapeConfig(interval_seconds=0.05, stale_after_seconds=1.0),
+    )
+    return msgspec.structs.replace(base, **overrides)
+
+
 @dataclass
 class RunningRouter:
     service: Any
@@ -270,8 +290,6 @@ class RunningRouter:
 @contextlib.asynccontextmanager
 async def running_router(config) -> AsyncIterator[RunningRouter]:
     """A router in this event loop on free ports; `config` is a RouterConfig."""
-    import msgspec
-
     from llmgw.router.admin import LocalStats, admin_app
     from llmgw.router.app import RouterService
     from llmgw.router.server import _Server, admin_config, public_config
