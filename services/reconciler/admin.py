@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from . import metrics as m
 from . import readapi
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
             return error(503, f"database unavailable: {exc}", "service_unavailable")
 
     async def metrics(request: Request) -> Response:
+        m.LEADER.set(1 if role.name == "leader" else 0)
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:

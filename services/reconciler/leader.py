@@ -73,14 +73,21 @@ async def acquire(
     lock_id: int = DEFAULT_LOCK_ID,
     retry_interval: float = 1.0,
     check_interval: float = 1.0,
+    holder: str = "",
 ) -> Lease | None:
-    """Wait until this process holds the lock (a Lease), or until `stop` is set (None)."""
+    """Wait until this process holds the lock (a Lease), or until `stop` is set (None).
+
+    `holder` names the session in pg_stat_activity (application_name), so an
+    operator can see which process leads: `llmgw-leader:<holder>`.
+    """
     conn: asyncpg.Connection | None = None
     warned = False
     while not stop.is_set():
         try:
             if conn is None or conn.is_closed():
-                conn = await asyncpg.connect(dsn, timeout=5)
+                conn = await asyncpg.connect(
+                    dsn, timeout=5, server_settings={"application_name": f"llmgw-leader:{holder}"}
+                )
             got = await asyncio.wait_for(
                 conn.fetchval("SELECT pg_try_advisory_lock($1)", lock_id), timeout=5
             )

@@ -118,13 +118,13 @@ class Reconciler:
         dsn = schema.asyncpg_dsn(self.cfg.database_url)
         while not self.stop.is_set():
             self.role.name = "standby"
-            m.LEADER.set(0)
             lease = await leader.acquire(
                 dsn,
                 self.stop,
                 lock_id=lcfg.lock_id,
                 retry_interval=lcfg.retry_interval_seconds,
                 check_interval=lcfg.check_interval_seconds,
+                holder=self.id,
             )
             if lease is None:
                 return
@@ -139,18 +139,16 @@ class Reconciler:
             except Exception:
                 log.exception("leader term ended by an error; stepping down")
             finally:
-                m.LEADER.set(0)
+                self.role.name = "standby"
                 self.state = None
                 await lease.release()
             if not self.stop.is_set():
-                self.role.name = "standby"
                 await self._sleep(backoff)
 
     async def _lead(
         self, engine: AsyncEngine, nc: NATS, js: JetStreamContext, lease: leader.Lease
     ) -> None:
         self.role.name = "leader"
-        m.LEADER.set(1)
         m.LEADER_TERMS.inc()
         state = await store.load_state(engine)
         self.state = state

@@ -12,6 +12,7 @@ import json
 import subprocess
 import time
 
+import asyncpg
 import httpx
 import pytest
 from sqlalchemy import func, select
@@ -119,6 +120,25 @@ async def test_leader_killed_standby_takes_over_nothing_lost_nothing_doubled(
             return leaders[0] if len(leaders) == 1 and "standby" in roles.values() else None
 
         leader = await wait_for(one_leader, 30, "one leader and one standby")
+
+        # The leader's lock session dies (database restart, network cut): it stops
+        # acting at once, and there is again exactly one leader.
+        admin = await asyncpg.connect(schema.asyncpg_dsn(database_url))
+        try:
+            killed = await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = $1",
+                f"llmgw-leader:{leader}",
+            )
+        finally:
+            await admin.close()
+        assert killed == 1
+        await wait_for(
+            lambda: "lost the leader lock's connection" in group.children[leader].output(),
+            15,
+            "the deposed leader to stop acting",
+        )
+        leader = await wait_for(one_leader, 30, "a leader again")
         standby = next(rid for rid in ports if rid != leader)
 
         published: list[c.Message] = [
@@ -131,6 +151,8 @@ async def test_leader_killed_standby_takes_over_nothing_lost_nothing_doubled(
             await bus.publish(js, ev)
         await js.publish(s.agent_event("n1", "registered"), b"not json")  # one dead letter
         await wait_for(lambda: folded_seq(ports[leader]) >= len(published) + 1, 30, "first fold")
+        # The standby serves the same reads from Postgres.
+        assert folded_seq(ports[standby]) >= len(published) + 1
 
         more = [shard_event(i, c.ShardState.LOADING) for i in range(150)]
         more += [shard_event(i, c.ShardState.READY) for i in range(150)]
