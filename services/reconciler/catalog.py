@@ -221,6 +221,11 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
         )
     if p.min_gpu_memory_bytes < 0:
         out.append(f"{label}: profile.min_gpu_memory_bytes: must be 0 or more")
+    if p.gpu_memory_utilization is not None and not 0 < p.gpu_memory_utilization <= 1:
+        out.append(f"{label}: profile.gpu_memory_utilization: must be in (0, 1]")
+    for name in ("max_model_len", "max_num_seqs"):
+        if (getattr(p, name) or 1) < 1:
+            out.append(f"{label}: profile.{name}: must be positive (omit it for the default)")
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")

@@ -89,7 +89,7 @@ models:
   - {{name: c, aliases: [x], fallbacks: [b], replicas: -1}}
   - {{name: a}}
   - {{name: d, profile: {{engine: tgi}}}}
-  - {{name: e, profile: {{engine: vllm}}}}
+  - {{name: e, profile: {{engine: vllm, gpu_memory_utilization: 1.5}}}}
 tenants:
   - {{name: t1, band: silver, key_hashes: [nothex]}}
   - {{name: t2, band: gold, key_hashes: ["{KEY}"]}}
@@ -105,6 +105,7 @@ tenants:
         "models[2] (name=c): replicas: must be 0 or more, got -1",
         "models[4] (name=d): profile.engine: 'tgi' is not one of vllm, sglang, sim",
         "models[5] (name=e): profile.model_ref: required for engine vllm",
+        "models[5] (name=e): profile.gpu_memory_utilization: must be in (0, 1]",
         "tenants[0] (name=t1): band: 'silver' is not a declared band (gold)",
         "tenants[2] (name=t3): key_hashes[0]: the same key already belongs to tenant 't2'",
     ]
