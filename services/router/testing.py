@@ -366,6 +366,69 @@ def bare_relay_app():
     )
 
 
+@dataclass
+class RouterProcess:
+    """A `llmgw router` child process (see start_router)."""
+
+    proc: Any
+    url: str
+    admin_url: str
+    log_path: str
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (the router drains), then SIGKILL if it takes longer than `timeout`."""
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_router(directory, yaml_body: str, *args: str, timeout: float = 20.0) -> RouterProcess:
+    """Write `yaml_body` (without listen addresses) under `directory`, start `llmgw
+    router` on free ports, and return once /readyz answers 200."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    port, admin = free_port(), free_port()
+    path = Path(directory) / f"router-{port}.yaml"
+    path.write_text(f"listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin}\n{yaml_body}")
+    log_path = str(Path(directory) / f"router-{port}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw.cli", "router", "--config", str(path), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ},
+        )
+    router = RouterProcess(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}: {router.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(router.admin_url + "/readyz", timeout=1).status_code == 200:
+                return router
+        time.sleep(0.05)
+    router.stop()
+    raise RuntimeError(f"router not ready within {timeout}s: {router.log_tail()}")
+
+
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "fast":
         print("usage: python -m llmgw.router.testing fast PORT", file=sys.stderr)
