@@ -263,7 +263,7 @@ class BandsDeclared(Message, kw_only=True, tag="catalog.bands.declared"):
 # ---------------------------------------------------------------- control events
 
 
-class NodeVerdict(msgspec.Struct, kw_only=True):
+class NodeVerdict(msgspec.Struct, kw_only=True, gc=False):
     """Why a node could or could not take a shard, in words an operator reads."""
 
     node: str

@@ -89,6 +89,12 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
     # A replica that still cannot be placed gets its changed verdicts restated at most this
     # often: in a busy fleet the free-GPU counts in them change with every shard.
     failure_restate_interval: float = 10.0
+    # Placement attempts per plan: a large catalog change is decided in short plans, so
+    # the event loop (and with it heartbeat intake) never stalls for long.
+    max_placements_per_round: int = 50
+    # A liveness tick this late means the loop stalled and heartbeats may sit unread:
+    # silence is then counted from the end of the stall, not from the last heartbeat.
+    stall_grace_after: float = 2.0
 
 
 class Actor:
@@ -210,8 +216,14 @@ class Actor:
         log.info("rebuilt last-seen of %d nodes from stored heartbeats", count)
 
     async def _liveness_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            due = loop.time() + self.cfg.liveness_tick
             await asyncio.sleep(self.cfg.liveness_tick)
+            late = loop.time() - due
+            if late > self.cfg.stall_grace_after:
+                log.warning("event loop stalled %.1fs: counting node silence from now", late)
+                self.liveness.grace(self.clock())
             try:
                 state = self._state
                 events = self.liveness.check(state, self.clock())
@@ -271,7 +283,12 @@ class Actor:
             await self._send(self.commands.due(self.clock()), reissue=True)
             return
         t0 = time.perf_counter()
-        plan = reconcile.decide(state, ts=self.clock(), timings=self.timings)
+        plan = reconcile.decide(
+            state,
+            ts=self.clock(),
+            timings=self.timings,
+            max_placements=self.cfg.max_placements_per_round,
+        )
         DECIDE_SECONDS.observe(time.perf_counter() - t0)
         events = [ev for ev in plan.events if not self._too_soon(state, ev)]
         for ev in events:

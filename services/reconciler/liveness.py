@@ -44,6 +44,10 @@ class LivenessTracker:
         self.last_seen: dict[str, float] = {}
         self._pending: dict[str, tuple[Liveness, float]] = {}
 
+    def grace(self, now: float) -> None:
+        """Count silence from `now`: we were not listening (a new term, a stalled loop)."""
+        self.started_at = max(self.started_at, now)
+
     def seen(self, node: str, at: float) -> None:
         if at > self.last_seen.get(node, float("-inf")):
             self.last_seen[node] = at

@@ -67,14 +67,14 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-@dataclass
+@dataclass(slots=True)
 class Fit:
     """One node's answer for one replica: the verdict plus what ranking needs."""
 
     node: str
     fits: bool
     reason: str
-    free: list[str] = field(default_factory=list)  # fitting GPU UUIDs, in take order
+    free: list[c.GpuInfo] = field(default_factory=list)  # the GPUs that fit, unordered
     model_shards: int = 0
     fabric: str | None = None
 
@@ -99,23 +99,23 @@ class Usage:
                     self.model_shards[shard.node] = self.model_shards.get(shard.node, 0) + 1
 
 
-def _take_order(node: NodeView, eligible: list[c.GpuInfo], want: int) -> list[str]:
-    """Eligible GPUs in the order to take them: an NVLink-connected set first, if any."""
+def _take(eligible: list[c.GpuInfo], want: int) -> list[str]:
+    """The `want` GPUs to take: an NVLink-connected set if there is one, else lowest index.
+
+    Computed for chosen nodes only: ranking needs just the count.
+    """
     by_index = sorted(eligible, key=lambda g: (g.index, g.uuid))
     if want > 1:
-        uuids = {g.uuid for g in by_index}
         for seed in by_index:
             linked = [
                 g.uuid
                 for g in by_index
                 if g.uuid != seed.uuid
-                and g.uuid in uuids
                 and (g.uuid in seed.nvlink_peers or seed.topology.get(g.uuid, "").startswith("NV"))
             ]
             if len(linked) + 1 >= want:
-                chosen = [seed.uuid, *linked[: want - 1]]
-                return chosen + [g.uuid for g in by_index if g.uuid not in chosen]
-    return [g.uuid for g in by_index]
+                return [seed.uuid, *linked[: want - 1]]
+    return [g.uuid for g in by_index[:want]]
 
 
 def _node_fit(node: NodeView, profile: c.ServingProfile, usage: Usage) -> Fit:
@@ -151,7 +151,7 @@ def _node_fit(node: NodeView, profile: c.ServingProfile, usage: Usage) -> Fit:
         name,
         True,
         f"fits: {plural(len(big), 'free GPU')}, {plural(shards_here, 'shard')} of this model",
-        free=_take_order(node, big, need),
+        free=big,
         model_shards=shards_here,
         fabric=node.labels.get(FABRIC_LABEL),
     )
@@ -199,19 +199,17 @@ def place(
         )
 
     need = profile.gpus_per_shard
+    taken = {f.node: (i, _take(f.free, need)) for i, f in enumerate(chosen)}
     assignments = [
-        c.ShardAssignment(
-            shard_id=shard_id(replica_id, i), shard_index=i, node=f.node, gpus=f.free[:need]
-        )
-        for i, f in enumerate(chosen)
+        c.ShardAssignment(shard_id=shard_id(replica_id, i), shard_index=i, node=node, gpus=gpus)
+        for node, (i, gpus) in taken.items()
     ]
-    taken = {f.node: i for i, f in enumerate(chosen)}
     verdicts = []
     for f in fits:
         reason = f.reason
         if f.node in taken:
-            gpus = ",".join(f.free[:need])
-            reason = f"chosen for shard {taken[f.node]} ({gpus}); {f.reason}"
+            i, gpus = taken[f.node]
+            reason = f"chosen for shard {i} ({','.join(gpus)}); {f.reason}"
         verdicts.append(c.NodeVerdict(node=f.node, fits=f.fits, reason=reason))
     where = ", ".join(f"{a.node} ({','.join(a.gpus)})" for a in assignments)
     return c.PlacementDecided(

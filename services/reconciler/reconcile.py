@@ -45,8 +45,14 @@ class CommandTimings:
     stop_grace: float = 10.0
 
 
-def decide(state: ClusterState, *, ts: float = 0.0, timings: CommandTimings | None = None) -> Plan:
-    events, adopted = control_events(state, ts=ts)
+def decide(
+    state: ClusterState,
+    *,
+    ts: float = 0.0,
+    timings: CommandTimings | None = None,
+    max_placements: int | None = None,
+) -> Plan:
+    events, adopted = control_events(state, ts=ts, max_placements=max_placements)
     return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
 
 
@@ -145,9 +151,17 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
     return out
 
 
-def control_events(state: ClusterState, *, ts: float = 0.0) -> tuple[list[c.Message], set[str]]:
-    """The control events the state calls for, and the ids of shards they adopt."""
+def control_events(
+    state: ClusterState, *, ts: float = 0.0, max_placements: int | None = None
+) -> tuple[list[c.Message], set[str]]:
+    """The control events the state calls for, and the ids of shards they adopt.
+
+    `max_placements` bounds the placement attempts of one plan, so a big
+    catalog change is decided in several short plans instead of one long one;
+    the rest follow once these are folded.
+    """
     sc = _Scratch(state)
+    budget = max_placements if max_placements is not None else -1
     events: list[c.Message] = []
     adopted: set[str] = set()
 
@@ -184,6 +198,9 @@ def control_events(state: ClusterState, *, ts: float = 0.0) -> tuple[list[c.Mess
             adopted.add(shard.shard_id)
             missing -= 1
         for _ in range(missing):
+            if budget == 0:
+                break
+            budget -= 1
             rid = replica_id(model, sc.state.replica_counter.get(model, 0) + 1)
             result = placement.place(sc.state, model, rid, state.last_seq, ts=ts)
             if isinstance(result, c.PlacementFailed):

@@ -82,3 +82,14 @@ def test_new_leader_gives_a_grace_period_and_keeps_lost_nodes_lost():
 def test_rejects_lost_before_unreachable():
     with pytest.raises(ValueError):
         LivenessTracker(unreachable_after=10, lost_after=5, started_at=0)
+
+
+def test_a_stalled_reconciler_counts_silence_from_the_end_of_the_stall():
+    log = Log().append(node("a"))
+    t = LivenessTracker(unreachable_after=5, lost_after=10, started_at=0.0)
+    t.seen("a", 1.0)
+    # The loop was stuck from 2 to 20: heartbeats sat unread, so silence proves nothing.
+    t.grace(20.0)
+    assert t.check(log.state, 20.0) == []
+    assert t.check(log.state, 24.9) == []
+    assert names(t.check(log.state, 25.0)) == [("NodeUnreachable", "a")]

@@ -201,3 +201,12 @@ def test_multi_node_replica_with_one_failed_shard_is_replaced_whole():
     log.append(*plan.events)
     cmds = reconcile.decide(log.state).commands
     assert ("DrainShard", "w-r1-s0") in [(type(x).__name__, x.shard_id) for x in cmds]
+
+
+def test_a_big_change_is_decided_in_bounded_plans():
+    log = Log().append(node("a", 8), model("m", replicas=5))
+    first = reconcile.decide(log.state, max_placements=2)
+    assert [ev.replica_id for ev in first.events] == ["m-r1", "m-r2"]
+    log.append(*first.events)
+    second = reconcile.decide(log.state, max_placements=2)
+    assert [ev.replica_id for ev in second.events] == ["m-r3", "m-r4"]
