@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -287,8 +286,8 @@ async def part_b(nodes: int, replicas: int, steady: float) -> dict:
         actor = Actor(cfg)
         leader = MemoryLeader(nc, js, actor)
         task = asyncio.create_task(leader.run())
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--fleet", server.url, "--nodes", str(nodes)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--fleet", server.url, "--nodes", str(nodes)
         )
         st = leader.state
         await wait_for(lambda: len(st.nodes) == nodes, 60, "registrations")
@@ -343,10 +342,10 @@ async def part_b(nodes: int, replicas: int, steady: float) -> dict:
                 await nc.flush()
         if proc is not None:
             try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
                 proc.kill()
-                proc.wait(5)
+                await asyncio.wait_for(proc.wait(), 5)
         if task is not None:
             task.cancel()
             with contextlib.suppress(BaseException):
