@@ -70,9 +70,14 @@ class Reconciler:
                 return 1
             if self.stop.is_set():
                 return 0
-            self.nc = await bus.connect(self.cfg.nats_url, name=f"reconciler-{self.id}")
+            self.nc = await self._unless_stopped(
+                bus.connect(self.cfg.nats_url, name=f"reconciler-{self.id}")
+            )
+            if self.nc is None:
+                return 0
             js = self.nc.jetstream()
-            await bus.provision(js, self.cfg.bus)
+            if not await self._provision(js):
+                return 0
             host, port = config.host_port(self.cfg.admin_listen, 9300)
             server = admin.AdminServer(admin.build_app(engine, self.role), host, port)
             await server.start()
@@ -106,6 +111,35 @@ class Reconciler:
                     warned = True
             await self._sleep(2.0)
         return True
+
+    async def _unless_stopped(self, coro):
+        """The coroutine's result, or None if SIGTERM came first (waits must not block it)."""
+        task = asyncio.ensure_future(coro)
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return None
+
+    async def _provision(self, js: JetStreamContext) -> bool:
+        """Streams and buckets exist; retried while JetStream is not ready (a cluster forming)."""
+        warned = False
+        while not self.stop.is_set():
+            try:
+                await bus.provision(js, self.cfg.bus)
+                return True
+            except Exception as exc:
+                if not warned:
+                    log.warning("cannot provision NATS yet (%s); retrying", exc)
+                    warned = True
+            await self._sleep(2.0)
+        return False
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
