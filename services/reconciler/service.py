@@ -187,6 +187,7 @@ class Reconciler:
         state = await store.load_state(engine)
         self.state = state
         m.FOLDED_SEQ.set(state.last_seq)
+        await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
         await _check_stream(js, state.last_seq)
         log.info("leading from seq %d", state.last_seq)
         psub = await bus.ensure_pull_consumer(
