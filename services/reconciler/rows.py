@@ -49,9 +49,12 @@ class Projection:
     kind: str
     table: Table
     key: str
-    entries: Callable[[ClusterState], dict[str, Any]]
+    attr: str  # the ClusterState dict it projects
     to_row: Callable[[str, Any], Row]
     load: Callable[[ClusterState, Row], None]
+
+    def entries(self, state: ClusterState) -> dict[str, Any]:
+        return getattr(state, self.attr)
 
 
 def _view_row(key: str, view: msgspec.Struct) -> Row:
@@ -83,7 +86,7 @@ PROJECTIONS: dict[str, Projection] = {
             "node",
             t.Node.__table__,
             "node",
-            lambda s: s.nodes,
+            "nodes",
             _view_row,
             _load_view("nodes", NodeView, "node"),
         ),
@@ -91,7 +94,7 @@ PROJECTIONS: dict[str, Projection] = {
             "shard",
             t.Shard.__table__,
             "shard_id",
-            lambda s: s.shards,
+            "shards",
             _view_row,
             _load_view("shards", ShardView, "shard_id"),
         ),
@@ -99,7 +102,7 @@ PROJECTIONS: dict[str, Projection] = {
             "replica",
             t.Replica.__table__,
             "replica_id",
-            lambda s: s.replicas,
+            "replicas",
             _view_row,
             _load_view("replicas", ReplicaView, "replica_id"),
         ),
@@ -107,7 +110,7 @@ PROJECTIONS: dict[str, Projection] = {
             "model",
             t.Model.__table__,
             "name",
-            lambda s: s.models,
+            "models",
             lambda k, m: _message_row(m),
             _load_message("models", c.ModelDeclared, "name"),
         ),
@@ -115,7 +118,7 @@ PROJECTIONS: dict[str, Projection] = {
             "tenant",
             t.Tenant.__table__,
             "name",
-            lambda s: s.tenants,
+            "tenants",
             lambda k, m: _message_row(m),
             _load_message("tenants", c.TenantDeclared, "name"),
         ),
@@ -123,7 +126,7 @@ PROJECTIONS: dict[str, Projection] = {
             "failure",
             t.PlacementFailure.__table__,
             "replica_id",
-            lambda s: s.failures,
+            "failures",
             lambda k, m: _message_row(m),
             _load_message("failures", c.PlacementFailed, "replica_id"),
         ),
@@ -131,7 +134,7 @@ PROJECTIONS: dict[str, Projection] = {
             "counter",
             t.ReplicaCounter.__table__,
             "model",
-            lambda s: s.replica_counter,
+            "replica_counter",
             lambda k, n: {"model": k, "last_n": n},
             _load_counter,
         ),

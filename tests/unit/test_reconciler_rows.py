@@ -7,7 +7,7 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler import fold, rows
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.state import ClusterState, NodeView, ReplicaView, ShardView
 
 
 def events() -> list[c.Message]:
@@ -98,3 +98,21 @@ def test_decision_rows_keep_every_verdict():
     assert row["verdicts"] == [{"node": "a", "fits": True, "reason": "2 free GPUs"}]
     assert rows.decision_row(10, events()[5])["outcome"] == "failed"
     assert rows.decision_row(11, events()[0]) is None
+
+
+def test_every_part_of_the_state_has_a_table_whose_columns_are_its_fields():
+    """A field added to the state or a view without a projection column fails here first."""
+    covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq"}
+    assert covered == set(ClusterState.__struct_fields__)
+    views = {"node": NodeView, "shard": ShardView, "replica": ReplicaView}
+    messages = {"model": c.ModelDeclared, "tenant": c.TenantDeclared, "failure": c.PlacementFailed}
+    for kind, proj in rows.PROJECTIONS.items():
+        columns = {col.name for col in proj.table.columns}
+        if kind in views:
+            assert columns == set(views[kind].__struct_fields__), kind
+        elif kind in messages:
+            envelope = {"v", "id", "ts"}
+            fields = set(messages[kind].__struct_fields__) - envelope
+            assert columns == fields | {"event_id", "event_ts"}, kind
+    band_columns = {col.name for col in rows.BANDS_TABLE.columns}
+    assert band_columns == set(c.Band.__struct_fields__) | {"position"}
