@@ -63,6 +63,8 @@ class RouterService:
         self.admission = None
         if gate is None:
             gate = self.admission = from_router_config(config, self.metrics.admission)
+        if self.admission is not None:
+            self.view.on_load(self.admission.observed)
         self.proxy = px.Proxy(
             self.view,
             self.metrics,
@@ -128,7 +130,7 @@ class RouterService:
 
     # ------------------------------------------------------------ the public app
 
-    def public_app(self, *, lifespan: bool = True, snapshot_dir: Path | None = None) -> Starlette:
+    def public_app(self, *, lifespan: bool = True, snapshot_dir: Path | None = None) -> HotPaths:
         async def list_models(request: Request) -> Response:
             created = int(time.time())
             data = [
@@ -151,16 +153,38 @@ class RouterService:
             finally:
                 await self.stop()
 
-        routes = [
-            Route(rq.PATHS[kind], self.proxy.endpoint(kind), methods=["POST"])
-            for kind in (rq.CHAT, rq.COMPLETIONS, rq.EMBEDDINGS)
-        ]
+        hot = {rq.PATHS[kind]: self.proxy.endpoint(kind) for kind in rq.KINDS}
+        routes = [Route(path, ep, methods=["POST"]) for path, ep in hot.items()]
         routes.append(Route("/v1/models", list_models, methods=["GET"]))
-        return Starlette(
+        app = Starlette(
             routes=routes,
             lifespan=run if lifespan else None,
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         )
+        return HotPaths(app, hot)
+
+
+class HotPaths:
+    """The Starlette app, with the proxy's POST paths answered before its middleware.
+
+    The proxy endpoints are mounted in Starlette like any route, but Starlette's
+    error and exception middleware wrap every ASGI send of every request in two
+    more Python coroutines, which a streamed answer pays per event; the proxy
+    handles its own errors, so an exact path match skips them. Everything else
+    (lifespan, /v1/models, 404s) goes through Starlette.
+    """
+
+    def __init__(self, app: Starlette, hot: dict[str, Any]):
+        self.app = app
+        self.hot = hot
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            endpoint = self.hot.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -192,7 +216,7 @@ def encode_config(config: RouterConfig) -> str:
     return msgspec.json.encode(config).decode()
 
 
-def worker_app() -> Starlette:
+def worker_app() -> HotPaths:
     """The factory each worker process calls (`--workers N`)."""
     config = msgspec.json.decode(os.environ[CONFIG_ENV].encode(), type=RouterConfig)
     logs.setup("router", config.log_level)

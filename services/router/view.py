@@ -116,6 +116,7 @@ class EndpointView:
         self._routes: dict[str, ModelRoute] = {}
         self.endpoints: dict[str, EndpointRuntime] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._load_listeners: list[Callable[[EndpointRuntime], None]] = []
 
     # ----------------------------------------------------------- hot path reads
 
@@ -143,6 +144,10 @@ class EndpointView:
 
     # ----------------------------------------------------------- updates
 
+    def on_load(self, listener: Callable[[EndpointRuntime], None]) -> None:
+        """Call `listener(endpoint)` as each new load sample lands (admission reads it)."""
+        self._load_listeners.append(listener)
+
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call `listener` after every change of the endpoint set."""
         self._listeners.append(listener)
@@ -168,6 +173,8 @@ class EndpointView:
             return
         if load is not None:
             ep.load = load
+            for listener in self._load_listeners:
+                listener(ep)
         ep.scrape_error = error
 
     def _rebuild(self) -> list[str]:

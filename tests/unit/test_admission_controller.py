@@ -31,6 +31,7 @@ class Ep:
         self.inflight = 0
         self.load: Load | None = None
         self.spec = contracts.Endpoint(id=id, url=f"http://{id}", max_running=max_running)
+        self.models = frozenset({"m"})
 
 
 class Recorder(Metrics):
@@ -264,3 +265,16 @@ def test_pools_are_independent():
     other = Ep("e2", max_running=2)
     t = c.admit(c.directory.by_name["a"], "other-model", (other,), 10)
     assert t.state == GRANTED
+
+
+def test_a_load_sample_landing_releases_what_it_allows():
+    clock = Clock()
+    c, ep, _ = make(clock)
+    ep.load = Load(waiting=4, running=2, kv_usage=0.0, at=clock.t)  # someone else's queue
+    c.observed(ep)
+    queued = admit(c, ep, "a")
+    assert queued.state == QUEUED
+    clock.t += 0.2
+    ep.load = Load(waiting=0, running=2, kv_usage=0.0, at=clock.t)  # it drained
+    c.observed(ep)
+    assert queued.state == GRANTED

@@ -98,3 +98,23 @@ def test_only_ready_endpoints_count():
     a.inflight = 4
     assert d.saturation(pool(a, b), NOW) == 0.4
     assert d.saturation(pool(b), NOW) == 0.0
+
+
+def test_waiting_this_router_explains_is_not_counted_twice_or_held_after_it_drains():
+    d = detector()
+    a = Ep("a").scraped(running=8, waiting=2)  # capacity 8; the 2 waiting are ours
+    a.inflight = 10
+    d.observed(a)
+    assert d.saturation(pool(a, active=10), NOW) == pytest.approx(0.4)  # 2 queued, once
+    a.inflight = 5  # our requests finished since the sample: its queue is gone
+    assert d.saturation(pool(a, active=5), NOW) == 0.0
+
+
+def test_waiting_beyond_this_routers_requests_is_someone_elses_and_counts():
+    d = detector()
+    a = Ep("a").scraped(running=8, waiting=3)  # we had only the 8 running there
+    a.inflight = 8
+    d.observed(a)
+    assert d.saturation(pool(a, active=8), NOW) == pytest.approx(0.6)
+    a.inflight = 2
+    assert d.saturation(pool(a, active=2), NOW) == pytest.approx(0.6)  # until the next sample

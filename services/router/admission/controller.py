@@ -236,6 +236,13 @@ class Controller:
 
     # ------------------------------------------------------------ capacity frees
 
+    def observed(self, endpoint: Any) -> None:
+        """A load sample just landed for `endpoint` (its `models` name its pools)."""
+        self.detector.observed(endpoint)
+        if self.queued:
+            for model in endpoint.models:
+                self.pump(model)
+
     def pump(self, model: str) -> int:
         """Grant queued requests of one pool while its saturation allows; returns how many."""
         queues = self.queues.get(model)

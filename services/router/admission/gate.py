@@ -93,6 +93,10 @@ class AdmissionGate:
         if ticket.error is not None:
             raise ticket.error
 
+    def observed(self, endpoint: Any) -> None:
+        """The router's scraper stored a new load sample for `endpoint`."""
+        self.controller.observed(endpoint)
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()

@@ -3,17 +3,26 @@
     saturation = min(1, max(queued / (queue_threshold * endpoints),
                             mean KV use / kv_threshold))
 
-over the pool's ready endpoints. `queued` is the worse of two views:
-- scraped: the engines' own waiting counts (exact, but up to a scrape interval
-  late, and engine-wide, so it sees other routers' traffic too);
-- the router's own, which never lags: this router's requests for the pool that
-  admission granted and that have not finished (dispatched or not: between
-  admission and dispatch a request is invisible to every other count), or the
-  endpoints' in-flight counts if higher (endpoints shared with other models),
-  minus the pool's batch capacity. Capacity is what an engine runs at once: its
-  `max_running` hint when declared, else the high-water mark of the running
-  counts scraped from it (vLLM's metrics do not say max-num-seqs), and
-  `assumed_capacity` until the first scrape.
+over the pool's ready endpoints, where
+
+    queued = own - capacity / routers  +  sum over endpoints of others' waiting
+
+- `own` is this router's work for the pool, which never lags: requests admission
+  granted that have not finished (dispatched or not: between admission and
+  dispatch a request is invisible to every other count), or the endpoints'
+  in-flight counts if higher (endpoints shared with other models).
+- `capacity` is what the engines run at once: an endpoint's `max_running` hint
+  when declared, else the high-water mark of the running counts scraped from it
+  (vLLM's metrics do not say max-num-seqs), and `assumed_capacity` until the
+  first scrape. In-flight work up to capacity is running, not queued.
+- `others' waiting` is the part of an endpoint's scraped waiting count that this
+  router's own requests do not explain: the waiting count minus this router's
+  requests there that were not running when the sample was taken (in-flight as
+  the sample landed, minus the engine's running count). It is the engine-wide view (other routers'
+  traffic), an interval late. Taking this router's own part from the live count
+  instead keeps a sample from holding traffic back after the queue it saw has
+  drained, and from counting requests that were merely arriving between two
+  engine steps as a queue.
 
 A sample older than `stale_after` is ignored, so a pool whose scrapes fail is
 judged by the router's view alone rather than by a frozen number. Saturation is
@@ -63,6 +72,8 @@ class Detector:
         self.routers = routers
         self.pools: dict[str, Pool] = {}
         self.learned: dict[str, int] = {}  # endpoint id -> high-water mark of running
+        # endpoint id -> (sample time, this router's in-flight there when first seen)
+        self._own_at_sample: dict[str, tuple[float, float]] = {}
 
     def pool(self, model: str) -> Pool:
         pool = self.pools.get(model)
@@ -80,27 +91,45 @@ class Detector:
             return max(hint, learned)
         return learned or self.assumed_capacity
 
+    def observed(self, ep: Any) -> None:
+        """A sample just landed for `ep`: note this router's in-flight count there now."""
+        self._own_at_sample[ep.id] = (ep.load.at, ep.inflight)
+        self.capacity(ep)  # learn from its running count at once
+
+    def others_waiting(self, ep: Any, load: Any) -> float:
+        """The endpoint's scraped waiting count beyond what this router's requests explain."""
+        seen = self._own_at_sample.get(ep.id)
+        if seen is None or seen[0] != load.at:
+            # A sample nobody reported through `observed`: read the in-flight count now.
+            seen = self._own_at_sample[ep.id] = (load.at, ep.inflight)
+        # Of this router's requests at the engine then, those not running were waiting
+        # (or just arriving); only waiting beyond them is someone else's.
+        ours = seen[1] - load.running
+        others = load.waiting - (ours if ours > 0 else 0)
+        return others if others > 0 else 0.0
+
     def saturation(self, pool: Pool, now: float) -> float:
         n = 0
         in_flight = 0
-        capacity = 0
-        waiting = 0.0
+        capacity = 0.0
+        others = 0.0
         kv_sum = 0.0
         oldest_fresh = now - self.stale_after
+        routers = self.routers
         for ep in pool.endpoints:
             if ep.state is not READY:
                 continue
             n += 1
             in_flight += ep.inflight
-            capacity += self.capacity(ep)
+            capacity += self.capacity(ep) / routers
             load = ep.load
             if load is not None and load.at >= oldest_fresh:
-                waiting += load.waiting
+                others += self.others_waiting(ep, load)
                 kv_sum += load.kv_usage
         if not n:
             # Nothing to protect: let the request through so the router answers at once.
             return 0.0
-        own = max(pool.active, in_flight) - capacity / self.routers
-        queued = waiting if waiting > own else own
+        own = max(pool.active, in_flight) - capacity
+        queued = (own if own > 0 else 0.0) + others
         sat = max(queued / (self.queue_threshold * n), kv_sum / n / self.kv_threshold)
         return sat if sat < 1.0 else 1.0
