@@ -9,6 +9,7 @@ each victim request we count the flood requests that completed while it was out.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import re
 import subprocess
@@ -31,6 +32,7 @@ TENANTS = {
     "flood": ("std", "{}"),
     "victim": ("std", "{}"),
     "limited": ("std", "{rpm: 2}"),
+    "single": ("std", "{concurrency: 1}"),
     "low": ("low", "{}"),
 }
 
@@ -144,6 +146,27 @@ def test_keys_and_quotas_reach_the_openai_sdk_as_its_own_errors(cluster):
     assert e.response.headers["x-llmgw-reason"] == "rate_limit_rpm"
     assert 1 <= int(e.response.headers["retry-after"]) <= 60
     assert router.metric("llmgw_admission_rejected_total", tenant="limited") == 1
+
+
+def test_the_openai_sdk_retries_after_the_retry_after_it_is_given(cluster):
+    router, _ = cluster
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=key("single"), max_retries=2)
+    long = {**body(60), "stream": True}
+    with client.chat.completions.create(**long) as stream:
+        next(iter(stream))  # the tenant's one concurrent request is now in flight
+        # This one gets 429 with Retry-After: 1; the SDK waits and tries again, and by
+        # then the first request has ended.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(client.chat.completions.create, **body(2))
+            deadline = time.monotonic() + 10
+            while not router.metric(
+                "llmgw_admission_rejected_total", tenant="single", reason="rate_limit_concurrency"
+            ):
+                assert time.monotonic() < deadline, "the second request was never refused"
+                time.sleep(0.02)
+            for _ in stream:
+                pass
+            assert second.result(timeout=30).choices[0].message.content
 
 
 async def test_a_flooding_tenant_cannot_starve_another_of_the_same_band(cluster):

@@ -133,11 +133,13 @@ async def test_rejections_are_raised_before_any_wait():
     assert err.value.reason == "request_too_large"
 
 
-async def test_off_and_open_means_inactive():
-    g = AdmissionGate(AdmissionSettings(enabled=False))
-    assert not g.active
-    assert AdmissionGate(AdmissionSettings()).active
-    assert gate(Clock(), enabled=False).active  # keys still required
+def test_the_gate_is_skipped_only_when_it_has_nothing_to_do():
+    held = [contracts.Band(name="bronze", ceiling=0.8)]
+    assert not AdmissionGate(AdmissionSettings(enabled=False)).active
+    assert not AdmissionGate(AdmissionSettings()).active  # default band: never held back
+    assert AdmissionGate(AdmissionSettings(), held).active
+    assert not AdmissionGate(AdmissionSettings(enabled=False), held).active
+    assert gate(Clock(), enabled=False).active  # tenants: keys and quotas still apply
 
 
 def test_token_estimate():

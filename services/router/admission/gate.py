@@ -59,8 +59,12 @@ class AdmissionGate:
 
     @property
     def active(self) -> bool:
-        """False when the gate has nothing to do (admission off and no tenants)."""
-        return self.settings.enabled or not self.controller.open
+        """False when the gate has nothing to do: no tenants (so no keys, no quotas) and
+        no band that can be held back (admission off, or every ceiling above 1)."""
+        c = self.controller
+        if not c.open:
+            return True
+        return self.settings.enabled and any(b.ceiling <= 1.0 for b in c.bands)
 
     async def admit(self, request: Any, route: Any, headers: dict[bytes, bytes]) -> Ticket:
         """Authenticate, check quotas, then flow or wait. Raises AdmissionRejected
@@ -124,7 +128,7 @@ def from_router_config(
     config: Any, metrics: AdmissionMetrics | None = None
 ) -> AdmissionGate | None:
     """The gate a router process runs with (`config` is its RouterConfig), or None when
-    admission has nothing to do there (off, and no tenants): the router then skips it."""
+    admission has nothing to do there (see `active`): the router then skips it."""
     gate = AdmissionGate(
         config.admission,
         config.bands,
