@@ -146,3 +146,12 @@ def test_token_estimate():
     assert estimate_tokens(400, 100, 256) == 200
     assert estimate_tokens(400, None, 256) == 356
     assert estimate_tokens(0, 0, 256) == 256
+
+
+def test_live_routers_and_workers_divide_the_quotas():
+    g = gate(Clock())
+    g.workers = 2
+    g.set_routers(3)
+    assert g.controller.directory.by_name["acme"].quotas.tpm == 100_000 // 6
+    g.set_tenants([])
+    assert g.controller.open

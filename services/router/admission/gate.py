@@ -51,6 +51,7 @@ class AdmissionGate:
             settings, bands, tenants, stale_after=stale_after, clock=clock, metrics=metrics
         )
         self._timer: asyncio.TimerHandle | None = None
+        self.workers = 1  # worker processes of this router, each with its own gate
         if self.controller.open:
             log.warning(
                 "no tenants configured: every request is served as one anonymous tenant "
@@ -97,6 +98,14 @@ class AdmissionGate:
         if ticket.error is not None:
             raise ticket.error
 
+    def set_tenants(self, tenants: Sequence[TenantSpec]) -> None:
+        """A new tenant set (config reload or the control plane's TenantRecords)."""
+        self.controller.set_tenants(tenants)
+
+    def set_routers(self, live: int) -> None:
+        """How many routers are live (the presence bucket); each has `workers` processes."""
+        self.controller.set_routers(live * self.workers)
+
     def observed(self, endpoint: Any) -> None:
         """The router's scraper stored a new load sample for `endpoint`."""
         self.controller.observed(endpoint)
@@ -139,7 +148,8 @@ def from_router_config(
     if not gate.active:
         return None
     # Each worker process keeps its own counters and sees its share of the traffic.
-    gate.controller.set_routers(config.admission.routers * config.workers)
+    gate.workers = config.workers
+    gate.set_routers(config.admission.routers)
     if metrics is not None:
         metrics.controller = gate.controller
     return gate
