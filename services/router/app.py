@@ -10,6 +10,7 @@ every worker runs exactly what the parent validated.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from pathlib import Path
@@ -130,7 +131,13 @@ class RouterService:
 
     # ------------------------------------------------------------ the public app
 
-    def public_app(self, *, lifespan: bool = True, snapshot_dir: Path | None = None) -> HotPaths:
+    def public_app(
+        self,
+        *,
+        lifespan: bool = True,
+        snapshot_dir: Path | None = None,
+        tune_gc: bool = False,
+    ) -> HotPaths:
         async def list_models(request: Request) -> Response:
             created = int(time.time())
             data = [
@@ -148,6 +155,8 @@ class RouterService:
         @contextlib.asynccontextmanager
         async def run(app: Starlette):
             await self.start(snapshot_dir)
+            if tune_gc:
+                tune_collector()
             try:
                 yield
             finally:
@@ -212,6 +221,20 @@ def _error(status: int, reason: str, message: str, request: Request) -> Response
     )
 
 
+# Objects allocated between two young-generation collections. Python's default
+# (700) means a collection every request or two, and each one walks every young
+# object of the requests in flight: measured, it cost a fifth of the router's CPU.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_collector() -> None:
+    """For a router process, once started: fewer, larger young collections, and the
+    objects built at startup moved out of the collector's sight for good."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 100)
+
+
 def encode_config(config: RouterConfig) -> str:
     return msgspec.json.encode(config).decode()
 
@@ -222,4 +245,6 @@ def worker_app() -> HotPaths:
     logs.setup("router", config.log_level)
     snapshot_dir = os.environ.get(SNAPSHOT_ENV)
     service = RouterService(config)
-    return service.public_app(snapshot_dir=Path(snapshot_dir) if snapshot_dir else None)
+    return service.public_app(
+        snapshot_dir=Path(snapshot_dir) if snapshot_dir else None, tune_gc=True
+    )

@@ -15,6 +15,7 @@ CHAT = "chat"
 COMPLETIONS = "completions"
 EMBEDDINGS = "embeddings"
 
+KINDS = (CHAT, COMPLETIONS, EMBEDDINGS)
 PATHS = {
     CHAT: "/v1/chat/completions",
     COMPLETIONS: "/v1/completions",

@@ -48,6 +48,7 @@ _COMMON = {
     "log_config": None,
     "access_log": False,
     "server_header": False,
+    "proxy_headers": False,  # nothing reads the client address; the rewrite is per request
 }
 
 
@@ -73,7 +74,7 @@ def admin_config(app, config: RouterConfig) -> uvicorn.Config:
 
 async def serve_single(config: RouterConfig) -> None:
     service = RouterService(config)
-    public = _Server(public_config(service.public_app(), config))
+    public = _Server(public_config(service.public_app(tune_gc=True), config))
     admin = _Server(admin_config(admin_app(LocalStats(service)), config))
 
     loop = asyncio.get_running_loop()

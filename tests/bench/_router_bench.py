@@ -27,6 +27,11 @@ wrk.body = '{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user
 """
 
 
+# Issue 4's figures are for the router's own pipeline; admission (issue 5) is
+# measured by its own benchmark, so the router benchmarks switch it off.
+NO_ADMISSION = "admission: {enabled: false}\n"
+
+
 @dataclass
 class WrkResult:
     rps: float
@@ -56,7 +61,7 @@ def wrk(url: str, connections: int, seconds: float, threads: int = 1) -> WrkResu
                 "wrk",
                 f"-t{threads}",
                 f"-c{connections}",
-                f"-d{seconds}s",
+                f"-d{max(1, round(seconds))}s",
                 "--latency",
                 "-s",
                 f.name,
