@@ -18,6 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "llmgw.reconciler.rebuild",
         "rewrite every projection table from the archive (reconcilers stopped)",
     ),
+    "replay": (
+        "llmgw.reconciler.replay_cli",
+        "re-derive every placement decision with today's code and show differences",
+    ),
 }
 
 

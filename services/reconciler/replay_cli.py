@@ -182,11 +182,14 @@ def _db_reader(url: str) -> Reader:
 
 def _nats_reader(url: str) -> Reader:
     async def read(to_seq: int | None, bar: Progress | None) -> Events:
-        import nats
         from nats.js import api as jsapi
 
+        from llmgw import bus
+
         try:
-            nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
+            nc = await bus.connect(
+                url, name="llmgw-audit-replay", wait_for_server=False, connect_timeout=3
+            )
         except Exception as exc:
             raise SourceError(f"cannot connect to NATS at {url}: {exc}") from None
         out: Events = []

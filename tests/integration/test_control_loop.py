@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import re
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -443,6 +444,19 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             cli, replay_cli, database_url=database_url, api=None, nats=None, **common
         )
         assert code == 0 and "the event archive" in text and ", 0 differ" in text
+        # The same through the console script, as an operator runs it.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "audit",
+            "replay",
+            "--api",
+            api,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        stdout, _ = await asyncio.wait_for(proc.communicate(), DEADLINE)
+        assert proc.returncode == 0 and b", 0 differ" in stdout
         code, text = await asyncio.to_thread(
             cli, explain, model="big", output="json", all=False, api=api
         )
