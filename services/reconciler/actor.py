@@ -49,6 +49,7 @@ from llmgw import contracts as c
 from llmgw import subjects as s
 
 from . import reconcile
+from .backoff import ReplacementBackoff
 from .commands import CommandTracker
 from .fold import Change
 from .liveness import LivenessTracker
@@ -95,6 +96,10 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
     # A liveness tick this late means the loop stalled and heartbeats may sit unread:
     # silence is then counted from the end of the stall, not from the last heartbeat.
     stall_grace_after: float = 2.0
+    # A model whose shards fail on live nodes waits this long (doubling per failure, up
+    # to the cap) before its next placement; a ready shard resets it.
+    replace_backoff_initial: float = 5.0
+    replace_backoff_max: float = 300.0
 
 
 class Actor:
@@ -115,6 +120,9 @@ class Actor:
         self._failed_at: dict[str, float] = {}
         self.liveness = LivenessTracker(self.cfg.unreachable_after, self.cfg.lost_after, 0.0)
         self.commands = CommandTracker(self.cfg.command_retry_initial, self.cfg.command_retry_max)
+        self.backoff = ReplacementBackoff(
+            self.cfg.replace_backoff_initial, self.cfg.replace_backoff_max
+        )
         self.projection: KvProjection | None = None
         self.timings = reconcile.CommandTimings(self.cfg.drain_deadline, self.cfg.stop_grace)
 
@@ -151,6 +159,7 @@ class Actor:
         self._state = state
         self._changes |= changes
         now = self.clock()
+        self.backoff.observe(state, changes, now)
         for kind, name in changes:
             view = state.nodes.get(name) if kind == "node" else None
             if view is not None and view.registered_seq > self._registered.get(name, 0):
@@ -243,9 +252,10 @@ class Actor:
     async def _reconcile_loop(self) -> None:
         while True:
             timeout = self.cfg.resync_interval
-            due = self.commands.next_due()
-            if due is not None:
-                timeout = max(0.01, min(timeout, due - self.clock()))
+            now = self.clock()
+            for due in (self.commands.next_due(), self.backoff.next_release(now)):
+                if due is not None:
+                    timeout = max(0.01, min(timeout, due - now))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             self._wake.clear()
@@ -288,6 +298,7 @@ class Actor:
             ts=self.clock(),
             timings=self.timings,
             max_placements=self.cfg.max_placements_per_round,
+            hold=self.backoff.held(self.clock()),
         )
         DECIDE_SECONDS.observe(time.perf_counter() - t0)
         events = [ev for ev in plan.events if not self._too_soon(state, ev)]

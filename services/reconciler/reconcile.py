@@ -51,8 +51,9 @@ def decide(
     ts: float = 0.0,
     timings: CommandTimings | None = None,
     max_placements: int | None = None,
+    hold: set[str] = frozenset(),
 ) -> Plan:
-    events, adopted = control_events(state, ts=ts, max_placements=max_placements)
+    events, adopted = control_events(state, ts=ts, max_placements=max_placements, hold=hold)
     return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
 
 
@@ -152,13 +153,18 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
 
 
 def control_events(
-    state: ClusterState, *, ts: float = 0.0, max_placements: int | None = None
+    state: ClusterState,
+    *,
+    ts: float = 0.0,
+    max_placements: int | None = None,
+    hold: set[str] = frozenset(),
 ) -> tuple[list[c.Message], set[str]]:
     """The control events the state calls for, and the ids of shards they adopt.
 
     `max_placements` bounds the placement attempts of one plan, so a big
     catalog change is decided in several short plans instead of one long one;
-    the rest follow once these are folded.
+    the rest follow once these are folded. Models in `hold` get no new
+    placements this time (their shards keep failing: see backoff.py).
     """
     sc = _Scratch(state)
     budget = max_placements if max_placements is not None else -1
@@ -191,7 +197,7 @@ def control_events(
                 events.append(_retire(sc, replica, reason, ts))
             continue
 
-        missing = -surplus
+        missing = 0 if model in hold else -surplus
         for shard in adoptable(sc.state, model)[:missing]:
             ev = _adopt(sc, model, shard, ts)
             events.append(ev)

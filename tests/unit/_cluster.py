@@ -68,9 +68,13 @@ class Log:
 
     def append(self, *events: c.Message) -> Log:
         for ev in events:
-            # Round-trip through the wire format: what replay reads is what was sent.
-            ev = c.decode(c.encode(ev))
-            seq = len(self.events) + 1
-            self.events.append((seq, ev))
-            fold.apply(self.state, seq, ev)
+            self.apply(ev)
         return self
+
+    def apply(self, ev: c.Message) -> set:
+        """Append one event; return what the fold says it changed."""
+        # Round-trip through the wire format: what replay reads is what was sent.
+        ev = c.decode(c.encode(ev))
+        seq = len(self.events) + 1
+        self.events.append((seq, ev))
+        return fold.apply(self.state, seq, ev)

@@ -210,3 +210,42 @@ def test_a_big_change_is_decided_in_bounded_plans():
     log.append(*first.events)
     second = reconcile.decide(log.state, max_placements=2)
     assert [ev.replica_id for ev in second.events] == ["m-r3", "m-r4"]
+
+
+def test_a_model_whose_shards_keep_failing_is_replaced_ever_more_slowly():
+    from llmgw.reconciler.backoff import ReplacementBackoff
+
+    log = Log().append(node("a", 2), model("m"))
+    backoff = ReplacementBackoff(initial=5.0, maximum=12.0)
+    waits = []
+    now = 0.0
+    for _ in range(4):
+        plan = reconcile.decide(log.state, hold=backoff.held(now))
+        assert kinds(plan.events)[-1] == "PlacementDecided"
+        log.append(*plan.events)
+        rid = plan.events[-1].replica_id
+        changes = log.apply(status(log.state, f"{rid}-s0", S.FAILED, reason="exit 1"))
+        backoff.observe(log.state, changes, now)
+        held = reconcile.decide(log.state, hold=backoff.held(now))
+        assert kinds(held.events) == ["ReplicaRetired"]  # retired at once, not re-placed yet
+        log.append(*held.events)
+        waits.append(backoff.next_release(now) - now)
+        now = backoff.next_release(now)
+    assert waits == [5.0, 10.0, 12.0, 12.0]
+    # A ready shard means the profile works: the next failure starts from the beginning.
+    plan = reconcile.decide(log.state, hold=backoff.held(now))
+    log.append(*plan.events)
+    rid = plan.events[-1].replica_id
+    backoff.observe(log.state, log.apply(status(log.state, f"{rid}-s0", S.READY)), now)
+    assert backoff.held(now) == set() and backoff.failures == {}
+
+
+def test_a_lost_node_is_no_reason_to_hold_back():
+    from llmgw.reconciler.backoff import ReplacementBackoff
+
+    log = Log().append(node("a", 1), node("b", 1), model("m"))
+    settle(log)
+    lost = log.state.replicas["m-r1"].assignments[0].node
+    backoff = ReplacementBackoff()
+    backoff.observe(log.state, log.apply(c.NodeLost(node=lost, last_seen=0)), 0.0)
+    assert backoff.held(0.0) == set()
