@@ -407,7 +407,9 @@ class Proxy:
         verdict: bool | None = None  # for the circuit: True healthy, False failed
         resp: aiohttp.ClientResponse | None = None
         reusable = False
-        guard.arm("headers", dl.headers)
+        # An engine sends a non-streamed answer's headers with the answer, when it is
+        # complete: only the total deadline can bound that wait.
+        guard.arm("headers", dl.headers if req.stream else _FOREVER)
         try:
             resp = await self.session.post(  # type: ignore[union-attr]
                 self._target(ep, req.kind),
