@@ -193,7 +193,10 @@ class Proxy:
             await self._serve(req, route, headers, ex, receive, send)
         except RouterError as err:
             ex.status = err.status
-            await self._send_error(send, err, ex)
+            if ex.started:
+                await self._end_stream(send, None, err.reason, err.message, err.status)
+            else:
+                await self._send_error(send, err, ex)
         except Exception:
             log.exception("request failed inside the router")
             ex.status = 500
@@ -282,10 +285,17 @@ class Proxy:
             grant = await self.gate.admit(req, route, headers)
             await self._dispatch(req, route, headers, ex, send, guard)
         except asyncio.CancelledError:
-            if not guard.client_gone:
+            if guard.client_gone:
+                task.uncancel()
+                ex.status = 499
+            elif guard.fired is not None:
+                # A deadline passed while an attempt was already reporting a failure.
+                task.uncancel()
+                raise RouterError(
+                    _TIMEOUT_STATUS, f"{guard.fired}_timeout", f"{guard.fired} deadline passed"
+                ) from None
+            else:
                 raise
-            task.uncancel()
-            ex.status = 499
         finally:
             guard.close()
             if grant is not None:
@@ -567,11 +577,19 @@ class Proxy:
                     resp.close()
 
     async def _end_stream(
-        self, send, ep: EndpointRuntime, kind: str, message: str, status: int = _BROKEN_STATUS
+        self,
+        send,
+        ep: EndpointRuntime | None,
+        kind: str,
+        message: str,
+        status: int = _BROKEN_STATUS,
     ) -> None:
         """A stream broke after its first byte: say so in-band, then end it."""
-        self.metrics.upstream_errors.inc((ep.id, kind))
-        log.warning("stream ended by error: %s", message, extra={"endpoint": ep.id, "kind": kind})
+        endpoint = ep.id if ep is not None else ""
+        self.metrics.upstream_errors.inc((endpoint, kind))
+        log.warning(
+            "stream ended by error: %s", message, extra={"endpoint": endpoint, "kind": kind}
+        )
         await send(
             {
                 "type": "http.response.body",
