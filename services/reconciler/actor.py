@@ -285,8 +285,13 @@ class Actor:
         changes, self._changes = self._changes, set()
         if self.projection is not None and changes:
             before = self.projection.writes
-            await self.projection.sync(state, changes)
-            KV_WRITES.inc(self.projection.writes - before)
+            try:
+                await self.projection.sync(state, changes)
+            except Exception:
+                self._changes |= changes  # write them next round
+                raise
+            finally:
+                KV_WRITES.inc(self.projection.writes - before)
 
         state = self._state
         if self._waiting_for_fold(state):
