@@ -158,16 +158,15 @@ def demo_catalog(demo_keys: dict[str, str]) -> dict[str, Any]:
 
 
 def _router_config(listen: str, admin: str, nats_url: str, router_id: str) -> dict[str, Any]:
-    return {
-        "listen": listen,
-        "admin_listen": admin,
-        "control_plane": {"nats_url": nats_url, "router_id": router_id},
-    }
+    # nats_url puts the router in control-plane mode: endpoints, tenants and bands
+    # come from the reconciler's projection in JetStream KV.
+    return {"listen": listen, "admin_listen": admin, "nats_url": nats_url, "router_id": router_id}
 
 
 class DevCluster:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, env: dict[str, str] | None = None):
         self.args = args
+        self.extra_env = env or {}
         self.data_dir: Path = (args.data_dir or default_data_dir()).resolve()
         self.sink = None if args.quiet else procs.printer(sys.stdout)
         self.group = procs.Group(sink=self.sink)
@@ -202,7 +201,7 @@ class DevCluster:
         self.say(f"postgres {self.pg.url('llmgw')}")
         self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
 
-        env = {"LLMGW_LOG_LEVEL": args.log_level}
+        env = {"LLMGW_LOG_LEVEL": args.log_level, **self.extra_env}
         api_urls = []
         for i in range(1, args.reconcilers + 1):
             name = f"reconciler-{i}"
