@@ -18,7 +18,8 @@ import msgspec
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 event_seq: contextvars.ContextVar[int | None] = contextvars.ContextVar("event_seq", default=None)
 
-_STD_ATTRS = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+# color_message: uvicorn's ANSI-coloured duplicate of msg, noise in structured logs.
+_STD_ATTRS = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "color_message"}
 _encoder = msgspec.json.Encoder()
 
 
