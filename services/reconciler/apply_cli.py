@@ -75,8 +75,12 @@ async def read_current(js) -> catalog.Current:
 
 async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool) -> int:
     try:
+        options = apiclient.nats_options(nats_url)
+    except apiclient.ApiError as exc:
+        raise ApplyError(str(exc)) from None
+    try:
         nc = await bus.connect(
-            nats_url, name="llmgw-apply", wait_for_server=False, connect_timeout=3
+            nats_url, name="llmgw-apply", wait_for_server=False, connect_timeout=3, **options
         )
     except Exception as exc:
         raise ApplyError(f"cannot reach NATS at {nats_url}: {exc}") from None

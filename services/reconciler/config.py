@@ -7,7 +7,7 @@ import socket
 
 import msgspec
 
-from llmgw import bus, config
+from llmgw import bus, config, tlsconfig
 
 from . import leader, schema
 from .actor import ActorConfig
@@ -28,6 +28,7 @@ class LeaderConfig(config.ConfigStruct, kw_only=True):
 class ReconcilerConfig(config.ConfigStruct, kw_only=True):
     id: str = ""  # "" -> <hostname>-<pid>
     nats_url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
+    nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
     database_url: str = schema.DEFAULT_DATABASE_URL
     admin_listen: str = "127.0.0.1:9300"  # /metrics, /healthz, /readyz, the operator API
     log_level: str = "info"
@@ -54,4 +55,8 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
         config.host_port(cfg.admin_listen, 9300)
     except config.ConfigError as exc:
         problems.append(f"admin_listen: {exc}")
+    try:  # unreadable or mismatched certificates fail at start, not at the first connect
+        tlsconfig.nats_options(cfg.nats_tls)
+    except config.ConfigError as exc:
+        problems.append(str(exc))
     return problems

@@ -187,8 +187,9 @@ def _nats_reader(url: str) -> Reader:
         from llmgw import bus
 
         try:
+            options = apiclient.nats_options(url)
             nc = await bus.connect(
-                url, name="llmgw-audit-replay", wait_for_server=False, connect_timeout=3
+                url, name="llmgw-audit-replay", wait_for_server=False, connect_timeout=3, **options
             )
         except Exception as exc:
             raise SourceError(f"cannot connect to NATS at {url}: {exc}") from None

@@ -26,7 +26,7 @@ from nats.js import api as jsapi
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw import bus, config, subjects
+from llmgw import bus, config, subjects, tlsconfig
 
 from . import admin, consumer, leader, schema, store
 from . import metrics as m
@@ -71,7 +71,11 @@ class Reconciler:
             if self.stop.is_set():
                 return 0
             self.nc = await self._unless_stopped(
-                bus.connect(self.cfg.nats_url, name=f"reconciler-{self.id}")
+                bus.connect(
+                    self.cfg.nats_url,
+                    name=f"reconciler-{self.id}",
+                    **tlsconfig.nats_options(self.cfg.nats_tls),
+                )
             )
             if self.nc is None:
                 return 0

@@ -4,7 +4,8 @@ Where the operator API is, in order: `--api URL`, then `LLMGW_API_URL`, then
 `api_url` in the `cluster.json` that a running `llmgw dev` writes to its data
 dir (`LLMGW_DATA_DIR`, default `.llmgw/` in the current directory). NATS the
 same way: `--nats`, `LLMGW_NATS_URL`, `cluster.json`'s `nats_url`, then the
-default local server.
+default local server; its TLS settings from `LLMGW_NATS_TLS__*`, then
+`cluster.json`'s `nats_tls` (see `find_nats_tls`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,37 @@ def find_nats_url(explicit: str | None) -> str:
         or _cluster_file_value("nats_url")
         or DEFAULT_NATS_URL
     )
+
+
+def find_nats_tls(url: str):
+    """TLS for the CLI's NATS connection: `LLMGW_NATS_TLS__{CA,CERT,KEY,SERVER_NAME}`,
+    else the `nats_tls` that `llmgw dev --secure` writes to cluster.json (the operator's
+    certificate), used only when `url` is that cluster's."""
+    from llmgw.tlsconfig import NatsTLS
+
+    keys = ("ca", "cert", "key", "server_name")
+    env = {k: os.environ.get(f"LLMGW_NATS_TLS__{k.upper()}", "") for k in keys}
+    if any(env.values()):
+        return NatsTLS(**env)
+    if url and url == _cluster_file_value("nats_url"):
+        try:
+            saved = json.loads((data_dir() / "cluster.json").read_text()).get("nats_tls")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if isinstance(saved, dict):
+            return NatsTLS(**{k: str(saved[k]) for k in keys if saved.get(k)})
+    return NatsTLS()
+
+
+def nats_options(url: str) -> dict[str, Any]:
+    """Keyword arguments for `bus.connect` (TLS and inbox prefix); ApiError if unusable."""
+    from llmgw.config import ConfigError
+    from llmgw.tlsconfig import nats_options as options
+
+    try:
+        return options(find_nats_tls(url))
+    except ConfigError as exc:
+        raise ApiError(str(exc)) from None
 
 
 def add_api_argument(parser) -> None:

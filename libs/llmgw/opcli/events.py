@@ -93,7 +93,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 async def _connect(url: str):
     try:
-        return await bus.connect(url, name="llmgw-events", wait_for_server=False, connect_timeout=3)
+        options = apiclient.nats_options(url)
+        return await bus.connect(
+            url, name="llmgw-events", wait_for_server=False, connect_timeout=3, **options
+        )
+    except apiclient.ApiError:
+        raise
     except Exception as exc:
         raise apiclient.ApiError(f"cannot reach NATS at {url}: {exc}") from None
 
