@@ -10,6 +10,12 @@ are skipped: redelivery after a crash between commit and ack changes nothing.
 If the fold itself raises on an event (a bug, not bad input), the in-memory
 state may be half-changed: it is reloaded from Postgres, the batch is folded
 again with that event dead-lettered, and the fold goes on.
+
+An event can also be well-formed yet carry a value Postgres refuses (a NUL
+character in a string, an integer beyond a column's range): the batch's
+commit fails without saying which event did it. The state is reloaded and the
+batch folded again one event per transaction; the event whose commit is
+refused is dead-lettered with the database's reason, and the fold goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import asyncpg
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw import contracts as c
@@ -53,6 +61,12 @@ class BatchResult:
     last_seq: int = 0
     changes: set[Change] = field(default_factory=set)
 
+    def add(self, part: BatchResult) -> None:
+        self.folded += part.folded
+        self.dead += part.dead
+        self.last_seq = max(self.last_seq, part.last_seq)
+        self.changes |= part.changes
+
 
 def classify(subject: str, data: bytes) -> c.Message | str:
     """The event, or the reason it must be dead-lettered."""
@@ -73,6 +87,23 @@ class _FoldCrash(Exception):
     def __init__(self, seq: int, reason: str):
         self.seq = seq
         self.reason = reason
+
+
+class _Refused(Exception):
+    """The database refused a value the batch carried (SQLSTATE class 22, or asyncpg's
+    own range checks); anything else (connection lost, fenced) is not bad input."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _refused_reason(exc: DBAPIError) -> str | None:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, asyncpg.DataError):
+            return str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def replace_contents(state: ClusterState, fresh: ClusterState) -> None:
@@ -101,18 +132,46 @@ class Folder:
         if not fresh:
             return BatchResult(skipped=skipped, last_seq=self.state.last_seq)
         poison: dict[int, str] = {}
+        try:
+            result = await self._fold_until_done(fresh, poison)
+        except _Refused:
+            result = BatchResult()
+            for entry in fresh:
+                try:
+                    part = await self._fold_until_done([entry], poison)
+                except _Refused as refused:
+                    poison[entry.seq] = f"refused by the database: {refused.reason}"
+                    part = await self._fold_until_done([entry], poison)
+                result.add(part)
+        result.skipped = skipped
+        return result
+
+    async def _fold_until_done(
+        self, entries: Sequence[Entry], poison: dict[int, str]
+    ) -> BatchResult:
+        """Fold and commit, dead-lettering events the fold crashes on; _Refused (with the
+        state reloaded) when the database refuses the batch's data."""
         while True:
             try:
-                result = await self._fold_and_commit(fresh, poison)
+                return await self._fold_and_commit(entries, poison)
             except _FoldCrash as crash:
                 token = logs.event_seq.set(crash.seq)
                 log.exception("fold failed at seq %d; dead-lettering it", crash.seq)
                 logs.event_seq.reset(token)
                 poison[crash.seq] = crash.reason
                 replace_contents(self.state, await store.load_state(self.engine))
-                continue
-            result.skipped = skipped
-            return result
+            except DBAPIError as exc:
+                reason = _refused_reason(exc)
+                if reason is None:
+                    raise
+                log.warning(
+                    "the database refused a value in seqs %d..%d (%s); folding them one by one",
+                    entries[0].seq,
+                    entries[-1].seq,
+                    reason,
+                )
+                replace_contents(self.state, await store.load_state(self.engine))
+                raise _Refused(reason) from None
 
     async def _fold_and_commit(
         self, entries: Sequence[Entry], poison: dict[int, str]
