@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmgw import logs
+from llmgw.router import openapi, scheduling, snapshots
 from llmgw.router import proxy as px
 from llmgw.router import requests as rq
-from llmgw.router import scheduling, snapshots
 from llmgw.router.admission.gate import from_router_config
 from llmgw.router.config import RouterConfig, projection
 from llmgw.router.errors import error_body
@@ -165,6 +165,7 @@ class RouterService:
         hot = {rq.PATHS[kind]: self.proxy.endpoint(kind) for kind in rq.KINDS}
         routes = [Route(path, ep, methods=["POST"]) for path, ep in hot.items()]
         routes.append(Route("/v1/models", list_models, methods=["GET"]))
+        routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
         app = Starlette(
             routes=routes,
             lifespan=run if lifespan else None,

@@ -18,6 +18,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "server_error",
     502: "server_error",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from llmgw.router import validation as v
 from llmgw.router.errors import RouterError
 
 CHAT = "chat"
@@ -22,18 +23,6 @@ PATHS = {
     EMBEDDINGS: "/v1/embeddings",
 }
 
-_EMPTY = msgspec.Raw()
-
-
-class _Head(msgspec.Struct):
-    model: str | None = None
-    stream: bool | None = None
-    messages: msgspec.Raw = _EMPTY
-    prompt: msgspec.Raw = _EMPTY
-    input: msgspec.Raw = _EMPTY
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-
 
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
@@ -44,7 +33,12 @@ class _UsageHolder(msgspec.Struct):
     usage: Usage | None = None
 
 
-_decode_head = msgspec.json.Decoder(_Head).decode
+# Each kind's fields, typed and range-checked (llmgw.router.validation).
+_decode_head = {
+    CHAT: msgspec.json.Decoder(v.ChatRequest).decode,
+    COMPLETIONS: msgspec.json.Decoder(v.CompletionRequest).decode,
+    EMBEDDINGS: msgspec.json.Decoder(v.EmbeddingRequest).decode,
+}
 _decode_usage = msgspec.json.Decoder(_UsageHolder).decode
 
 # The key each kind of request cannot do without, and what its value must look like.
@@ -72,30 +66,32 @@ class Parsed:
 
 
 def parse(kind: str, body: bytes) -> Parsed:
+    v.check_depth(body)  # before any decoder recurses into it
     try:
-        head = _decode_head(body)
+        head = _decode_head[kind](body)
     except msgspec.ValidationError as exc:
-        msg = str(exc)
-        param = None
-        if " - at `$." in msg:
-            msg, _, path = msg.partition(" - at `$.")
-            param = path.rstrip("`")
-            raise RouterError(400, "invalid_request", f"{param}: {msg}", param=param) from None
-        raise RouterError(400, "invalid_request", f"request body: {msg}") from None
+        raise v.field_error(exc) from None
     except msgspec.DecodeError as exc:
         raise RouterError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not head.model:
         raise RouterError(400, "missing_model", "you must provide a model parameter", param="model")
+    v.check_model(head.model)
     key = _REQUIRED[kind]
     raw = bytes(getattr(head, key))
     if not raw or raw == b"null":
         raise RouterError(400, "invalid_request", f"{key} is required", param=key)
-    if kind == CHAT and raw[:1] != b"[":
-        raise RouterError(400, "invalid_request", "messages must be an array", param="messages")
-    limit = head.max_tokens if head.max_completion_tokens is None else head.max_completion_tokens
-    return Parsed(
-        kind, head.model, bool(head.stream), raw if kind != EMBEDDINGS else b"", body, limit
-    )
+    if kind == CHAT:
+        if raw[:1] != b"[":
+            raise RouterError(400, "invalid_request", "messages must be an array", param="messages")
+        v.check_messages(raw)
+    else:
+        v.check_prompt(raw, key)
+    if kind == EMBEDDINGS:
+        return Parsed(kind, head.model, False, b"", body, None)
+    limit = head.max_tokens
+    if kind == CHAT and head.max_completion_tokens is not None:
+        limit = head.max_completion_tokens
+    return Parsed(kind, head.model, bool(head.stream), raw, body, limit)
 
 
 def with_model(body: bytes, model: str) -> bytes:

@@ -30,6 +30,7 @@ from llmgw.config import host_port
 from llmgw.router.admin import LocalStats, MergedStats, admin_app
 from llmgw.router.app import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
 from llmgw.router.config import RouterConfig
+from llmgw.router.httplimits import BoundedHttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class _Server(uvicorn.Server):
 
 _COMMON = {
     "loop": "uvloop",
-    "http": "httptools",
+    "http": BoundedHttpToolsProtocol,  # httptools, with a bound on request heads
     "log_config": None,
     "access_log": False,
     "server_header": False,
