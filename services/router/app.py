@@ -1,5 +1,9 @@
 """Assembles one router process: view, source, scraper, proxy, and the two apps.
 
+The source is the config file (router-only mode) or, with `nats_url`, the
+control plane (controlplane.py), which also feeds admission its tenants, bands
+and the live router count.
+
 `RouterService` owns every long-lived piece and starts and stops them in
 order. `worker_app` is the factory uvicorn imports in each worker process when
 the router runs with several workers (uvicorn needs an import string then);
@@ -27,8 +31,8 @@ from llmgw import logs
 from llmgw.router import openapi, scheduling, snapshots
 from llmgw.router import proxy as px
 from llmgw.router import requests as rq
-from llmgw.router.admission.gate import from_router_config
-from llmgw.router.config import RouterConfig, projection
+from llmgw.router.admission.gate import control_plane_gate, from_router_config
+from llmgw.router.config import RouterConfig, projection, resolve_router_id
 from llmgw.router.errors import error_body
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.scraper import Scraper
@@ -49,6 +53,8 @@ class RouterService:
         source: EndpointSource | None = None,
         gate: Gate | None = None,
     ):
+        if config.nats_url:
+            config = resolve_router_id(config)
         self.config = config
         self.metrics = RouterMetrics()
         self.view = EndpointView(
@@ -60,10 +66,19 @@ class RouterService:
             ),
             observer=self.metrics,
         )
-        self.source = source or StaticSource(projection(config))
         self.admission = None
-        if gate is None:
+        if source is None and config.nats_url:
+            # Tenants and bands arrive later: the gate always exists, and the proxy uses
+            # it only while it has something to do (_install_gate).
+            from llmgw.router.controlplane import ControlPlaneSource
+
+            self.admission = control_plane_gate(config, self.metrics.admission)
+            source = ControlPlaneSource(
+                config, self.admission, self.metrics, on_gate_change=self._install_gate
+            )
+        elif gate is None:
             gate = self.admission = from_router_config(config, self.metrics.admission)
+        self.source = source or StaticSource(projection(config))
         if self.admission is not None:
             self.view.on_load(self.admission.observed)
         self.proxy = px.Proxy(
@@ -80,8 +95,16 @@ class RouterService:
             ),
             gate,
         )
+        self._install_gate()
         self.scraper = (
-            Scraper(self.view, self.metrics, config.scrape) if config.scrape.enabled else None
+            Scraper(
+                self.view,
+                self.metrics,
+                config.scrape,
+                fallback_only=bool(config.nats_url) and config.scrape.fallback_only,
+            )
+            if config.scrape.enabled
+            else None
         )
         self.started = False
         self._writer: snapshots.Writer | None = None
@@ -106,6 +129,11 @@ class RouterService:
         await self.proxy.stop()
         if self.admission is not None:
             self.admission.close()
+
+    def _install_gate(self) -> None:
+        """Control-plane mode: admission in the request path only while it can act."""
+        if self.config.nats_url and self.admission is not None:
+            self.proxy.set_gate(self.admission if self.admission.active else None)
 
     def readiness(self) -> tuple[bool, str]:
         if not self.started:

@@ -7,6 +7,8 @@ one endpoint view and share one shape for scheduling and deadlines.
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,6 +16,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from llmgw import config as cfg
+from llmgw import tlsconfig
 from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints, SchedulingSpec
 from llmgw.router import routes
 from llmgw.router.admission import config as admission
@@ -61,6 +64,10 @@ class ScrapeConfig(cfg.ConfigStruct):
     # as worst, so fresh endpoints win while the router's own in-flight count and
     # affinity still spread traffic among stale ones.
     stale_after_seconds: float = 1.0
+    # Control-plane mode: the agents' load samples come first and an endpoint is
+    # scraped only while its samples are stale (agent down, NATS unreachable).
+    # False: scrape every endpoint always, as in router-only mode.
+    fallback_only: bool = True
 
 
 class PrefixConfig(cfg.ConfigStruct):
@@ -75,6 +82,12 @@ class UpstreamConfig(cfg.ConfigStruct):
 
 
 class RouterConfig(cfg.ConfigStruct):
+    # Non-empty: control-plane mode. Models, endpoints, tenants and bands come from the
+    # reconciler's KV buckets and must not be in this file (docs/router.md).
+    nats_url: str = ""
+    nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
+    # This router's name in the presence bucket; empty: <hostname>-<pid> (resolve_router_id).
+    router_id: str = ""
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "127.0.0.1:9090"
     workers: int = 1
@@ -177,9 +190,47 @@ def validate(config: RouterConfig) -> list[str]:
                 problems.append(
                     f"endpoints[{i}] (id {ep.id!r}): serves unknown model {model!r} (not in models)"
                 )
-    problems += routes.check(projection(config))
-    problems += admission.check(config.admission, config.bands, config.tenants)
+    if config.nats_url:
+        problems += _control_plane_problems(config)
+    else:
+        problems += routes.check(projection(config))
+        problems += admission.check(config.admission, config.bands, config.tenants)
     return problems
+
+
+def _control_plane_problems(config: RouterConfig) -> list[str]:
+    # One source of truth: merging file entries with the catalog would let two routers
+    # behind one load balancer serve different models and tenants without anyone noticing.
+    problems = [
+        f"{key}: not allowed with nats_url (control-plane mode takes models, endpoints, "
+        "tenants and bands from the control plane's KV buckets); remove it or unset nats_url"
+        for key in ("models", "endpoints", "tenants", "bands")
+        if getattr(config, key)
+    ]
+    if config.admission.routers != 1:
+        problems.append(
+            f"admission.routers = {config.admission.routers}: not allowed with nats_url "
+            "(the live router count comes from the presence bucket)"
+        )
+    problems += [
+        p
+        for p in admission.check(config.admission, [], [])
+        if not p.startswith("admission.anonymous_tenant")  # its tenant comes from the catalog
+    ]
+    if config.nats_tls.enabled:
+        try:
+            tlsconfig.nats_options(config.nats_tls)
+        except cfg.ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def resolve_router_id(config: RouterConfig) -> RouterConfig:
+    """The config with router_id set (<hostname>-<pid> unless given). Call it once in the
+    process that owns the router, before workers start, so they all share the one id."""
+    if config.router_id:
+        return config
+    return msgspec.structs.replace(config, router_id=f"{socket.gethostname()}-{os.getpid()}")
 
 
 def _effective(config: RouterConfig, model: ModelConfig) -> tuple[SchedulingSpec, DeadlineSpec]:

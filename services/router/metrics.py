@@ -260,6 +260,36 @@ class RouterMetrics:
             ("endpoint",),
             merge="min",
         )
+        self.scrapes = Counter(
+            "llmgw_router_scrapes_total",
+            "Scrapes of an endpoint's /metrics (control-plane mode: only while the agents' "
+            "load samples for it are late).",
+            ("endpoint",),
+        )
+        # Control-plane mode (controlplane.py).
+        self.nats_connected = Gauge(
+            "llmgw_router_nats_connected",
+            "1 while connected to NATS (control-plane mode); the view is kept while 0.",
+            (),
+            merge="min",
+        )
+        self.live_routers = Gauge(
+            "llmgw_router_live_routers",
+            "Routers seen live in the presence bucket (quotas are divided by it).",
+            (),
+            merge="max",
+        )
+        self.projection_updates = Counter(
+            "llmgw_router_projection_updates_total",
+            "KV entries applied from the control plane, by bucket and op (snapshot, put, delete).",
+            ("bucket", "op"),
+        )
+        self.load_samples = Counter(
+            "llmgw_router_load_samples_total",
+            "Agents' load samples received, by result: applied, unknown (no such endpoint "
+            "in the view), malformed.",
+            ("result",),
+        )
         # Admission's series live in the same registry, so workers' snapshots merge them too.
         from llmgw.router.admission.metrics import AdmissionMetrics
 
@@ -285,6 +315,11 @@ class RouterMetrics:
                 self.running,
                 self.kv_usage,
                 self.load_age,
+                self.scrapes,
+                self.nats_connected,
+                self.live_routers,
+                self.projection_updates,
+                self.load_samples,
                 *self.admission.series,
             ]
         )

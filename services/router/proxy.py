@@ -38,7 +38,7 @@ from llmgw.router.errors import RouterError, error_body, error_event
 from llmgw.router.guard import Guard
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prefix import block_hashes
-from llmgw.router.scheduling import Context
+from llmgw.router.scheduling import Context, request_key
 from llmgw.router.view import EndpointRuntime, EndpointView, ModelRoute
 
 if TYPE_CHECKING:
@@ -136,6 +136,10 @@ class Proxy:
         # millisecond resolution), the loop's own for asyncio deadlines.
         self._time = time.monotonic
         self._ltime = time.monotonic
+
+    def set_gate(self, gate: Gate | None) -> None:
+        """Swap admission in or out; requests already admitted release to their own gate."""
+        self.gate = gate or _OpenGate()
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -311,7 +315,7 @@ class Proxy:
         guard: Guard,
     ) -> None:
         guard.total_at = self._ltime() + route.deadlines.total
-        ctx = Context(ex.t0, route.name, exclude=[])
+        ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body))
         tried: list[str] = ctx.exclude  # type: ignore[assignment]
         failure: _Failure | None = None
         attempts = 0

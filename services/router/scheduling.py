@@ -2,8 +2,11 @@
 
 Each unit is small, named and behind one interface, and a model's pipeline is
 assembled from its `contracts.SchedulingSpec` (names and weights). Pure: the
-caller passes the time, and the random source is injected, so tests drive
-every decision.
+caller passes the time, and there is no random source. Where a picker needs
+chance (ties, p2c's two candidates, weighted_random's draw) it reads the
+request's key, a hash of its bytes (`request_key`): two routers with the same
+view pick the same endpoint for the same request, and tests drive every
+decision.
 
 Filters drop endpoints that must not get the request. Scorers rate each
 remaining endpoint in 0..1 (higher is better); the pipeline sums them with the
@@ -13,7 +16,7 @@ model's weights and the picker chooses. Scorers that learn from decisions
 
 from __future__ import annotations
 
-import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ class Settings:
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude")
+    __slots__ = ("now", "model", "prefix", "session", "exclude", "key")
 
     def __init__(
         self,
@@ -44,12 +47,36 @@ class Context:
         prefix: list[int] | None = None,
         session: str | None = None,
         exclude: Sequence[str] = (),
+        key: int = 0,
     ):
         self.now = now
         self.model = model
         self.prefix = prefix or []  # chained block hashes of the prompt
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
+        self.key = key  # request_key(body): the pickers' only source of chance
+
+
+# Bytes hashed from each end of a body: O(1) for any size, and the end is where
+# requests that share a long system prompt differ.
+_KEY_EDGE = 2048
+
+
+def request_key(body: bytes) -> int:
+    """A 32-bit hash of the request, the same in every router process (unlike `hash`)."""
+    if len(body) <= 2 * _KEY_EDGE:
+        return zlib.crc32(body)
+    key = zlib.crc32(body[-_KEY_EDGE:], zlib.crc32(body[:_KEY_EDGE]))
+    return zlib.crc32(len(body).to_bytes(8, "little"), key)
+
+
+def _unit(key: int) -> float:
+    """The key as a number in [0, 1), its bits mixed so nearby keys land far apart
+    (murmur3's finaliser: CRCs of bodies that differ in one byte differ in few bits)."""
+    h = key & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return (h ^ (h >> 16)) / 4294967296.0
 
 
 # ------------------------------------------------------------------ interfaces
@@ -76,7 +103,7 @@ class Scorer(Protocol):
 class Picker(Protocol):
     name: ClassVar[str]
 
-    def pick(self, totals: Sequence[float], rng: random.Random) -> int: ...
+    def pick(self, totals: Sequence[float], key: int) -> int: ...
 
 
 # ------------------------------------------------------------------ filters
@@ -236,26 +263,30 @@ class SessionScorer:
 
 
 class MaxScore:
-    """The highest total; ties broken at random so equal endpoints share the load."""
+    """The highest total; ties broken by the request key, so equal endpoints share the
+    load across distinct requests (and a repeated request goes where it went)."""
 
     name = "max_score"
 
-    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+    def pick(self, totals: Sequence[float], key: int) -> int:
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t >= best - 1e-9]
-        return ties[0] if len(ties) == 1 else rng.choice(ties)
+        return ties[0] if len(ties) == 1 else ties[int(_unit(key) * len(ties))]
 
 
 class PowerOfTwo:
-    """The better of two chosen at random: never piles onto one endpoint under bursts."""
+    """The better of two candidates drawn from the request key: never piles onto one
+    endpoint under bursts of distinct requests."""
 
     name = "p2c"
 
-    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+    def pick(self, totals: Sequence[float], key: int) -> int:
         n = len(totals)
         if n == 1:
             return 0
-        a, b = rng.sample(range(n), 2)
+        u = _unit(key) * n
+        a = int(u)
+        b = (a + 1 + int((u - a) * (n - 1))) % n  # any other index, from the rest of the draw
         return a if totals[a] >= totals[b] else b
 
 
@@ -264,12 +295,12 @@ class WeightedRandom:
 
     name = "weighted_random"
 
-    def pick(self, totals: Sequence[float], rng: random.Random) -> int:
+    def pick(self, totals: Sequence[float], key: int) -> int:
         weights = [t if t > 0 else 0.0 for t in totals]
         total = sum(weights)
         if total <= 0:
-            return rng.randrange(len(totals))
-        r = rng.random() * total
+            return int(_unit(key) * len(totals))
+        r = _unit(key) * total
         for i, w in enumerate(weights):
             r -= w
             if r < 0:
@@ -306,7 +337,6 @@ class Pipeline:
         settings: Settings | None = None,
         *,
         observer: Observer | None = None,
-        rng: random.Random | None = None,
     ):
         settings = settings or Settings()
         self.spec = spec
@@ -321,7 +351,6 @@ class Pipeline:
         self.session_header = spec.session_header.lower().encode()
         self.uses_session = any(s.name == "session" for s, _ in self.scorers)
         self.observer = observer
-        self.rng = rng or random.Random()
 
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
         """The endpoint for this request, or None when every one was filtered out.
@@ -352,7 +381,7 @@ class Pipeline:
                 per_scorer.append(vals)
                 for i in range(n):
                     totals[i] += weight * vals[i]
-            idx = self.picker.pick(totals, self.rng)
+            idx = self.picker.pick(totals, ctx.key)
             chosen = cands[idx]
             if observer is not None:
                 for (scorer, _), vals in zip(self.scorers, per_scorer, strict=True):

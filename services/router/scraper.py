@@ -3,6 +3,10 @@
 One task per endpoint, started and stopped as the view's endpoint set changes,
 so a slow or dead endpoint delays only its own samples. A failed scrape keeps
 the previous sample, which then ages into staleness (see ScrapeConfig).
+
+As a fallback (control-plane mode, `fallback_only`), an endpoint is scraped
+only while the agents' samples for it are late: older than half of
+`stale_after_seconds`, so the scraper takes over before the load goes stale.
 """
 
 from __future__ import annotations
@@ -22,10 +26,18 @@ log = logging.getLogger(__name__)
 
 
 class Scraper:
-    def __init__(self, view: EndpointView, metrics: RouterMetrics, settings: ScrapeConfig):
+    def __init__(
+        self,
+        view: EndpointView,
+        metrics: RouterMetrics,
+        settings: ScrapeConfig,
+        *,
+        fallback_only: bool = False,
+    ):
         self.view = view
         self.metrics = metrics
         self.settings = settings
+        self.fallback_only = fallback_only
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
 
@@ -63,8 +75,25 @@ class Scraper:
         interval = self.settings.interval_seconds
         target = url + "/metrics"
         failing = False
+        covering: bool | None = None  # fallback mode: the agents' samples are late, we scrape
+        late_after = self.settings.stale_after_seconds / 2
         while True:
             began = time.monotonic()
+            if self.fallback_only:
+                ep = self.view.endpoints.get(endpoint_id)
+                late = ep is None or began - ep.pushed_at > late_after
+                if late != covering:
+                    log.log(
+                        logging.DEBUG if covering is None else logging.INFO,
+                        "load samples for %s %s",
+                        endpoint_id,
+                        "are late: scraping its /metrics" if late else "flow: scraping stops",
+                    )
+                    covering = late
+                if not late:
+                    await asyncio.sleep(interval)
+                    continue
+            self.metrics.scrapes.inc((endpoint_id,))
             error = None
             load = None
             try:

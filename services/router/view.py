@@ -4,7 +4,8 @@ One `EndpointView` holds what the hot path reads: name -> model route, each
 route's endpoints with their live state (load, circuit, in-flight, prefix
 index). An `EndpointSource` feeds it: in router-only mode the config file,
 once (`StaticSource`); with a control plane, a watcher of the projection in
-JetStream KV that calls `replace`/`apply`/`remove` as records change.
+JetStream KV that calls `replace`/`apply`/`remove` as records change
+(controlplane.ControlPlaneSource).
 Updates swap whole route objects, so a request in flight keeps the consistent
 snapshot it resolved, and per-endpoint state survives updates by endpoint id.
 """
@@ -48,6 +49,7 @@ class EndpointRuntime:
         "prefix",
         "scrape_error",
         "targets",
+        "pushed_at",
     )
 
     def __init__(self, spec: Endpoint, settings: ViewSettings):
@@ -62,6 +64,7 @@ class EndpointRuntime:
         self.prefix = PrefixIndex(settings.prefix_capacity)
         self.scrape_error: str | None = None
         self.targets: dict[str, Any] = {}  # path -> parsed upstream URL (filled by the proxy)
+        self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
 
     def describe(self, now: float, stale_after: float) -> dict:
         load = self.load

@@ -104,7 +104,11 @@ async def test_a_failure_before_the_first_byte_is_retried_on_another_endpoint(cl
             ),
         )
         async with running_router(cfg) as r:
-            results = [await post(client, r.url, {**CHAT, "stream": True}) for _ in range(6)]
+            # Distinct requests: ties between equal endpoints are broken by request content.
+            results = [
+                await post(client, r.url, {**CHAT, "stream": True, "user": f"u{i}"})
+                for i in range(6)
+            ]
             metrics = await (await client.get(r.admin_url + "/metrics")).text()
     assert all(s == 200 and h["x-llmgw-endpoint"] == "b" for s, h, _ in results)
     assert len(a.seen) >= 1  # a was tried and failed at least once

@@ -1,8 +1,7 @@
-"""The scheduling pipeline: filters, scorers and pickers, driven with a fixed clock and seed."""
+"""The scheduling pipeline: filters, scorers and pickers, driven with a fixed clock and keys."""
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 from llmgw.contracts import Endpoint, EndpointState, SchedulingSpec
@@ -39,7 +38,7 @@ class Recorder:
         self.scores.append((scorer_name, value))
 
 
-def pipeline(scorers=None, picker="max_score", seed=1, observer=None, filters=None):
+def pipeline(scorers=None, picker="max_score", observer=None, filters=None):
     spec = SchedulingSpec(
         scorers=scorers
         if scorers is not None
@@ -47,9 +46,7 @@ def pipeline(scorers=None, picker="max_score", seed=1, observer=None, filters=No
         picker=picker,
         **({"filters": filters} if filters is not None else {}),
     )
-    return sc.Pipeline(
-        spec, sc.Settings(stale_after=1.0), observer=observer, rng=random.Random(seed)
-    )
+    return sc.Pipeline(spec, sc.Settings(stale_after=1.0), observer=observer)
 
 
 def ctx(**kw):
@@ -124,29 +121,39 @@ def test_session_affinity_follows_the_header_value():
     assert p.pick([a, b, c], ctx(session="user-1")) is first
 
 
-def test_max_score_breaks_ties_at_random():
+def test_max_score_breaks_ties_by_request_key():
     eps = [ep(n) for n in "abc"]
     p = pipeline(scorers={"inflight": 1})
-    picks = Counter(p.pick(eps, ctx()).id for _ in range(300))
-    assert set(picks) == {"a", "b", "c"}
+    keys = [sc.request_key(f'{{"messages": "q{i}"}}'.encode()) for i in range(300)]
+    picks = Counter(p.pick(eps, ctx(key=k)).id for k in keys)
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 60
+    # The same request meets the same tie-break every time.
+    assert len({p.pick(eps, ctx(key=keys[0])).id for _ in range(20)}) == 1
+
+
+def test_request_key_covers_both_ends_and_the_length_of_large_bodies():
+    head, tail = b"h" * 5000, b"t" * 5000
+    assert sc.request_key(head + tail + b"1") != sc.request_key(head + tail + b"2")
+    assert sc.request_key(b"1" + head + tail) != sc.request_key(b"2" + head + tail)
+    assert sc.request_key(head + b"xy" + tail) != sc.request_key(head + b"x" + tail)
 
 
 def test_p2c_never_picks_the_single_worst_endpoint_of_three():
     worst = ep("worst", inflight=10)
     eps = [ep("a", inflight=1), ep("b", inflight=1), worst]
     p = pipeline(scorers={"inflight": 1}, picker="p2c")
-    picks = Counter(p.pick(eps, ctx()).id for _ in range(300))
+    picks = Counter(p.pick(eps, ctx(key=sc.request_key(b"%d" % i))).id for i in range(300))
     assert picks["worst"] == 0
     assert picks["a"] > 50 and picks["b"] > 50
 
 
 def test_weighted_random_picks_in_proportion_to_score():
-    rng = random.Random(3)
     picker = sc.WeightedRandom()
-    picks = Counter(picker.pick([3.0, 1.0, 0.0], rng) for _ in range(4000))
+    keys = [sc.request_key(b"request %d" % i) for i in range(4000)]
+    picks = Counter(picker.pick([3.0, 1.0, 0.0], k) for k in keys)
     assert picks[2] == 0
     assert 2.4 < picks[0] / picks[1] < 3.8
-    assert set(Counter(picker.pick([0.0, 0.0], rng) for _ in range(100))) == {0, 1}
+    assert set(Counter(picker.pick([0.0, 0.0], k) for k in keys[:100])) == {0, 1}
 
 
 def test_the_chosen_endpoints_scores_are_observed_for_real_choices_only():

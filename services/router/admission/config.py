@@ -110,26 +110,37 @@ def check(
             problems.append(
                 f"{where}: band {tenant.band!r} is not configured (bands: {sorted(band_names)})"
             )
+        problems += tenant_problems(where, tenant)
         for j, digest in enumerate(tenant.key_hashes):
-            if not keys.is_key_hash(digest):
-                # Never echo the value: a pasted key instead of its hash is a secret.
-                problems.append(
-                    f"{where}: key_hashes[{j}] is not 'sha256:<64 lowercase hex>' "
-                    "(use `llmgw keys hash KEY`)"
-                )
-            elif owner_of_hash.setdefault(digest, tenant.name) != tenant.name:
+            if (
+                keys.is_key_hash(digest)
+                and owner_of_hash.setdefault(digest, tenant.name) != tenant.name
+            ):
                 problems.append(
                     f"{where}: key_hashes[{j}] also belongs to tenant {owner_of_hash[digest]!r}"
                 )
-        for field in ("rpm", "tpm", "concurrency"):
-            value = getattr(tenant.quotas, field)
-            if value is not None and value < 1:
-                problems.append(f"{where}: quotas.{field} = {value} must be >= 1 (or unset)")
 
     if s.anonymous_tenant and s.anonymous_tenant not in seen_tenants:
         problems.append(
             f"admission.anonymous_tenant = {s.anonymous_tenant!r}: no tenant has that name"
         )
+    return problems
+
+
+def tenant_problems(where: str, tenant: TenantConfig | contracts.TenantRecord) -> list[str]:
+    """What is wrong with one tenant on its own (its key hashes and quotas)."""
+    problems = []
+    for j, digest in enumerate(tenant.key_hashes):
+        if not keys.is_key_hash(digest):
+            # Never echo the value: a pasted key instead of its hash is a secret.
+            problems.append(
+                f"{where}: key_hashes[{j}] is not 'sha256:<64 lowercase hex>' "
+                "(use `llmgw keys hash KEY`)"
+            )
+    for field in ("rpm", "tpm", "concurrency"):
+        value = getattr(tenant.quotas, field)
+        if value is not None and value < 1:
+            problems.append(f"{where}: quotas.{field} = {value} must be >= 1 (or unset)")
     return problems
 
 

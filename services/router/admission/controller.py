@@ -102,10 +102,7 @@ class Controller:
         self.enabled = settings.enabled
         self.clock = clock
         self.metrics = metrics or Metrics()
-        self.bands = list(bands) or list(DEFAULT_BANDS)
-        self.band_index = {b.name: i for i, b in enumerate(self.bands)}
-        self._band_names = [b.name for b in self.bands]
-        self._ceilings = [b.ceiling for b in self.bands]
+        self._use_bands(bands)
         self.routers = settings.routers
         self.detector = Detector(
             queue_threshold=settings.queue_threshold,
@@ -117,12 +114,53 @@ class Controller:
         self.queues: dict[str, list[BandQueue]] = {}  # pool name -> one queue per band
         self.queued = 0
         self.directory = Directory([], self.band_index)
+        self._tenants: Sequence[TenantSpec] = ()
         self.set_tenants(tenants)
 
     # ------------------------------------------------------------ configuration
 
+    def _use_bands(self, bands: Sequence[contracts.Band]) -> None:
+        self.bands = list(bands) or list(DEFAULT_BANDS)
+        self.band_index = {b.name: i for i, b in enumerate(self.bands)}
+        self._band_names = [b.name for b in self.bands]
+        self._ceilings = [b.ceiling for b in self.bands]
+
+    def set_bands(self, bands: Sequence[contracts.Band]) -> bool:
+        """Replace the bands (the control plane's BandsRecord); False when nothing changed.
+
+        Queued requests stay queued, each in the band of the same name, or in the lowest
+        band when theirs is gone, with the deadline they already had; tenants are
+        re-indexed (a tenant whose band is gone serves in the lowest band). New capacity,
+        TTLs and ceilings apply from now on; a band's queue may thus hold more than its new
+        capacity until it drains.
+        """
+        if (list(bands) or list(DEFAULT_BANDS)) == self.bands:
+            return False
+        old_names = self._band_names
+        self._use_bands(bands)
+        lowest = len(self.bands) - 1
+        for model, queues in self.queues.items():
+            moved: list[list[Ticket]] = [[] for _ in self.bands]
+            for old, queue in enumerate(queues):
+                target = self.band_index.get(old_names[old], lowest)
+                moved[target] += queue.expire(float("inf"))  # every ticket, oldest first
+            fresh = []
+            for band, tickets in enumerate(moved):
+                queue = BandQueue()
+                # The queue expires by arrival order: keep its deadlines in that order.
+                for ticket in sorted(tickets, key=lambda t: t.deadline):
+                    ticket.band = band
+                    queue.push(ticket)
+                fresh.append(queue)
+            self.queues[model] = fresh
+        self.set_tenants(self._tenants)
+        for model in list(self.queues):
+            self.pump(model)  # a raised ceiling may release work at once
+        return True
+
     def set_tenants(self, tenants: Sequence[TenantSpec]) -> None:
         """Replace the tenant set; quota usage carries over for tenants that stay."""
+        self._tenants = tenants
         self.directory = Directory(
             tenants,
             self.band_index,

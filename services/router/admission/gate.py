@@ -45,6 +45,7 @@ class AdmissionGate:
         stale_after: float = 1.0,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quiet: bool = False,
     ) -> None:
         self.settings = settings
         self.controller = Controller(
@@ -52,7 +53,7 @@ class AdmissionGate:
         )
         self._timer: asyncio.TimerHandle | None = None
         self.workers = 1  # worker processes of this router, each with its own gate
-        if self.controller.open:
+        if self.controller.open and not quiet:
             log.warning(
                 "no tenants configured: every request is served as one anonymous tenant "
                 "without an API key; configure tenants to require keys"
@@ -101,6 +102,30 @@ class AdmissionGate:
     def set_tenants(self, tenants: Sequence[TenantSpec]) -> None:
         """A new tenant set (config reload or the control plane's TenantRecords)."""
         self.controller.set_tenants(tenants)
+        self._report_directory()
+
+    def set_bands(self, bands: Sequence[contracts.Band]) -> None:
+        """New bands (the control plane's BandsRecord); see Controller.set_bands."""
+        if self.controller.set_bands(bands):
+            log.info("admission bands now %s", [b.name for b in self.controller.bands])
+            self._report_directory()
+            self._arm()
+
+    def _report_directory(self) -> None:
+        d = self.controller.directory
+        for name in d.unknown_band:
+            log.warning(
+                "tenant %r names a band that is not declared: it is served in the lowest band, %r",
+                name,
+                self.controller.bands[-1].name,
+            )
+        wanted = self.settings.anonymous_tenant
+        if wanted and d.anonymous is None and not d.open:
+            log.warning(
+                "admission.anonymous_tenant = %r names no declared tenant: requests without a "
+                "key get 401 until it is declared",
+                wanted,
+            )
 
     def set_routers(self, live: int) -> None:
         """How many routers are live (the presence bucket); each has `workers` processes."""
@@ -131,6 +156,22 @@ class AdmissionGate:
         except Exception:  # a bug here must not strand every queued request
             log.exception("admission tick failed")
         self._arm()
+
+
+def control_plane_gate(config: Any, metrics: AdmissionMetrics | None = None) -> AdmissionGate:
+    """The gate of a router in control-plane mode: always built, since tenants and bands
+    arrive later; the router skips it while it is not `active`."""
+    gate = AdmissionGate(
+        config.admission,
+        stale_after=config.scrape.stale_after_seconds,
+        metrics=metrics,
+        quiet=True,
+    )
+    gate.workers = config.workers
+    gate.set_routers(1)
+    if metrics is not None:
+        metrics.controller = gate.controller
+    return gate
 
 
 def from_router_config(

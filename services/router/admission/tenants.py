@@ -66,13 +66,22 @@ class Directory:
         old = previous.by_name if previous else {}
         self.by_name: dict[str, Tenant] = {}
         self._by_hash: dict[str, Tenant] = {}
+        lowest = len(band_index) - 1
+        # Tenants whose band is not (or no longer) declared: they serve in the lowest band
+        # rather than lose their keys; a config file never gets here (validation), the
+        # control plane's records may for a moment while bands and tenants change.
+        self.unknown_band: list[str] = []
         for spec in specs:
             quotas = old[spec.name].quotas if spec.name in old else None
             if quotas is None:
                 quotas = TenantQuotas(spec.quotas, routers)
             else:
                 quotas.set_limits(spec.quotas, routers)
-            tenant = Tenant(spec.name, band_index[spec.band], spec.quotas, quotas, spec.key_hashes)
+            band = band_index.get(spec.band)
+            if band is None:
+                band = lowest
+                self.unknown_band.append(spec.name)
+            tenant = Tenant(spec.name, band, spec.quotas, quotas, spec.key_hashes)
             self.by_name[spec.name] = tenant
             for digest in spec.key_hashes:
                 self._by_hash[digest] = tenant
@@ -82,10 +91,11 @@ class Directory:
             prior = old.get(ANONYMOUS)
             unlimited = contracts.Quotas()
             quotas = prior.quotas if prior else TenantQuotas(unlimited, routers)
-            lowest = len(band_index) - 1
             self.by_name[ANONYMOUS] = Tenant(ANONYMOUS, lowest, unlimited, quotas, ())
             anonymous = ANONYMOUS
-        self.anonymous = self.by_name[anonymous] if anonymous else None
+        # A configured anonymous tenant the control plane does not declare (yet): no
+        # anonymous access until it does.
+        self.anonymous = self.by_name.get(anonymous) if anonymous else None
 
     def set_routers(self, routers: int) -> None:
         for tenant in self.by_name.values():

@@ -1,0 +1,179 @@
+"""From KV entries to the router's view and admission: decoding, checking, keeping.
+
+Pure and synchronous: kvwatch.py delivers entries, these classes decode them
+with `contracts.decode` and feed the endpoint view (`replace`/`apply`/`remove`)
+or the admission gate (`set_bands`, `set_tenants`). A record that does not
+decode or does not make sense is logged and skipped, and the key keeps the
+last good record it had: one bad write never takes a model or a tenant away.
+
+A re-snapshot (after a reconnect) that finds a bucket empty while this router
+holds records keeps them: a NATS server that lost its store comes back with
+empty buckets until the reconciler writes them again, and clearing the view
+(or worse, the tenants, which would open the router to requests without keys)
+in that window would turn a control-plane hiccup into an outage. Records that
+arrive afterwards apply one by one; a DEL still removes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from llmgw import contracts as c
+from llmgw import subjects
+from llmgw.router.admission.config import AdmissionSettings, tenant_problems
+from llmgw.router.admission.config import check as admission_check
+from llmgw.router.kvwatch import Entry
+from llmgw.router.view import EndpointView
+
+log = logging.getLogger(__name__)
+
+
+def _decode(bucket: str, key: str, raw: bytes, kind):
+    try:
+        return c.decode(raw, kind)
+    except c.ContractError as exc:
+        log.error("skipped a malformed record in %s under %r: %s", bucket, key, exc)
+        return None
+
+
+class EndpointFeed:
+    """The endpoints bucket: one ModelEndpoints per key (`subjects.endpoints_key(model)`)."""
+
+    def __init__(self, view: EndpointView):
+        self.view = view
+        self.records: dict[str, c.ModelEndpoints] = {}  # KV key -> last good record
+        self.loaded = False  # a first snapshot was applied
+
+    def _good(self, entry: Entry) -> c.ModelEndpoints | None:
+        rec = _decode(subjects.ENDPOINTS_BUCKET, entry.key, entry.value, c.ModelEndpoints)
+        if rec is not None and subjects.endpoints_key(rec.model) != entry.key:
+            log.error(
+                "skipped the record under %r in %s: it is for model %r, whose key is %r",
+                entry.key,
+                subjects.ENDPOINTS_BUCKET,
+                rec.model,
+                subjects.endpoints_key(rec.model),
+            )
+            return None
+        return rec
+
+    def snapshot(self, entries: dict[str, Entry]) -> None:
+        if not entries and self.records:
+            log.warning(
+                "the endpoints bucket is empty after a restart of the watch: keeping the "
+                "last view of %d models until the control plane writes again",
+                len(self.records),
+            )
+            return
+        records: dict[str, c.ModelEndpoints] = {}
+        for key, entry in entries.items():
+            rec = self._good(entry)
+            if rec is None:
+                rec = self.records.get(key)
+            if rec is not None:
+                records[key] = rec
+        self.records = records
+        self.view.replace(records.values())
+        self.loaded = True
+
+    def put(self, entry: Entry) -> None:
+        rec = self._good(entry)
+        if rec is None:
+            return
+        self.records[entry.key] = rec
+        self.view.apply(rec)
+
+    def delete(self, key: str) -> None:
+        rec = self.records.pop(key, None)
+        if rec is not None:
+            self.view.remove(rec.model)
+
+
+class TenantGate(Protocol):
+    def set_bands(self, bands: list[c.Band]) -> None: ...
+
+    def set_tenants(self, tenants: list[c.TenantRecord]) -> None: ...
+
+
+class TenantFeed:
+    """The tenants bucket: a TenantRecord per `tenant.<name>`, the BandsRecord under `bands`."""
+
+    def __init__(self, gate: TenantGate, on_change: Callable[[], None] = lambda: None):
+        self.gate = gate
+        self.on_change = on_change  # after each change (the router re-checks its gate)
+        self.tenants: dict[str, c.TenantRecord] = {}  # KV key -> last good record
+        self.bands: list[c.Band] = []
+        self.loaded = False
+
+    def _tenant(self, entry: Entry) -> c.TenantRecord | None:
+        rec = _decode(subjects.TENANTS_BUCKET, entry.key, entry.value, c.TenantRecord)
+        if rec is None:
+            return None
+        problems = tenant_problems(f"tenant {rec.name!r}", rec)
+        if problems:
+            log.error("skipped tenant record %r: %s", entry.key, "; ".join(problems))
+            return None
+        return rec
+
+    def _bands(self, entry: Entry) -> list[c.Band] | None:
+        rec = _decode(subjects.TENANTS_BUCKET, entry.key, entry.value, c.BandsRecord)
+        if rec is None:
+            return None
+        problems = admission_check(AdmissionSettings(), rec.bands, [])
+        if problems:
+            log.error("skipped the bands record: %s", "; ".join(problems))
+            return None
+        return list(rec.bands)
+
+    def snapshot(self, entries: dict[str, Entry]) -> None:
+        if not entries and (self.tenants or self.bands):
+            log.warning(
+                "the tenants bucket is empty after a restart of the watch: keeping the last "
+                "%d tenants and %d bands until the control plane writes again",
+                len(self.tenants),
+                len(self.bands),
+            )
+            return
+        tenants: dict[str, c.TenantRecord] = {}
+        bands = None
+        for key, entry in entries.items():
+            if key == subjects.BANDS_KEY:
+                bands = self._bands(entry)
+                if bands is None:
+                    bands = self.bands
+            else:
+                rec = self._tenant(entry) or self.tenants.get(key)
+                if rec is not None:
+                    tenants[key] = rec
+        self.tenants = tenants
+        self.bands = bands or []
+        self.loaded = True
+        self._push()
+
+    def put(self, entry: Entry) -> None:
+        if entry.key == subjects.BANDS_KEY:
+            bands = self._bands(entry)
+            if bands is None:
+                return
+            self.bands = bands
+        else:
+            rec = self._tenant(entry)
+            if rec is None:
+                return
+            self.tenants[entry.key] = rec
+        self._push()
+
+    def delete(self, key: str) -> None:
+        if key == subjects.BANDS_KEY:
+            self.bands = []
+        elif self.tenants.pop(key, None) is None:
+            return
+        self._push()
+
+    def _push(self) -> None:
+        # Bands first: tenants are indexed by them.
+        self.gate.set_bands(self.bands)
+        self.gate.set_tenants(sorted(self.tenants.values(), key=lambda t: t.name))
+        self.on_change()

@@ -1,0 +1,209 @@
+"""Router presence: announce this router, count the live ones, no coordination.
+
+Each router puts a RouterPresence under `subjects.router_key(router_id)` in the
+`llmgw-routers` bucket every TTL/3 (the bucket's max age is the TTL; 10 s when
+it has none) and deletes it when it stops. Every router watches the bucket
+and counts a router as live while its latest put is younger than the TTL.
+The count divides the tenants' quotas and the engines' capacity in admission.
+
+Expiry in a KV bucket is silent (no delete marker reaches a watcher), so the
+count does not rely on it: each router ages the entries it saw itself, from
+the server's timestamp on each write. A router that dies therefore leaves the
+count within one TTL (plus one tick), and a new router enters it as soon as
+its first put reaches the others (milliseconds).
+
+While NATS is unreachable nothing can be seen, so the count stays where it was
+instead of ageing every peer out (which would let each router admit the whole
+global quota). After reconnecting it does not fall below its value before the
+outage for one TTL: the time every live router needs to put itself again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+
+from llmgw import contracts as c
+from llmgw import subjects
+from llmgw.router.kvwatch import BucketWatcher, Entry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10.0
+
+
+class LiveRouters:
+    """The pure count: router id -> when last seen (monotonic), aged by the TTL."""
+
+    def __init__(self, self_id: str, ttl: float = DEFAULT_TTL):
+        self.self_id = self_id
+        self.ttl = ttl
+        self.last_seen: dict[str, float] = {}
+        self.connected = True
+        self._frozen = 1  # the count while disconnected
+        self._floor = 1
+        self._floor_until = float("-inf")
+
+    def seen(self, router_id: str, at: float) -> None:
+        if at > self.last_seen.get(router_id, float("-inf")):
+            self.last_seen[router_id] = at
+
+    def gone(self, router_id: str) -> None:
+        self.last_seen.pop(router_id, None)
+
+    def replace(self, seen: dict[str, float]) -> None:
+        self.last_seen = dict(seen)
+
+    def count(self, now: float) -> int:
+        if not self.connected:
+            return self._frozen
+        oldest = now - self.ttl
+        live = {rid for rid, at in self.last_seen.items() if at >= oldest}
+        live.add(self.self_id)  # this router is live, whether or not its put got through
+        n = len(live)
+        if now < self._floor_until and n < self._floor:
+            return self._floor
+        return n
+
+    def disconnected(self, now: float) -> None:
+        if self.connected:
+            self._frozen = self.count(now)
+            self.connected = False
+
+    def reconnected(self, now: float) -> None:
+        if not self.connected:
+            self.connected = True
+            self._floor = self._frozen
+            self._floor_until = now + self.ttl
+
+
+class Presence:
+    """Announces `router_id` and reports the live count through `on_count(n)` as it changes."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        router_id: str,
+        on_count: Callable[[int], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.nc = nc
+        self.router_id = router_id
+        self.key = subjects.router_key(router_id)
+        self.subject = f"$KV.{subjects.ROUTERS_BUCKET}.{self.key}"
+        self.on_count = on_count
+        self.clock = clock
+        self.wall = wall
+        self.live = LiveRouters(router_id)
+        self.started_at = wall()
+        self.reported = 0
+        self.watcher = BucketWatcher(
+            nc,
+            subjects.ROUTERS_BUCKET,
+            on_snapshot=self._snapshot,
+            on_put=self._put,
+            on_delete=self._delete,
+        )
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ watch side
+
+    def _at(self, entry: Entry) -> float:
+        """When the entry was written, on this router's monotonic clock (never in the future)."""
+        age = max(0.0, self.wall() - entry.written_at)
+        return self.clock() - age
+
+    def _id(self, entry: Entry) -> str:
+        try:
+            return c.decode(entry.value, c.RouterPresence).router_id
+        except c.ContractError:
+            return entry.key  # still a router that announced itself: count it by its key
+
+    def _snapshot(self, entries: dict[str, Entry]) -> None:
+        self.live.replace({self._id(e): self._at(e) for e in entries.values()})
+        self._report()
+
+    def _put(self, entry: Entry) -> None:
+        self.live.seen(self._id(entry), self._at(entry))
+        self._report()
+
+    def _delete(self, key: str) -> None:
+        for rid in [r for r in self.live.last_seen if subjects.router_key(r) == key]:
+            self.live.gone(rid)
+        self._report()
+
+    def _report(self) -> None:
+        n = self.live.count(self.clock())
+        if n != self.reported:
+            log.info("live routers: %d", n)
+            self.reported = n
+            self.on_count(n)
+
+    # ------------------------------------------------------------ connection events
+
+    def disconnected(self) -> None:
+        self.live.disconnected(self.clock())
+
+    def reconnected(self) -> None:
+        self.live.reconnected(self.clock())
+        self.watcher.restart()
+        self._wake.set()  # announce at once: peers may have aged us out
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._report()
+        self.watcher.start()
+        self._task = asyncio.get_running_loop().create_task(self._announce(), name="presence")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.watcher.stop()
+        if self.nc.is_connected:
+            # Leave the count at once, so the others' shares grow without waiting a TTL.
+            with contextlib.suppress(Exception):
+                await self.nc.jetstream().publish(
+                    self.subject, b"", headers={"KV-Operation": "DEL"}, timeout=1.0
+                )
+
+    async def _announce(self) -> None:
+        record = c.RouterPresence(router_id=self.router_id, started_at=self.started_at)
+        payload = c.encode(record)
+        js = self.nc.jetstream()
+        failing = False
+        while True:
+            await self.watcher.snapshot_done.wait()  # the bucket exists
+            info = self.watcher.info
+            ttl = (info.config.max_age if info is not None else None) or DEFAULT_TTL
+            self.live.ttl = ttl
+            if self.nc.is_connected:
+                try:
+                    await js.publish(self.subject, payload, timeout=min(2.0, ttl / 3))
+                    if failing:
+                        log.info("presence announced again")
+                    failing = False
+                except Exception as exc:
+                    if not failing:
+                        log.warning("presence not announced: %s", exc)
+                    failing = True
+            self._report()  # peers age out on this tick too
+            self._wake.clear()
+            tick = min(ttl / 3, 1.0)
+            for _ in range(max(1, round(ttl / 3 / tick))):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), tick)
+                if self._wake.is_set():
+                    break
+                self._report()
