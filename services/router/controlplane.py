@@ -131,6 +131,11 @@ class ControlPlaneSource:
             self._watch(subjects.TENANTS_BUCKET, self.tenants)
         await self.watchers[0].snapshot_done.wait()
         if len(self.watchers) == 1:
+            if self.gate.controller.open:
+                log.warning(
+                    "the catalog declares no tenants: every request is served as one "
+                    "anonymous tenant without an API key"
+                )
             assert self.endpoints is not None
             self._watch(subjects.ENDPOINTS_BUCKET, self.endpoints)
 

@@ -42,8 +42,6 @@ CONFIGS: dict[str, tuple[str, str]] = {
 # Keys the deploy files already use for work another issue adds. Each is xfailed
 # while the key is missing and checked like any other once it exists.
 PENDING_KEYS: dict[tuple[str, str], str] = {
-    ("router", "nats_url"): "router control-plane mode (issue 9) adds RouterConfig.nats_url",
-    ("router", "nats_tls"): "RouterConfig has no nats_tls section yet (llmgw.tlsconfig.NatsTLS)",
     ("reconciler", "nats_tls"): "ReconcilerConfig has no nats_tls section yet",
     ("agent", "nats_tls"): "AgentConfig has no nats_tls section yet",
 }

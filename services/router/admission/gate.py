@@ -52,6 +52,7 @@ class AdmissionGate:
             settings, bands, tenants, stale_after=stale_after, clock=clock, metrics=metrics
         )
         self._timer: asyncio.TimerHandle | None = None
+        self._was_open = self.controller.open
         self.workers = 1  # worker processes of this router, each with its own gate
         if self.controller.open and not quiet:
             log.warning(
@@ -113,6 +114,12 @@ class AdmissionGate:
 
     def _report_directory(self) -> None:
         d = self.controller.directory
+        if d.open and not self._was_open:
+            log.warning(
+                "no tenants are declared any more: every request is served as one anonymous "
+                "tenant without an API key"
+            )
+        self._was_open = d.open
         for name in d.unknown_band:
             log.warning(
                 "tenant %r names a band that is not declared: it is served in the lowest band, %r",

@@ -1,0 +1,262 @@
+"""Routers in control-plane mode against real NATS, real sim engines and the openai SDK.
+
+The projection is written to KV by hand here (as the reconciler would), so each
+test controls exactly what the router sees. Latencies are printed, never
+asserted (see tests/bench/bench_projection_latency.py for the figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmgw import bus, keys, localservers, subjects
+from llmgw import contracts as c
+from llmgw.router import config as rc
+from llmgw.router.testing import running_router, start_router
+from llmgw.simengine.testing import start_sim
+
+MODEL = "m"
+KEY = "sk-acme-test"
+
+
+@pytest.fixture(scope="module")
+def sims():
+    started = []
+    try:
+        for _ in range(2):
+            started.append(start_sim(model=MODEL, itl_ms=1))
+        yield started
+    finally:
+        for sim in started:
+            sim.stop()
+
+
+def record(*sims, model: str = MODEL) -> c.ModelEndpoints:
+    return c.ModelEndpoints(
+        model=model,
+        endpoints=[c.Endpoint(id=f"shard-{s.port}", url=s.url, node="n1") for s in sims],
+    )
+
+
+async def put(js, bucket: str, key: str, msg: c.Message) -> None:
+    await (await js.key_value(bucket)).put(key, c.encode(msg))
+
+
+async def put_model(js, rec: c.ModelEndpoints) -> None:
+    await put(js, subjects.ENDPOINTS_BUCKET, subjects.endpoints_key(rec.model), rec)
+
+
+async def put_tenants(js, *tenants: c.TenantRecord) -> None:
+    bands = c.BandsRecord(bands=[c.Band(name="gold", ceiling=1.5)])
+    await put(js, subjects.TENANTS_BUCKET, subjects.BANDS_KEY, bands)
+    for t in tenants:
+        await put(js, subjects.TENANTS_BUCKET, subjects.tenant_key(t.name), t)
+
+
+def config(nats_url: str, router_id: str) -> rc.RouterConfig:
+    return rc.RouterConfig(
+        nats_url=nats_url,
+        router_id=router_id,
+        scrape=rc.ScrapeConfig(interval_seconds=0.05, stale_after_seconds=2.0),
+    )
+
+
+async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> float:
+    """Poll an async predicate; returns the seconds it took."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if await predicate():
+            return time.monotonic() - began
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+async def endpoint_ids(http: httpx.AsyncClient, admin_url: str) -> set[str]:
+    body = (await http.get(admin_url + "/debug/endpoints")).json()
+    return {e["id"] for e in body["endpoints"]}
+
+
+async def ready(http: httpx.AsyncClient, admin_url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return (await http.get(admin_url + "/readyz")).status_code == 200
+    return False
+
+
+def chat(**kw):
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        **kw,
+    }
+
+
+async def test_the_projection_is_served_and_changes_and_deletes_reach_the_router(nats, sims):
+    js = nats.jetstream()
+    await bus.provision(js)
+    await put_model(js, record(sims[0]))
+    async with (
+        running_router(config(nats.connected_url.geturl(), "r1")) as r,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
+        sdk = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="none", max_retries=0)
+        answer = await sdk.chat.completions.create(**chat())
+        assert answer.choices[0].message.content
+        stream = await sdk.chat.completions.create(**chat(stream=True))
+        assert "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+        # Move the model to the other engine: the change reaches the router.
+        began = time.monotonic()
+        await put_model(js, record(sims[1]))
+        moved = {f"shard-{sims[1].port}"}
+
+        async def moved_there():
+            return await endpoint_ids(http, r.admin_url) == moved
+
+        await wait_for(moved_there, what="the changed endpoint set")
+        print(f"\nendpoint change visible in the router after {time.monotonic() - began:.4f}s")
+        raw = await sdk.chat.completions.with_raw_response.create(**chat())
+        assert raw.headers["x-llmgw-endpoint"] == f"shard-{sims[1].port}"
+
+        # The agents' samples feed the view, and the router stops scraping the engine.
+        ep_id = f"shard-{sims[1].port}"
+        scrapes = f'llmgw_router_scrapes_total{{endpoint="{ep_id}"}}'
+
+        def scraped(text: str) -> float:
+            line = next((ln for ln in text.splitlines() if ln.startswith(scrapes)), None)
+            return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+        counts = []
+        for i in range(10):
+            sample = c.LoadSample(
+                node="n1", shard_id=ep_id, model=MODEL, url=sims[1].url, waiting=7, running=2
+            )
+            await nats.publish(subjects.load("n1"), c.encode(sample))
+            await asyncio.sleep(0.1)
+            if i in (4, 9):
+                counts.append(scraped((await http.get(r.admin_url + "/metrics")).text))
+        body = (await http.get(r.admin_url + "/debug/endpoints")).json()
+        load = body["endpoints"][0]["load"]
+        assert (load["source"], load["waiting"], load["running"]) == ("agent", 7, 2)
+        assert counts[0] == counts[1]  # samples flow: no scraping in between
+
+        # The model leaves the catalog: 404 through the SDK.
+        await (await js.key_value(subjects.ENDPOINTS_BUCKET)).delete(subjects.endpoints_key(MODEL))
+
+        async def gone():
+            resp = await http.post(r.url + "/v1/chat/completions", json=chat())
+            return resp.status_code == 404
+
+        await wait_for(gone, what="404 after the DEL")
+        with pytest.raises(openai.NotFoundError):
+            await sdk.chat.completions.create(**chat())
+
+
+async def test_tenants_from_kv_require_a_key(nats, sims):
+    js = nats.jetstream()
+    await bus.provision(js)
+    acme = c.TenantRecord(name="acme", band="gold", key_hashes=[keys.hash_key(KEY)])
+    await put_tenants(js, acme)
+    await put_model(js, record(sims[0]))
+    async with (
+        running_router(config(nats.connected_url.geturl(), "r1")) as r,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
+        resp = await http.post(r.url + "/v1/chat/completions", json=chat())
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        sdk = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=KEY, max_retries=0)
+        assert (await sdk.chat.completions.create(**chat())).choices
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(
+                base_url=r.url + "/v1", api_key="sk-wrong", max_retries=0
+            ).chat.completions.create(**chat())
+
+
+async def test_two_live_routers_halve_a_tenants_quota(nats, sims):
+    js = nats.jetstream()
+    await bus.provision(js)
+    acme = c.TenantRecord(
+        name="acme", band="gold", key_hashes=[keys.hash_key(KEY)], quotas=c.Quotas(rpm=4)
+    )
+    await put_tenants(js, acme)
+    await put_model(js, record(sims[0]))
+    url = nats.connected_url.geturl()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with (
+        running_router(config(url, "r1")) as r1,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        async with running_router(config(url, "r2")) as r2:
+
+            async def both_see_two():
+                return all(
+                    r.service.admission.controller.routers == 2 for r in (r1, r2)
+                ) and await ready(http, r1.admin_url)
+
+            await wait_for(both_see_two, what="two live routers")
+            statuses = [
+                (await http.post(r1.url + "/v1/chat/completions", json=chat(), headers=auth))
+                for _ in range(3)
+            ]
+            assert [s.status_code for s in statuses] == [200, 200, 429]
+            assert "limit 2" in statuses[2].json()["error"]["message"]
+
+        # r2 stopped and left the presence bucket: r1's share is the whole quota again.
+        async def one_left():
+            return r1.service.admission.controller.routers == 1
+
+        await wait_for(one_left, what="one live router")
+        resp = await http.post(r1.url + "/v1/chat/completions", json=chat(), headers=auth)
+        assert resp.status_code == 200
+
+
+async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp_path, sims):
+    server = localservers.NatsServer(tmp_path / "nats").start()
+    router = None
+    try:
+        nc = await bus.connect(server.url, "test", wait_for_server=False)
+        js = nc.jetstream()
+        await bus.provision(js)
+        await put_model(js, record(sims[0]))
+        await bus.close_quietly(nc)
+        router = await asyncio.to_thread(
+            start_router, tmp_path, f"nats_url: {server.url}\nrouter_id: outage\n"
+        )
+        async with httpx.AsyncClient(timeout=10) as http:
+            server.stop()
+            await asyncio.sleep(1.0)  # the router notices: disconnected, reconnecting
+            resp = await http.post(router.url + "/v1/chat/completions", json=chat())
+            assert resp.status_code == 200
+            assert (await http.get(router.admin_url + "/readyz")).status_code == 200
+            metrics = (await http.get(router.admin_url + "/metrics")).text
+            assert "llmgw_router_nats_connected 0.0" in metrics
+
+            await asyncio.to_thread(server.start)
+            began = time.monotonic()
+            nc = await bus.connect(server.url, "test", wait_for_server=False)
+            try:
+                await put_model(nc.jetstream(), record(sims[1]))
+            finally:
+                await bus.close_quietly(nc)
+            moved = {f"shard-{sims[1].port}"}
+
+            async def moved_there():
+                return await endpoint_ids(http, router.admin_url) == moved
+
+            await wait_for(moved_there, timeout=15, what="an update after the restart")
+            print(f"\nfirst update after the NATS restart seen in {time.monotonic() - began:.3f}s")
+            resp = await http.post(router.url + "/v1/chat/completions", json=chat())
+            assert resp.status_code == 200
+            assert resp.headers["x-llmgw-endpoint"] == f"shard-{sims[1].port}"
+    finally:
+        if router is not None:
+            router.stop()
+        server.stop()
