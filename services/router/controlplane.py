@@ -133,8 +133,8 @@ class ControlPlaneSource:
         if len(self.watchers) == 1:
             if self.gate.controller.open:
                 log.warning(
-                    "the catalog declares no tenants: every request is served as one "
-                    "anonymous tenant without an API key"
+                    "no tenants are declared (yet): requests are served as one anonymous "
+                    "tenant without an API key until the catalog declares a tenant"
                 )
             assert self.endpoints is not None
             self._watch(subjects.ENDPOINTS_BUCKET, self.endpoints)

@@ -176,4 +176,9 @@ class TenantFeed:
         # Bands first: tenants are indexed by them.
         self.gate.set_bands(self.bands)
         self.gate.set_tenants(sorted(self.tenants.values(), key=lambda t: t.name))
+        log.info(
+            "tenants from the control plane: %d; bands: %s",
+            len(self.tenants),
+            [b.name for b in self.bands] or "(default)",
+        )
         self.on_change()
