@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
-from llmgw import bus, keys, localservers, subjects
+from llmgw import bus, certs, keys, localservers, natsconfig, subjects, tlsconfig
 from llmgw import contracts as c
 from llmgw.router import config as rc
 from llmgw.router.testing import running_router, start_router
@@ -260,3 +262,67 @@ async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp
         if router is not None:
             router.stop()
         server.stop()
+
+
+class _ConfigOnlyNats(localservers.NatsServer):
+    """nats-server driven by the generated config alone (listen, store and TLS)."""
+
+    def command(self) -> list[str]:
+        return [localservers.nats_server_binary(), "-c", str(self.config_file)]
+
+
+def _tls(cert_dir, name: str) -> tlsconfig.NatsTLS:
+    return tlsconfig.NatsTLS(
+        ca=str(cert_dir / "ca.crt"),
+        cert=str(cert_dir / f"{name}.crt"),
+        key=str(cert_dir / f"{name}.key"),
+    )
+
+
+async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
+    tmp_path, sims, caplog
+):
+    cert_dir = tmp_path / "certs"
+    certs.init(cert_dir, ["node-a"], routers=1)
+    port = localservers.free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        natsconfig.render(
+            certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(tmp_path)
+        )
+    )
+    server = _ConfigOnlyNats(tmp_path / "server", port=port, config_file=conf).start()
+    caplog.set_level(logging.WARNING, logger="llmgw.bus")
+    try:
+        opts = tlsconfig.nats_options(_tls(cert_dir, "reconciler"))
+        nc = await bus.connect(server.url, "reconciler", wait_for_server=False, **opts)
+        js = nc.jetstream()
+        await bus.provision(js)  # only the reconciler may
+        await put_model(js, record(sims[0]))
+        cfg = msgspec.structs.replace(
+            config(server.url, "router-1"), nats_tls=_tls(cert_dir, "router-1")
+        )
+        async with running_router(cfg) as r, httpx.AsyncClient(timeout=10) as http:
+            await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
+            assert (await http.post(r.url + "/v1/chat/completions", json=chat())).status_code == 200
+            presence = await js.key_value(subjects.ROUTERS_BUCKET)
+
+            async def announced():
+                with contextlib.suppress(Exception):
+                    entry = await presence.get(subjects.router_key("router-1"))
+                    return c.decode(entry.value, c.RouterPresence).router_id == "router-1"
+                return False
+
+            await wait_for(announced, what="the router's presence")
+            # The reconciler's later writes reach it too.
+            await put_model(js, record(sims[1]))
+            moved = {f"shard-{sims[1].port}"}
+
+            async def moved_there():
+                return await endpoint_ids(http, r.admin_url) == moved
+
+            await wait_for(moved_there, what="the changed endpoint set")
+        await bus.close_quietly(nc)
+    finally:
+        server.stop()
+    assert "permissions violation" not in caplog.text.lower()
