@@ -93,10 +93,19 @@ def env_overrides(
     return out
 
 
-_PATH_RE = re.compile(r"at `\$(?P<path>[^`]*)`")
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
-def _lookup(data: Any, path: str) -> Any:
+def split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str | None]:
+    """msgspec's message as (reason, path): the path as msgspec writes it after `$`
+    (".a.b[0]"), or None when the error is about the whole value."""
+    msg = str(exc)
+    m = _PATH_RE.search(msg)
+    return (msg[: m.start()], m["path"]) if m else (msg, None)
+
+
+def lookup(data: Any, path: str) -> Any:
+    """The value at a msgspec error path (".a.b[0]") in plain data, or None."""
     cur = data
     for m in re.finditer(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", path):
         try:
@@ -111,15 +120,13 @@ def convert(cls: type[T], data: Mapping[str, Any], source: str = "config") -> T:
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
-        msg = str(exc)
-        m = _PATH_RE.search(msg)
-        if m:
-            key = m.group("path").lstrip(".") or "(top level)"
-            reason = msg[: m.start()].rstrip(" -")
-            value = _lookup(data, m.group("path"))
+        reason, path = split_validation_error(exc)
+        if path is not None:
+            key = path.lstrip(".") or "(top level)"
+            value = lookup(data, path)
             shown = "" if value is None else f" = {value!r}"
             raise ConfigError(f"{source}: {key}{shown}: {reason}") from None
-        raise ConfigError(f"{source}: {msg}") from None
+        raise ConfigError(f"{source}: {reason}") from None
 
 
 def load(

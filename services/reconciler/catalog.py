@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
+from llmgw import config, subjects
 from llmgw import contracts as c
-from llmgw import subjects
 
 ENGINES = ("vllm", "sglang", "sim")
 _KEY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
@@ -90,29 +90,16 @@ def _unknown_keys(data: Any, cls: type, path: str) -> list[str]:
     return out
 
 
-_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _EXPECTED_RE = re.compile(r"^Expected `(?P<want>[^`]+)`, got `[^`]+`$")
 
 
-def _lookup(data: Any, path: str) -> Any:
-    cur = data
-    for m in re.finditer(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", path):
-        try:
-            cur = cur[m.group(1)] if m.group(1) is not None else cur[int(m.group(2))]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return cur
-
-
 def _convert_error(exc: msgspec.ValidationError, data: Any) -> str:
-    msg = str(exc)
-    m = _PATH_RE.search(msg)
-    path = m.group("path").lstrip(".") if m else ""
-    reason = msg[: m.start()] if m else msg
+    reason, at = config.split_validation_error(exc)
+    path = (at or "").lstrip(".")
     expected = _EXPECTED_RE.match(reason)
     if expected:
         want = expected.group("want").replace(" | null", " or null")
-        reason = f"expected {want}, got {_describe(_lookup(data, m.group('path') if m else ''))}"
+        reason = f"expected {want}, got {_describe(config.lookup(data, at or ''))}"
     else:
         reason = reason[0].lower() + reason[1:].replace("`", "")
     return f"{path}: {reason}" if path else reason

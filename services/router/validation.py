@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from llmgw import config
 from llmgw.router.errors import RouterError
 
 MAX_DEPTH = 64
@@ -131,7 +132,6 @@ def check_depth(body: bytes) -> None:
 # ---------------------------------------------------------------- fields
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 
 
 def check_model(model: str) -> None:
@@ -146,12 +146,8 @@ def check_model(model: str) -> None:
 
 def field_error(exc: msgspec.ValidationError, prefix: str = "") -> RouterError:
     """A 400 naming the field msgspec found wrong, e.g. `temperature` or `messages[3].role`."""
-    message = str(exc)
-    match = _AT.search(message)
-    path = prefix + (match["path"] if match else "")
-    path = path.lstrip(".")
-    if match:
-        message = message[: match.start()]
+    message, at = config.split_validation_error(exc)
+    path = (prefix + (at or "")).lstrip(".")
     if not path:
         return RouterError(400, "invalid_request", f"request body: {message}")
     return RouterError(400, "invalid_request", f"{path}: {message}", param=path)

@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from llmgw import config
 from llmgw.simengine import tokens
 
 _encode = msgspec.json.encode
-_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -253,8 +253,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         msg = str(exc)
-        m = _PATH_RE.search(msg)
-        param = m.group("path") if m else None
+        param = config.split_validation_error(exc)[1]
+        param = param.lstrip(".") if param else None
         missing = _MISSING_RE.search(msg)
         if missing:
             param = f"{param}.{missing['field']}" if param else missing["field"]
