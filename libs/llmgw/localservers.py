@@ -134,6 +134,131 @@ class NatsServer:
         self.start(timeout)
 
 
+class ConfiguredNatsServer(NatsServer):
+    """A nats-server run from its config file alone.
+
+    The config says where to listen and store (`NatsServer` passes `-sd` and the
+    port on the command line, which would override the file's `store_dir`)."""
+
+    def __init__(self, data_dir: Path, port: int, config_file: Path, host: str = "127.0.0.1"):
+        super().__init__(data_dir, port=port, host=host, config_file=config_file)
+
+    def command(self) -> list[str]:
+        return [nats_server_binary(), "-c", str(self.config_file)]
+
+
+def _http_ok(host: str, port: int, path: str) -> bool:
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=1)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+class NatsCluster:
+    """`size` nats-servers forming one JetStream cluster over routes on loopback.
+
+    Each node `n1..nN` has a client port, a route port and a monitoring port,
+    and stores in `data_dir/<name>`. `client_section(name, port, store_dir)`
+    returns a node's top-level config (listen, jetstream, and for mutual TLS
+    the tls and authorization sections); by default plain listen + jetstream.
+    `start()` returns once every node reports JetStream healthy, i.e. the
+    cluster has elected its meta leader and streams with replicas can be made.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        name: str = "llmgw",
+        ports: list[int] | None = None,
+        client_section=None,
+    ):
+        if size < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.name = name
+        self.names = [f"n{i}" for i in range(1, size + 1)]
+        self.ports = list(ports) if ports else [free_port(host) for _ in self.names]
+        self.route_ports = [free_port(host) for _ in self.names]
+        self.monitor_ports = [free_port(host) for _ in self.names]
+        self.client_section = client_section or self._plain_section
+        self.servers: list[ConfiguredNatsServer] = []
+        for i, node in enumerate(self.names):
+            node_dir = self.data_dir / node
+            node_dir.mkdir(parents=True, exist_ok=True)
+            conf = node_dir / "nats.conf"
+            conf.write_text(self._config(i))
+            self.servers.append(ConfiguredNatsServer(node_dir, self.ports[i], conf, host))
+
+    def _plain_section(self, name: str, port: int, store_dir: Path) -> str:  # noqa: ARG002
+        return f'listen: "{self.host}:{port}"\njetstream: {{ store_dir: "{store_dir}" }}\n'
+
+    def _config(self, i: int) -> str:
+        node = self.names[i]
+        routes = ", ".join(f'"nats-route://{self.host}:{p}"' for p in self.route_ports)
+        return (
+            f'server_name: "{node}"\n'
+            + self.client_section(node, self.ports[i], self.data_dir / node / "jetstream")
+            + f'http: "{self.host}:{self.monitor_ports[i]}"\n'
+            + f'cluster {{\n  name: "{self.name}"\n  listen: "{self.host}:{self.route_ports[i]}"\n'
+            + f"  routes: [{routes}]\n}}\n"
+        )
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    @property
+    def url(self) -> str:
+        """All client URLs, comma-separated, as `bus.connect` and every `--nats` take them."""
+        return ",".join(self.urls)
+
+    def index_of(self, server_name: str) -> int:
+        return self.names.index(server_name)
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        try:
+            for server in self.servers:
+                server.start(timeout)
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float, nodes: list[int] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        for i in range(len(self.servers)) if nodes is None else nodes:
+            while not _http_ok(self.host, self.monitor_ports[i], "/healthz"):
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"nats cluster node {self.names[i]} not healthy within {timeout}s; "
+                        f"log: {self.servers[i].log_file}"
+                    )
+                time.sleep(0.1)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL one node: what a crashed machine looks like to the others."""
+        self.servers[i].stop(kill=True)
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        self.servers[i].stop()
+        self.servers[i].start(timeout)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
 # ---------------------------------------------------------------- PostgreSQL
 
 

@@ -17,8 +17,9 @@ from .folder import BatchResult, Entry, Folder
 
 log = logging.getLogger(__name__)
 
-# A fetch that fails this many times in a row (not an empty fetch) ends the loop.
-MAX_FETCH_ERRORS = 5
+# Fetches that keep failing (not empty fetches) for this long end the loop. Long
+# enough to ride out a JetStream cluster electing a new stream leader (5-10 s).
+FETCH_ERROR_GRACE = 20.0
 
 OnBatch = Callable[[BatchResult, int], Awaitable[None]]  # (result, messages still pending)
 OnIdle = Callable[[], None]
@@ -33,8 +34,9 @@ async def consume(
     on_batch: OnBatch,
     on_idle: OnIdle | None = None,
 ) -> None:
-    """Run until cancelled, or until fetching fails MAX_FETCH_ERRORS times in a row."""
-    errors = 0
+    """Run until cancelled, or until fetching has failed for FETCH_ERROR_GRACE seconds."""
+    loop = asyncio.get_running_loop()
+    failing_since: float | None = None
 
     def fetch() -> asyncio.Task:
         return asyncio.create_task(psub.fetch(batch_size, timeout=fetch_wait), name="fold-fetch")
@@ -45,20 +47,21 @@ async def consume(
             try:
                 msgs = await pending
             except TimeoutError:  # nothing new (nats' TimeoutError subclasses the builtin)
-                errors = 0
+                failing_since = None
                 pending = fetch()
                 if on_idle is not None:
                     on_idle()
                 continue
             except Exception as exc:
-                errors += 1
-                if errors >= MAX_FETCH_ERRORS:
+                if failing_since is None:
+                    failing_since = loop.time()
+                elif loop.time() - failing_since > FETCH_ERROR_GRACE:
                     raise
                 log.warning("fetch from the event log failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 pending = fetch()
                 continue
-            errors = 0
+            failing_since = None
             pending = fetch()  # the next batch travels while this one commits
             if not msgs:
                 continue
