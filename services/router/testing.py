@@ -280,6 +280,17 @@ def config_for(engines: list[FakeEngine], model: str = "m", **overrides: Any):
     return msgspec.structs.replace(base, **overrides)
 
 
+@contextlib.asynccontextmanager
+async def fake_engines(*names: str, **kw: Any) -> AsyncIterator[list[FakeEngine]]:
+    """Started FakeEngines, one per name, all with the same behaviour `kw`; stopped after."""
+    started = [await FakeEngine(name=n, **kw).start() for n in names]
+    try:
+        yield started
+    finally:
+        for e in started:
+            await e.stop()
+
+
 @dataclass
 class RunningRouter:
     service: Any

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 
 import aiohttp
@@ -11,19 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.router import config as rc
-from llmgw.router.testing import FakeEngine, config_for, running_router
+from llmgw.router.testing import config_for, fake_engines, running_router
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-
-
-@contextlib.asynccontextmanager
-async def engines(*names: str, **kw):
-    started = [await FakeEngine(name=n, **kw).start() for n in names]
-    try:
-        yield started
-    finally:
-        for e in started:
-            await e.stop()
 
 
 @pytest.fixture
@@ -53,7 +42,7 @@ async def wait_for(predicate, timeout=3.0):
 
 
 async def test_the_circuit_opens_on_failures_lets_one_probe_through_and_recovers(client):
-    async with engines("a", "b") as (a, b):
+    async with fake_engines("a", "b") as (a, b):
         a.status = 500
         cfg = config_for(
             [a, b],
@@ -79,7 +68,7 @@ async def test_the_circuit_opens_on_failures_lets_one_probe_through_and_recovers
 
 
 async def test_a_failed_probe_reopens_the_circuit(client):
-    async with engines("a", "b") as (a, b):
+    async with fake_engines("a", "b") as (a, b):
         a.status = 500
         cfg = config_for([a, b], circuit=rc.CircuitConfig(failures=1, cooldown_seconds=0.2))
         async with running_router(cfg) as r:
@@ -97,7 +86,7 @@ async def _served_until(client, url, engine, n) -> bool:
 
 
 async def test_scraped_load_shows_up_goes_stale_and_steers_traffic(client):
-    async with engines("busy", "calm") as (busy, calm):
+    async with fake_engines("busy", "calm") as (busy, calm):
         busy.waiting, busy.kv_usage = 12, 0.9
         cfg = config_for(
             [busy, calm], scrape=rc.ScrapeConfig(interval_seconds=0.05, stale_after_seconds=0.3)
@@ -144,7 +133,7 @@ async def test_scraped_load_shows_up_goes_stale_and_steers_traffic(client):
 
 
 async def test_shared_prefix_requests_land_on_the_same_engine_while_load_is_even(client):
-    async with engines("a", "b", "c") as eps:
+    async with fake_engines("a", "b", "c") as eps:
         async with running_router(config_for(list(eps))) as r:
             system = {"role": "system", "content": "You answer questions about llamas. " * 30}
 
@@ -163,7 +152,7 @@ async def test_shared_prefix_requests_land_on_the_same_engine_while_load_is_even
 
 
 async def test_session_affinity_from_a_header(client):
-    async with engines("a", "b", "c") as eps:
+    async with fake_engines("a", "b", "c") as eps:
         cfg = config_for(
             list(eps),
             model_defaults=rc.ModelDefaults(
@@ -177,7 +166,7 @@ async def test_session_affinity_from_a_header(client):
 
 
 async def test_admin_listener_health_readiness_and_metrics(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         async with running_router(config_for([a])) as r:
             for body in (CHAT, {**CHAT, "stream": True, "stream_options": {"include_usage": True}}):
                 await served_by(client, r.url, body)

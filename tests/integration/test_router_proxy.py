@@ -7,7 +7,6 @@ the connection on demand) and a router in the same event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import aiohttp
@@ -15,19 +14,9 @@ import pytest
 
 from llmgw.contracts import DeadlineSpec
 from llmgw.router import config as rc
-from llmgw.router.testing import FakeEngine, chat_chunks, config_for, running_router
+from llmgw.router.testing import FakeEngine, chat_chunks, config_for, fake_engines, running_router
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-
-
-@contextlib.asynccontextmanager
-async def engines(*names: str, **kw):
-    started = [await FakeEngine(name=n, **kw).start() for n in names]
-    try:
-        yield started
-    finally:
-        for e in started:
-            await e.stop()
 
 
 @pytest.fixture
@@ -50,7 +39,7 @@ def events(raw: bytes) -> list[bytes]:
 
 async def test_the_client_receives_the_upstream_event_sequence_unchanged(client):
     upstream = chat_chunks("m", 12, usage=True)
-    async with engines("a", events=upstream, delay=0.001) as (a,):
+    async with fake_engines("a", events=upstream, delay=0.001) as (a,):
         async with running_router(config_for([a])) as r:
             status, headers, body = await post(client, r.url, {**CHAT, "stream": True})
     assert status == 200
@@ -60,7 +49,7 @@ async def test_the_client_receives_the_upstream_event_sequence_unchanged(client)
 
 
 async def test_request_ids_are_propagated_or_generated(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         async with running_router(config_for([a])) as r:
             _, h1, _ = await post(client, r.url, CHAT, headers={"x-request-id": "req-42"})
             _, h2, _ = await post(client, r.url, CHAT)
@@ -71,7 +60,7 @@ async def test_request_ids_are_propagated_or_generated(client):
 
 
 async def test_aliases_reach_the_engine_under_the_canonical_name(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         cfg = config_for([a], models=[rc.ModelConfig(name="m", aliases=["m-latest"])])
         async with running_router(cfg) as r:
             status, _, _ = await post(client, r.url, {**CHAT, "model": "m-latest"})
@@ -82,7 +71,7 @@ async def test_aliases_reach_the_engine_under_the_canonical_name(client):
 
 
 async def test_completions_and_embeddings_are_routed_too(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         async with running_router(config_for([a])) as r:
             s1, _, b1 = await post(client, r.url, {"model": "m", "prompt": "hi"}, "/v1/completions")
             s2, _, b2 = await post(client, r.url, {"model": "m", "input": "hi"}, "/v1/embeddings")
@@ -95,7 +84,7 @@ async def test_completions_and_embeddings_are_routed_too(client):
 
 
 async def test_a_failure_before_the_first_byte_is_retried_on_another_endpoint(client):
-    async with engines("a", "b") as (a, b):
+    async with fake_engines("a", "b") as (a, b):
         a.status = 500
         cfg = config_for(
             [a, b],
@@ -117,7 +106,7 @@ async def test_a_failure_before_the_first_byte_is_retried_on_another_endpoint(cl
 
 
 async def test_a_connection_refused_is_retried_elsewhere(client):
-    async with engines("b") as (b,):
+    async with fake_engines("b") as (b,):
         dead = FakeEngine(name="dead")  # never started: nothing listens on its port
         dead.port = 1
         async with running_router(config_for([dead, b])) as r:
@@ -126,7 +115,7 @@ async def test_a_connection_refused_is_retried_elsewhere(client):
 
 
 async def test_no_retry_after_the_first_byte_the_stream_ends_with_an_error_event(client):
-    async with engines("a", "b") as (a, b):
+    async with fake_engines("a", "b") as (a, b):
         a.drop_after = b.drop_after = 3
         async with running_router(config_for([a, b])) as r:
             status, headers, body = await post(client, r.url, {**CHAT, "stream": True})
@@ -141,7 +130,7 @@ async def test_no_retry_after_the_first_byte_the_stream_ends_with_an_error_event
 
 
 async def test_the_fallback_chain_is_walked_when_every_endpoint_of_a_model_fails(client):
-    async with engines("a1", "a2", "small") as (a1, a2, small):
+    async with fake_engines("a1", "a2", "small") as (a1, a2, small):
         a1.status = a2.status = 503
         cfg = config_for(
             [a1, a2],
@@ -165,7 +154,7 @@ async def test_the_fallback_chain_is_walked_when_every_endpoint_of_a_model_fails
 
 
 async def test_every_endpoint_failing_gives_502_with_the_reason(client):
-    async with engines("a", "b") as (a, b):
+    async with fake_engines("a", "b") as (a, b):
         a.status = b.status = 500
         async with running_router(config_for([a, b])) as r:
             status, headers, body = await post(client, r.url, CHAT)
@@ -178,7 +167,7 @@ async def test_every_endpoint_failing_gives_502_with_the_reason(client):
 
 
 async def test_the_idle_watchdog_cuts_a_hanging_engine_and_the_client_gets_an_error_event(client):
-    async with engines("a", hang_after=2) as (a,):
+    async with fake_engines("a", hang_after=2) as (a,):
         cfg = config_for([a], model_defaults=rc.ModelDefaults(deadlines=DeadlineSpec(idle=0.15)))
         async with running_router(cfg) as r:
             status, _, body = await post(client, r.url, {**CHAT, "stream": True})
@@ -192,7 +181,7 @@ async def test_the_idle_watchdog_cuts_a_hanging_engine_and_the_client_gets_an_er
 
 
 async def test_an_engine_silent_before_its_first_token_is_retried_then_504(client):
-    async with engines("a", "b", hang_after=0) as (a, b):
+    async with fake_engines("a", "b", hang_after=0) as (a, b):
         cfg = config_for(
             [a, b], model_defaults=rc.ModelDefaults(deadlines=DeadlineSpec(first_token=0.1))
         )
@@ -203,7 +192,7 @@ async def test_an_engine_silent_before_its_first_token_is_retried_then_504(clien
 
 
 async def test_headers_and_total_deadlines_give_504(client):
-    async with engines("a", hang_before_headers=True) as (a,):
+    async with fake_engines("a", hang_before_headers=True) as (a,):
         short = DeadlineSpec(headers=0.1, total=0.4)
         async with running_router(
             config_for([a], model_defaults=rc.ModelDefaults(deadlines=short))
@@ -220,7 +209,7 @@ async def test_headers_and_total_deadlines_give_504(client):
 
 
 async def test_a_client_disconnect_cancels_the_upstream_request(client):
-    async with engines("a", tokens=1000, delay=0.01) as (a,):
+    async with fake_engines("a", tokens=1000, delay=0.01) as (a,):
         async with running_router(config_for([a])) as r:
             async with client.post(
                 r.url + "/v1/chat/completions", json={**CHAT, "stream": True}
@@ -258,7 +247,7 @@ async def test_a_client_disconnect_cancels_the_upstream_request(client):
     ],
 )
 async def test_bad_input_gets_an_openai_error_with_a_reason(client, path, body, status, reason):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         async with running_router(config_for([a])) as r:
             async with client.post(r.url + path, data=body) as resp:
                 got = await resp.json()
@@ -270,7 +259,7 @@ async def test_bad_input_gets_an_openai_error_with_a_reason(client, path, body, 
 
 
 async def test_bodies_over_the_limit_get_413_declared_or_streamed(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         async with running_router(config_for([a], max_body_bytes=2048)) as r:
             big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 4000}]})
             async with client.post(r.url + "/v1/chat/completions", data=big) as resp:
@@ -286,7 +275,7 @@ async def test_bodies_over_the_limit_get_413_declared_or_streamed(client):
 
 
 async def test_no_available_endpoint_gives_503(client):
-    async with engines("a") as (a,):
+    async with fake_engines("a") as (a,):
         cfg = config_for([a])
         cfg.endpoints[0].state = rc.EndpointState.DRAINING
         async with running_router(cfg) as r:
