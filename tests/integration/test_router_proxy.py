@@ -242,7 +242,12 @@ async def test_a_client_disconnect_cancels_the_upstream_request(client):
         ),
         ("/v1/chat/completions", b'{"model": "m"}', 400, "invalid_request"),
         ("/v1/completions", b'{"model": "m", "prompt": null}', 400, "invalid_request"),
-        ("/v1/chat/completions", b'{"model": "ghost", "messages": []}', 404, "model_not_found"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}',
+            404,
+            "model_not_found",
+        ),
         ("/v1/nothing", b"{}", 404, "not_found"),
     ],
 )
