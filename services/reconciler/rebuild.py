@@ -67,19 +67,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     migrate_cli.add_database_url(parser)
 
 
-async def _main(url: str) -> Rebuilt:
-    engine = schema.make_engine(url, pool_size=1)
-    try:
-        await schema.require_head(engine)
-        return await rebuild(engine)
-    finally:
-        await engine.dispose()
-
-
 def run(args: argparse.Namespace) -> int:
     url = migrate_cli.database_url(args)
     try:
-        done = asyncio.run(_main(url))
+        done = asyncio.run(schema.at_head(url, rebuild))
     except (Busy, schema.SchemaError) as exc:
         print(f"llmgw audit rebuild: {exc}", file=sys.stderr)
         return 1

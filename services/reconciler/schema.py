@@ -7,7 +7,9 @@ from a checkout and from an installed wheel, with no alembic.ini to find.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 from alembic import command
@@ -24,6 +26,8 @@ MIGRATION_LOCK_ID = 0x6C6C6D67_6D696772
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/llmgw"
 
 _json_encoder = msgspec.json.Encoder()
+
+T = TypeVar("T")
 
 
 class SchemaError(RuntimeError):
@@ -113,3 +117,14 @@ async def require_head(engine: AsyncEngine) -> None:
             f"database schema is at {shown}, this reconciler needs {head}: "
             "run `llmgw migrate --database-url URL` first"
         )
+
+
+async def at_head(url: str, work: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+    """`work(engine)` on a one-connection engine for `url` once the schema is at head
+    (the audit commands), the engine disposed after."""
+    engine = make_engine(url, pool_size=1)
+    try:
+        await require_head(engine)
+        return await work(engine)
+    finally:
+        await engine.dispose()

@@ -124,19 +124,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     migrate_cli.add_database_url(parser)
 
 
-async def _main(url: str) -> Report:
-    engine = schema.make_engine(url, pool_size=1)
-    try:
-        await schema.require_head(engine)
-        return await verify(engine)
-    finally:
-        await engine.dispose()
-
-
 def run(args: argparse.Namespace) -> int:
     url = migrate_cli.database_url(args)
     try:
-        report = asyncio.run(_main(url))
+        report = asyncio.run(schema.at_head(url, verify))
     except schema.SchemaError as exc:
         print(f"llmgw audit verify: {exc}", file=sys.stderr)
         return 1
