@@ -2,15 +2,15 @@
 
 vLLM's current names come first; `vllm:gpu_cache_usage_perc` (removed in vLLM
 0.12) is the fallback for older engines; SGLang's names (only with
-`--enable-metrics`) for SGLang endpoints. A vLLM /metrics page is tens of
-kilobytes of histograms, so the parser does not build a full Prometheus model:
-one compiled regular expression picks out the few gauges it needs.
+`--enable-metrics`) for SGLang endpoints. The page is scanned by
+`llmgw.enginemetrics`, which the agent's load samples read too.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from llmgw import enginemetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,58 +22,29 @@ class Load:
     source: str = "vllm"  # which metric family it came from
 
 
-_NAMES = (
-    b"vllm:num_requests_waiting",
-    b"vllm:num_requests_running",
-    b"vllm:kv_cache_usage_perc",
-    b"vllm:gpu_cache_usage_perc",
-    b"sglang:num_queue_reqs",
-    b"sglang:num_running_reqs",
-    b"sglang:token_usage",
-)
-_LINE = re.compile(
-    rb"^(" + b"|".join(re.escape(n) for n in _NAMES) + rb")(?:\{[^}\n]*\})?[ \t]+(\S+)",
-    re.MULTILINE,
-)
-
-
 def parse_metrics(text: bytes, at: float) -> Load | None:
-    """The load in a Prometheus text page, or None when it has none of the known gauges.
+    """The load in a Prometheus text page, or None when it reports no queue.
 
-    Several series of one gauge (one per engine or model label) are summed for
-    counts and maxed for KV usage: the fullest cache is what a new request meets.
+    A vLLM page is read by vLLM's names (its KV gauge by the current name, else the
+    pre-0.11 one), any other by SGLang's (enginemetrics combines the series).
     """
-    found: dict[bytes, float] = {}
-    for m in _LINE.finditer(text):
-        name = m.group(1)
-        try:
-            value = float(m.group(2))
-        except ValueError:
-            continue
-        if value != value:  # NaN
-            continue
-        if name.endswith((b"perc", b"usage")):
-            found[name] = max(found.get(name, 0.0), value)
-        else:
-            found[name] = found.get(name, 0.0) + value
-    if not found:
-        return None
-    if b"vllm:num_requests_waiting" in found or b"vllm:num_requests_running" in found:
-        kv = found.get(b"vllm:kv_cache_usage_perc")
+    found = enginemetrics.gauges(text)
+    if "vllm:num_requests_waiting" in found or "vllm:num_requests_running" in found:
+        kv = found.get("vllm:kv_cache_usage_perc")
         if kv is None:
-            kv = found.get(b"vllm:gpu_cache_usage_perc", 0.0)
+            kv = found.get("vllm:gpu_cache_usage_perc", 0.0)
         return Load(
-            waiting=int(found.get(b"vllm:num_requests_waiting", 0)),
-            running=int(found.get(b"vllm:num_requests_running", 0)),
+            waiting=int(found.get("vllm:num_requests_waiting", 0)),
+            running=int(found.get("vllm:num_requests_running", 0)),
             kv_usage=min(max(kv, 0.0), 1.0),
             at=at,
             source="vllm",
         )
-    if b"sglang:num_queue_reqs" in found or b"sglang:num_running_reqs" in found:
+    if "sglang:num_queue_reqs" in found or "sglang:num_running_reqs" in found:
         return Load(
-            waiting=int(found.get(b"sglang:num_queue_reqs", 0)),
-            running=int(found.get(b"sglang:num_running_reqs", 0)),
-            kv_usage=min(max(found.get(b"sglang:token_usage", 0.0), 0.0), 1.0),
+            waiting=int(found.get("sglang:num_queue_reqs", 0)),
+            running=int(found.get("sglang:num_running_reqs", 0)),
+            kv_usage=min(max(found.get("sglang:token_usage", 0.0), 0.0), 1.0),
             at=at,
             source="sglang",
         )
