@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
-from yarl import URL
 
 from llmgw import logs
 from llmgw.router import requests as rq
@@ -384,12 +383,6 @@ class Proxy:
             f"{failure.message} (after {attempts} attempt{'s' if attempts != 1 else ''})",
         )
 
-    def _target(self, ep: EndpointRuntime, kind: str) -> URL:
-        url = ep.targets.get(kind)
-        if url is None:
-            url = ep.targets[kind] = URL(ep.url + rq.PATHS[kind])
-        return url
-
     def _connect_timeout(self, seconds: float) -> aiohttp.ClientTimeout:
         t = self._connect_timeouts.get(seconds)
         if t is None:
@@ -426,7 +419,7 @@ class Proxy:
         guard.arm("headers", dl.headers if req.stream else _FOREVER)
         try:
             resp = await self.session.post(  # type: ignore[union-attr]
-                self._target(ep, req.kind),
+                ep.targets[req.kind],
                 data=body,
                 headers={"Content-Type": "application/json", "X-Request-Id": ex.rid.decode()},
                 timeout=self._connect_timeout(dl.connect),

@@ -17,11 +17,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from yarl import URL
+
 from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints
 from llmgw.router import routes, scheduling
 from llmgw.router.circuit import Circuit
 from llmgw.router.load import Load
 from llmgw.router.prefix import PrefixIndex
+from llmgw.router.requests import PATHS
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,8 @@ class EndpointRuntime:
         self.inflight = 0
         self.prefix = PrefixIndex(settings.prefix_capacity)
         self.scrape_error: str | None = None
-        self.targets: dict[str, Any] = {}  # path -> parsed upstream URL (filled by the proxy)
+        # request kind -> upstream URL, parsed once (a new url makes a new runtime)
+        self.targets = {kind: URL(self.url + path) for kind, path in PATHS.items()}
         self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
 
     def describe(self, now: float, stale_after: float) -> dict:
