@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
@@ -273,6 +274,33 @@ async def ensure_pull_consumer(
     except NotFoundError:
         await js.add_consumer(stream, cfg)
     return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+
+async def read_range(
+    js: JetStreamContext, subject: str, first: int, last: int, *, timeout: float = 5.0
+) -> AsyncIterator[Msg]:
+    """The stream's messages on `subject` from sequence `first` through `last`, in order,
+    through an ordered consumer that is gone after; TimeoutError when the stream stops
+    answering for `timeout` seconds."""
+    sub = await js.subscribe(
+        subject,
+        ordered_consumer=True,
+        config=jsapi.ConsumerConfig(
+            deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first
+        ),
+    )
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            seq = msg.metadata.sequence.stream
+            if seq > last:
+                return
+            yield msg
+            if seq >= last:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def close_quietly(nc: NATS | None) -> None:

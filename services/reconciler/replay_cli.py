@@ -182,8 +182,6 @@ def _db_reader(url: str) -> Reader:
 
 def _nats_reader(url: str) -> Reader:
     async def read(to_seq: int | None, bar: Progress | None) -> Events:
-        from nats.js import api as jsapi
-
         from llmgw import bus
 
         try:
@@ -207,26 +205,13 @@ def _nats_reader(url: str) -> Reader:
                 )
             if info.state.messages == 0 or last < info.state.first_seq:
                 return out
-            sub = await js.subscribe(
-                s.EVENTS_ALL,
-                ordered_consumer=True,
-                deliver_policy=jsapi.DeliverPolicy.ALL,
-            )
-            try:
-                while True:
-                    msg = await sub.next_msg(timeout=5.0)
-                    seq = msg.metadata.sequence.stream
-                    if seq > last:
-                        break
-                    ev = _decode(seq, msg.data, skipped)
-                    if ev is not None:
-                        out.append((seq, ev))
-                    if bar is not None and seq % 500 == 0:
-                        bar.update(seq, last)
-                    if seq >= last:
-                        break
-            finally:
-                await sub.unsubscribe()
+            async for msg in bus.read_range(js, s.EVENTS_ALL, info.state.first_seq, last):
+                seq = msg.metadata.sequence.stream
+                ev = _decode(seq, msg.data, skipped)
+                if ev is not None:
+                    out.append((seq, ev))
+                if bar is not None and seq % 500 == 0:
+                    bar.update(seq, last)
         except TimeoutError:
             raise SourceError(f"the {s.EVENTS_STREAM} stream stopped answering") from None
         except SourceError:

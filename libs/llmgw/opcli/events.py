@@ -140,25 +140,8 @@ async def _export_stream(url: str, from_seq: int, to_seq: int | None) -> None:
         end = last if to_seq is None else min(to_seq, last)
         if from_seq > end:
             return
-        sub = await js.subscribe(
-            subjects.EVENTS_ALL,
-            ordered_consumer=True,
-            config=jsapi.ConsumerConfig(
-                deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq
-            ),
-        )
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=5)
-                seq = msg.metadata.sequence.stream
-                if seq > end:
-                    break
-                _print(entry(seq, msg.subject, msg.data), "json")
-                if seq >= end:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        async for msg in bus.read_range(js, subjects.EVENTS_ALL, from_seq, end):
+            _print(entry(msg.metadata.sequence.stream, msg.subject, msg.data), "json")
     finally:
         await bus.close_quietly(nc)
 
