@@ -29,7 +29,7 @@ from typing import Any
 from cryptography import x509
 
 from llmgw import config
-from llmgw.certs import common_name
+from llmgw.certs import CA_NAME, common_name
 from llmgw.natsconfig import inbox_prefix
 
 
@@ -42,6 +42,16 @@ class NatsTLS(config.ConfigStruct, kw_only=True):
     @property
     def enabled(self) -> bool:
         return bool(self.ca or self.cert)
+
+
+def from_certs_dir(directory: str | Path, identity: str) -> NatsTLS:
+    """The section for `identity` in a folder made by `llmgw certs init`."""
+    d = Path(directory)
+    return NatsTLS(
+        ca=str(d / f"{CA_NAME}.crt"),
+        cert=str(d / f"{identity}.crt"),
+        key=str(d / f"{identity}.key"),
+    )
 
 
 def _readable(path: str, what: str) -> Path:

@@ -27,14 +27,6 @@ class _ConfigOnlyNats(localservers.NatsServer):
         return [localservers.nats_server_binary(), "-c", str(self.config_file)]
 
 
-def _tls(cert_dir, name: str) -> tlsconfig.NatsTLS:
-    return tlsconfig.NatsTLS(
-        ca=str(cert_dir / "ca.crt"),
-        cert=str(cert_dir / f"{name}.crt"),
-        key=str(cert_dir / f"{name}.key"),
-    )
-
-
 async def test_agent_works_within_its_mtls_permissions(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
     cert_dir = tmp_path / "certs"
@@ -53,13 +45,15 @@ async def test_agent_works_within_its_mtls_permissions(tmp_path, caplog):
     try:
         # The reconciler provisions and commands; it may read everything.
         rc = await bus.connect(
-            server.url, "reconciler", **tlsconfig.nats_options(_tls(cert_dir, "reconciler"))
+            server.url,
+            "reconciler",
+            **tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler")),
         )
         js = rc.jetstream()
         await bus.provision(js)
         watch = await Watch().start(rc, "llmgw.evt.agent.>", subjects.LOAD_ALL)
         cfg = agent_config("node-a", server.url, tmp_path / "state")
-        cfg.nats_tls = _tls(cert_dir, "agent-node-a")
+        cfg.nats_tls = tlsconfig.from_certs_dir(cert_dir, "agent-node-a")
         async with running_agent(cfg) as agent:
             reg = await last_registration(js, "node-a")
             assert reg.boot_id == agent.boot_id and len(reg.gpus) == 4

@@ -14,7 +14,6 @@ import json
 import logging
 import ssl
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import nats
@@ -54,16 +53,8 @@ def secure(tmp_path_factory):
         server.stop()
 
 
-def _tls(cert_dir: Path, name: str) -> tlsconfig.NatsTLS:
-    return tlsconfig.NatsTLS(
-        ca=str(cert_dir / "ca.crt"),
-        cert=str(cert_dir / f"{name}.crt"),
-        key=str(cert_dir / f"{name}.key"),
-    )
-
-
 async def _connect(secure, name: str):
-    opts = tlsconfig.nats_options(_tls(secure.certs, name))
+    opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(secure.certs, name))
     return await bus.connect(secure.url, name, wait_for_server=False, **opts)
 
 
@@ -228,7 +219,7 @@ async def test_one_identity_cannot_read_anothers_replies(secure, reconciler, cli
 
     # A client with a valid certificate but the default inbox prefix cannot even get
     # JetStream answers: its replies would land where others could listen.
-    opts = tlsconfig.nats_options(_tls(secure.certs, "agent-node-a"))
+    opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(secure.certs, "agent-node-a"))
     opts.pop("inbox_prefix")
     plain_inbox = await bus.connect(secure.url, "agent-a-default-inbox", **opts)
     try:
@@ -302,4 +293,6 @@ async def test_clients_without_a_certificate_from_our_ca_cannot_connect(secure, 
     with pytest.raises(OSError):
         await _handshake(secure.url, ctx)
     # The genuine one connects.
-    await _handshake(secure.url, tlsconfig.ssl_context(_tls(secure.certs, "reconciler")))
+    await _handshake(
+        secure.url, tlsconfig.ssl_context(tlsconfig.from_certs_dir(secure.certs, "reconciler"))
+    )

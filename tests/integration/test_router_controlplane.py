@@ -271,14 +271,6 @@ class _ConfigOnlyNats(localservers.NatsServer):
         return [localservers.nats_server_binary(), "-c", str(self.config_file)]
 
 
-def _tls(cert_dir, name: str) -> tlsconfig.NatsTLS:
-    return tlsconfig.NatsTLS(
-        ca=str(cert_dir / "ca.crt"),
-        cert=str(cert_dir / f"{name}.crt"),
-        key=str(cert_dir / f"{name}.key"),
-    )
-
-
 async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
     tmp_path, sims, caplog
 ):
@@ -294,13 +286,13 @@ async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
     server = _ConfigOnlyNats(tmp_path / "server", port=port, config_file=conf).start()
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
     try:
-        opts = tlsconfig.nats_options(_tls(cert_dir, "reconciler"))
+        opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler"))
         nc = await bus.connect(server.url, "reconciler", wait_for_server=False, **opts)
         js = nc.jetstream()
         await bus.provision(js)  # only the reconciler may
         await put_model(js, record(sims[0]))
         cfg = msgspec.structs.replace(
-            config(server.url, "router-1"), nats_tls=_tls(cert_dir, "router-1")
+            config(server.url, "router-1"), nats_tls=tlsconfig.from_certs_dir(cert_dir, "router-1")
         )
         async with running_router(cfg) as r, httpx.AsyncClient(timeout=10) as http:
             await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
