@@ -50,14 +50,23 @@ class RouterError(Exception):
         return error_body(self.status, self.reason, self.message, self.param)
 
 
-def error_body(status: int, reason: str, message: str, param: str | None = None) -> bytes:
+def error_body(
+    status: int,
+    reason: str,
+    message: str,
+    param: str | None = None,
+    *,
+    error_type: str | None = None,
+    code: str | None = None,
+) -> bytes:
+    """The body; `error_type` and `code` default to the status's type and the reason."""
     return _encode(
         {
             "error": {
                 "message": message,
-                "type": _TYPES.get(status, "server_error"),
+                "type": error_type or _TYPES.get(status, "server_error"),
                 "param": param,
-                "code": reason,
+                "code": code or reason,
             }
         }
     )

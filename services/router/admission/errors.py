@@ -8,11 +8,7 @@ retrying cannot help.
 
 from __future__ import annotations
 
-import msgspec
-
-from llmgw.router.errors import RouterError
-
-_encode = msgspec.json.Encoder().encode
+from llmgw.router.errors import RouterError, error_body
 
 # reason -> (status, OpenAI error type, OpenAI error code)
 REASONS: dict[str, tuple[int, str, str | None]] = {
@@ -45,13 +41,6 @@ class AdmissionRejected(RouterError):
         self.retry_after = retry_after
 
     def body(self) -> bytes:
-        return _encode(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type,
-                    "param": None,
-                    "code": self.code,
-                }
-            }
+        return error_body(
+            self.status, self.reason, self.message, error_type=self.type, code=self.code
         )
