@@ -53,7 +53,8 @@ def _spec_problems(rec: ModelEndpoints) -> list[str]:
     return problems
 
 
-def _build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
+def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
+    """The usable route table and the problems that were skipped to get it."""
     problems: list[str] = []
     by_name: dict[str, ModelEndpoints] = {}
     for rec in records:
@@ -137,10 +138,5 @@ def _build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
     return RouteTable(by_name, names, chains), problems
 
 
-def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
-    """The usable route table and the problems that were skipped to get it."""
-    return _build(records)
-
-
 def check(records: Iterable[ModelEndpoints]) -> list[str]:
-    return _build(records)[1]
+    return build(records)[1]
