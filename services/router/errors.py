@@ -80,16 +80,3 @@ def error_event(reason: str, message: str, status: int = 502) -> bytes:
     so clients that only look for the terminator still stop reading.
     """
     return b"data: " + error_body(status, reason, message) + b"\n\ndata: [DONE]\n\n"
-
-
-def response_headers(
-    reason: str, request_id: bytes, extra: list[tuple[bytes, bytes]] | None = None
-) -> list[tuple[bytes, bytes]]:
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"x-llmgw-reason", reason.encode()),
-        (b"x-request-id", request_id),
-    ]
-    if extra:
-        headers += extra
-    return headers

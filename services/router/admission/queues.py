@@ -93,6 +93,3 @@ class BandQueue:
             self.remove(item)
             out.append(item)
         return out
-
-    def tenants_waiting(self) -> int:
-        return sum(1 for tq in self._tenants.values() if tq.items)
