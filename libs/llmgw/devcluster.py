@@ -9,6 +9,16 @@ process's log with a [name] prefix, and stops everything on Ctrl-C / SIGTERM.
 
 The data dir is reusable: NATS and Postgres keep their data and the demo keys
 stay the same across runs; `--fresh` starts from nothing.
+
+`--secure` runs the bus as production should: `llmgw certs init` into
+<data-dir>/certs, a nats-server config from `llmgw nats-config` (mutual TLS,
+per-identity permissions), and every process connecting with its own
+identity (agents agent-<node>, routers router-N, reconcilers reconciler,
+`apply` operator) through LLMGW_NATS_TLS__*. cluster.json then has tls://
+URLs and the operator's certificate under `nats_tls`, which the operator CLI
+picks up. `--nats-cluster 3` runs three nats-servers as one JetStream cluster
+with streams and buckets at three replicas (LLMGW_BUS__REPLICAS for every
+process); both flags combine.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any
 import httpx
 import yaml
 
-from llmgw import keys, localservers, procs
+from llmgw import certs, keys, localservers, natsconfig, procs
 
 DEFAULT_DATA_DIR = ".llmgw"
 DEMO_MODELS = ("demo-chat", "demo-small")
@@ -66,6 +76,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=90.0,
         help="seconds to wait for the demo models to serve",
+    )
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="NATS with mutual TLS and per-identity permissions (certs in <data-dir>/certs)",
+    )
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N nats-servers as one JetStream cluster, streams at N replicas (default 1)",
     )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--quiet", action="store_true", help="don't stream the processes' logs")
@@ -170,7 +192,12 @@ class DevCluster:
         self.data_dir: Path = (args.data_dir or default_data_dir()).resolve()
         self.sink = None if args.quiet else procs.printer(sys.stdout)
         self.group = procs.Group(sink=self.sink)
-        self.nats: localservers.NatsServer | None = None
+        # Flags newer than some callers' Namespaces: absent means off.
+        self.secure: bool = getattr(args, "secure", False)
+        self.nats_nodes: int = getattr(args, "nats_cluster", 1) or 1
+        self.certs_dir = self.data_dir / "certs"
+        self.nats: localservers.NatsServer | localservers.NatsCluster | None = None
+        self.nats_url = ""
         self.pg: localservers.PostgresServer | None = None
         self.info: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -186,13 +213,15 @@ class DevCluster:
             shutil.rmtree(self.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         routers = [f"router-{i}" for i in range(1, args.routers + 1)]
-        names = ["nats", "postgres"] + [f"reconciler-{i}" for i in range(1, args.reconcilers + 1)]
+        nats_names = ["nats"] + [f"nats-{i}" for i in range(2, self.nats_nodes + 1)]
+        names = [*nats_names, "postgres"]
+        names += [f"reconciler-{i}" for i in range(1, args.reconcilers + 1)]
         names += routers + [f"{r}-admin" for r in routers]
         ports = _ports(self.data_dir, names)
 
         self.say(f"data dir {self.data_dir}")
-        self.nats = localservers.NatsServer(self.data_dir / "nats", port=ports["nats"]).start()
-        self.say(f"nats-server {self.nats.url}")
+        self._start_nats([ports[n] for n in nats_names])
+        self.say(f"nats-server {self.nats_url}")
         self.pg = localservers.PostgresServer(self.data_dir / "pg", port=ports["postgres"]).start()
         server_url = self.pg.url()
         with contextlib.suppress(Exception):  # exists on a reused data dir
@@ -210,7 +239,7 @@ class DevCluster:
             argv = procs.llmgw_argv(
                 "reconciler",
                 "--nats",
-                self.nats.url,
+                self.nats_url,
                 "--database-url",
                 database_url,
                 "--admin-listen",
@@ -218,7 +247,7 @@ class DevCluster:
                 "--id",
                 name,
             )
-            self.group.start(name, argv, env=env)
+            self.group.start(name, argv, env={**env, **self._identity("reconciler")})
             if i == 1:
                 self._wait_http(f"http://{admin}/healthz", name, 30)
 
@@ -228,21 +257,22 @@ class DevCluster:
             argv = procs.llmgw_argv(
                 "agent",
                 "--node-id", f"node-{i}",
-                "--nats", self.nats.url,
+                "--nats", self.nats_url,
                 "--fake-gpus", args.gpus,
                 "--labels", f"fabric=dev,zone=z{i}",
                 "--engine-port-range", f"{first}-{first + 99}",
                 "--state-dir", str(self.data_dir / name),
             )  # fmt: skip
-            self.group.start(name, argv, env=env)
+            self.group.start(name, argv, env={**env, **self._identity(f"agent-node-{i}")})
 
         router_urls = []
         for name in routers:
             listen = f"127.0.0.1:{ports[name]}"
             admin = f"127.0.0.1:{ports[name + '-admin']}"
             cfg_path = self.data_dir / f"{name}.yaml"
-            cfg_path.write_text(yaml.safe_dump(_router_config(listen, admin, self.nats.url, name)))
-            self.group.start(name, procs.llmgw_argv("router", "--config", str(cfg_path)), env=env)
+            cfg_path.write_text(yaml.safe_dump(_router_config(listen, admin, self.nats_url, name)))
+            argv = procs.llmgw_argv("router", "--config", str(cfg_path))
+            self.group.start(name, argv, env={**env, **self._identity(name)})
             router_urls.append(f"http://{listen}/v1")
 
         self.info["api_url"] = api_urls[0]
@@ -253,14 +283,21 @@ class DevCluster:
             catalog_path = self.data_dir / "catalog.yaml"
             catalog_path.write_text(yaml.safe_dump(demo_catalog(demo_keys), sort_keys=False))
         self._run_once(
-            "apply", procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats.url)
+            "apply",
+            procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats_url),
+            env={**env, **self._identity("operator")},
         )
 
+        servers = (
+            self.nats.servers if isinstance(self.nats, localservers.NatsCluster) else [self.nats]
+        )
+        nats_pids = [srv.proc.pid if srv.proc else None for srv in servers]
         self.info = {
             "routers": router_urls,
             "api_key": demo_keys["demo"],
             "api_keys": {"platinum": demo_keys["demo"], "bronze": demo_keys["batch"]},
-            "nats_url": self.nats.url,
+            "nats_url": self.nats_url,
+            "nats_replicas": self.nats_nodes,
             "database_url": database_url,
             "api_url": api_urls[0],
             "api_urls": api_urls,
@@ -268,18 +305,73 @@ class DevCluster:
             "data_dir": str(self.data_dir),
             "processes": {name: child.pid for name, child in self.group.children.items()},
             "servers": {
-                "nats": self.nats.proc.pid if self.nats.proc else None,
+                "nats": nats_pids[0],
                 "postgres": self.pg.proc.pid if self.pg.proc else None,
             },
         }
+        if len(nats_pids) > 1:
+            self.info["servers"]["nats_nodes"] = nats_pids
+        if self.secure:
+            # The operator's identity: `llmgw apply/events/audit` read it from here.
+            self.info["nats_tls"] = self._tls_paths("operator")
+            self.info["certs_dir"] = str(self.certs_dir)
         (self.data_dir / "cluster.json").write_text(json.dumps(self.info, indent=2))
         if args.catalog is None:
             self._wait_models_ready(args.ready_timeout)
         self._print_status()
         return self.info
 
-    def _run_once(self, name: str, argv: list[str]) -> None:
-        child = procs.Child(name, argv, sink=self.sink).start()
+    # ------------------------------------------------------------ NATS
+
+    def _start_nats(self, ports: list[int]) -> None:
+        """One nats-server or a JetStream cluster, plain or with mutual TLS."""
+        store = self.data_dir / "nats"
+        section = None
+        if self.secure:
+            nodes = [f"node-{i}" for i in range(1, self.args.agents + 1)]
+            certs.init(self.certs_dir, nodes, routers=self.args.routers)
+            identities = certs.read_identities(self.certs_dir)
+
+            def section(name: str, port: int, store_dir: Path) -> str:  # noqa: ARG001
+                return natsconfig.render(
+                    identities, str(self.certs_dir), port=port, store_dir=str(store_dir)
+                )
+
+        if self.nats_nodes > 1:
+            self.nats = localservers.NatsCluster(
+                store, self.nats_nodes, ports=ports, client_section=section
+            ).start()
+        elif section is not None:
+            conf = store / "nats.conf"
+            store.mkdir(parents=True, exist_ok=True)
+            conf.write_text(section("nats", ports[0], store / "jetstream"))
+            self.nats = localservers.ConfiguredNatsServer(store, ports[0], conf).start()
+        else:
+            self.nats = localservers.NatsServer(store, port=ports[0]).start()
+        scheme = "tls" if self.secure else "nats"
+        self.nats_url = ",".join(f"{scheme}://127.0.0.1:{p}" for p in ports)
+
+    def _tls_paths(self, identity: str) -> dict[str, str]:
+        return {
+            "ca": str(self.certs_dir / f"{certs.CA_NAME}.crt"),
+            "cert": str(self.certs_dir / f"{identity}.crt"),
+            "key": str(self.certs_dir / f"{identity}.key"),
+        }
+
+    def _identity(self, identity: str) -> dict[str, str]:
+        """Environment for a process: its NATS identity (with --secure) and the replicas."""
+        env = {}
+        if self.nats_nodes > 1:
+            env["LLMGW_BUS__REPLICAS"] = str(self.nats_nodes)
+        if self.secure:
+            for key, path in self._tls_paths(identity).items():
+                env[f"LLMGW_NATS_TLS__{key.upper()}"] = path
+        return env
+
+    # ------------------------------------------------------------ helpers
+
+    def _run_once(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        child = procs.Child(name, argv, sink=self.sink, env=env).start()
         code = child.proc.wait(120) if child.proc else 1
         if child._reader:
             child._reader.join(2)
@@ -381,6 +473,8 @@ class DevCluster:
             f"  operator API    : {self.info['api_url']}   (llmgw get models, llmgw explain demo-chat)"
         )
         print(f"  NATS            : {self.info['nats_url']}")
+        if self.secure:
+            print(f"  NATS identities : {self.certs_dir} (mutual TLS; the CLI uses operator.crt)")
         print(f"  Postgres        : {self.info['database_url']}")
         print(f"  cluster.json    : {self.data_dir / 'cluster.json'}")
         print()

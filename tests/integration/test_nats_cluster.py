@@ -174,3 +174,49 @@ async def test_killing_the_stream_leader_loses_and_doubles_nothing(tmp_path, dat
         await bus.close_quietly(nc)
         await engine.dispose()
         cluster.stop()
+
+
+def test_dev_cluster_on_three_nats_nodes_keeps_serving_when_the_leader_node_dies(tmp_path):
+    """`llmgw dev --nats-cluster 3`: routers keep serving through the KV projection while
+    the node leading LLMGW_EVENTS dies, and the control loop works on the two left."""
+    from tests.e2e import clusterkit as ck
+
+    cluster = ck.start_cluster(tmp_path / "dev", routers=1, agents=1, reconcilers=1, nats_cluster=3)
+    try:
+        info = cluster.info
+        assert len(info["nats_url"].split(",")) == 3 and info["nats_replicas"] == 3
+        assert isinstance(cluster.nats, localservers.NatsCluster)
+
+        async def leader_of_events() -> tuple[str, int]:
+            nc = await bus.connect(info["nats_url"], "test", wait_for_server=False)
+            try:
+                stream = await nc.jetstream().stream_info(s.EVENTS_STREAM)
+                return stream.cluster.leader, stream.config.num_replicas
+            finally:
+                await bus.close_quietly(nc)
+
+        leader, replicas = asyncio.run(leader_of_events())
+        assert replicas == 3
+        with ck.Traffic(info["routers"], info["api_key"], "demo-chat", concurrency=4) as traffic:
+            time.sleep(0.5)
+            cluster.nats.kill(cluster.nats.index_of(leader))
+            ck.wait(
+                lambda: asyncio.run(leader_of_events())[0] not in (None, leader),
+                30,
+                "a new stream leader",
+            )
+            time.sleep(1)
+        assert traffic.ok > 10 and traffic.failures == [], traffic.failures[:5]
+        # The control loop runs on the two nodes left: a scale-up reaches the router.
+        catalog = ck.demo_catalog(cluster)
+        catalog["models"][1]["replicas"] = 2
+        ck.apply_catalog(cluster, catalog)
+        ck.wait(lambda: len(ck.ready_endpoints(cluster, "demo-small")) == 2, 60, "a scale-up")
+        urls = {ep["url"] for ep in ck.ready_endpoints(cluster, "demo-small")}
+        ck.wait(
+            lambda: ck.router_endpoint_urls(info["router_admin"][0], "demo-small") == urls,
+            30,
+            "the router to see both replicas",
+        )
+    finally:
+        cluster.stop()
