@@ -75,11 +75,15 @@ async def connect(
 
     servers = url if isinstance(url, list) else [u.strip() for u in url.split(",")]
     loop = asyncio.get_running_loop()
+    if connect_deadline is None and not wait_for_server:
+        # nats-py's first-connect loop can outlive connect_timeout (a TLS mismatch
+        # kept it busy for 20 s+): a command that must not wait gets a hard bound.
+        connect_deadline = 4 * connect_timeout
     stop_at = None if connect_deadline is None else loop.time() + connect_deadline
     delay = 0.2
     while True:
         try:
-            nc = await nats.connect(
+            attempt = nats.connect(
                 servers=servers,
                 name=name,
                 # With -1 here nats-py would retry the FIRST connect forever inside
@@ -94,6 +98,10 @@ async def connect(
                 reconnected_cb=reconnected_cb,
                 **options,
             )
+            if stop_at is None:
+                nc = await attempt
+            else:
+                nc = await asyncio.wait_for(attempt, max(0.1, stop_at - loop.time()))
             nc.options["max_reconnect_attempts"] = -1  # read at each reconnect
             return nc
         except (OSError, NoServersError, TimeoutError) as exc:

@@ -296,3 +296,17 @@ async def test_clients_without_a_certificate_from_our_ca_cannot_connect(secure, 
     await _handshake(
         secure.url, tlsconfig.ssl_context(tlsconfig.from_certs_dir(secure.certs, "reconciler"))
     )
+
+
+async def test_a_command_without_tls_settings_fails_fast_instead_of_hanging(secure):
+    # nats-py's own first-connect loop kept a plain client busy 20 s+ against a
+    # TLS-only server; a CLI command (wait_for_server=False) must answer instead.
+    task = asyncio.ensure_future(
+        bus.connect(secure.url, "plain-cli", wait_for_server=False, connect_timeout=1)
+    )
+    try:
+        done, _ = await asyncio.wait({task}, timeout=15)  # only to catch the hang
+        assert task in done, "connect kept trying past its bound"
+        assert task.exception() is not None
+    finally:
+        task.cancel()
