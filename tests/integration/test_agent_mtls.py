@@ -22,11 +22,6 @@ from tests.integration.test_agent_lifecycle import (
 S = c.ShardState
 
 
-class _ConfigOnlyNats(localservers.NatsServer):
-    def command(self) -> list[str]:
-        return [localservers.nats_server_binary(), "-c", str(self.config_file)]
-
-
 async def test_agent_works_within_its_mtls_permissions(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
     cert_dir = tmp_path / "certs"
@@ -41,7 +36,9 @@ async def test_agent_works_within_its_mtls_permissions(tmp_path, caplog):
             store_dir=str(tmp_path / "js"),
         )
     )
-    server = _ConfigOnlyNats(tmp_path / "server", port=port, config_file=conf).start()
+    server = localservers.ConfiguredNatsServer(
+        tmp_path / "server", port=port, config_file=conf
+    ).start()
     try:
         # The reconciler provisions and commands; it may read everything.
         rc = await bus.connect(

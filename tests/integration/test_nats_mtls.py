@@ -27,13 +27,6 @@ from llmgw import subjects as s
 DENIED_WAIT = 0.5  # a denied request never gets an answer: wait this long for it
 
 
-class _ConfigOnlyNats(localservers.NatsServer):
-    """nats-server driven by the generated config alone (it sets listen, store and TLS)."""
-
-    def command(self) -> list[str]:
-        return [localservers.nats_server_binary(), "-c", str(self.config_file)]
-
-
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtls")
@@ -46,7 +39,7 @@ def secure(tmp_path_factory):
             certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(root / "js")
         )
     )
-    server = _ConfigOnlyNats(root / "server", port=port, config_file=conf).start()
+    server = localservers.ConfiguredNatsServer(root / "server", port=port, config_file=conf).start()
     try:
         yield SimpleNamespace(url=server.url, certs=cert_dir, root=root)
     finally:

@@ -264,13 +264,6 @@ async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp
         server.stop()
 
 
-class _ConfigOnlyNats(localservers.NatsServer):
-    """nats-server driven by the generated config alone (listen, store and TLS)."""
-
-    def command(self) -> list[str]:
-        return [localservers.nats_server_binary(), "-c", str(self.config_file)]
-
-
 async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
     tmp_path, sims, caplog
 ):
@@ -283,7 +276,9 @@ async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
             certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(tmp_path)
         )
     )
-    server = _ConfigOnlyNats(tmp_path / "server", port=port, config_file=conf).start()
+    server = localservers.ConfiguredNatsServer(
+        tmp_path / "server", port=port, config_file=conf
+    ).start()
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
     try:
         opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler"))
