@@ -81,6 +81,7 @@ class RouterService:
         self.source = source or StaticSource(projection(config))
         if self.admission is not None:
             self.view.on_load(self.admission.observed)
+            self.view.subscribe(self._endpoints_changed)
         self.proxy = px.Proxy(
             self.view,
             self.metrics,
@@ -129,6 +130,13 @@ class RouterService:
         await self.proxy.stop()
         if self.admission is not None:
             self.admission.close()
+
+    def _endpoints_changed(self) -> None:
+        def endpoints_of(model: str):
+            route = self.view.route(model)
+            return route.endpoints if route is not None else ()
+
+        self.admission.endpoints_changed(endpoints_of)
 
     def _install_gate(self) -> None:
         """Control-plane mode: admission in the request path only while it can act."""

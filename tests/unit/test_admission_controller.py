@@ -278,3 +278,17 @@ def test_a_load_sample_landing_releases_what_it_allows():
     ep.load = Load(waiting=0, running=2, kv_usage=0.0, at=clock.t)  # it drained
     c.observed(ep)
     assert queued.state == GRANTED
+
+
+def test_a_scale_up_lets_queued_requests_flow_without_waiting_for_the_next_admission():
+    c, ep, _ = make(Clock())
+    for _ in range(3):
+        admit(c, ep, "a")  # saturation 0.5: bronze is held from here on
+    order: list[str] = []
+    queued = admit(c, ep, "b")
+    queued.wake = woken(order, "bronze")
+    assert queued.state == QUEUED
+    # The model gains an idle endpoint of the same capacity (a new replica is ready).
+    bigger = (ep, Ep("e2", max_running=2))
+    c.endpoints_changed(lambda model: bigger if model == "m" else ())
+    assert queued.state == GRANTED and order == ["bronze"]

@@ -281,6 +281,13 @@ class Controller:
             for model in endpoint.models:
                 self.pump(model)
 
+    def endpoints_changed(self, endpoints_of: Callable[[str], Sequence[Any]]) -> None:
+        """Routes changed: every pool sees its new endpoint set now, not at its next
+        admission, so requests queued for a model that just scaled up can flow."""
+        for model, pool in self.detector.pools.items():
+            pool.endpoints = endpoints_of(model)
+            self.pump(model)
+
     def pump(self, model: str) -> int:
         """Grant queued requests of one pool while its saturation allows; returns how many."""
         queues = self.queues.get(model)

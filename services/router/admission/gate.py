@@ -138,6 +138,9 @@ class AdmissionGate:
         """How many routers are live (the presence bucket); each has `workers` processes."""
         self.controller.set_routers(live * self.workers)
 
+    def endpoints_changed(self, endpoints_of: Callable[[str], Sequence[Any]]) -> None:
+        self.controller.endpoints_changed(endpoints_of)
+
     def observed(self, endpoint: Any) -> None:
         """The router's scraper stored a new load sample for `endpoint`."""
         self.controller.observed(endpoint)
