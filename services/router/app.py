@@ -87,6 +87,7 @@ class RouterService:
             self.metrics,
             px.Settings(
                 max_body_bytes=config.max_body_bytes,
+                body_read_seconds=config.body_read_timeout_seconds,
                 attempts_per_model=config.retry.attempts_per_model,
                 prefix_block_bytes=config.prefix.block_bytes,
                 prefix_max_blocks=config.prefix.max_blocks,

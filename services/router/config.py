@@ -94,6 +94,8 @@ class RouterConfig(cfg.ConfigStruct):
     log_level: str = "info"
     access_log: bool = False  # one line per request; failures are always logged
     max_body_bytes: int = 8 * 1024 * 1024
+    # A client must finish sending its body this soon after its headers, else 408.
+    body_read_timeout_seconds: float = 30.0
     shutdown_grace_seconds: float = 30.0
     models: list[ModelConfig] = msgspec.field(default_factory=list)
     endpoints: list[EndpointConfig] = msgspec.field(default_factory=list)
@@ -156,6 +158,7 @@ def validate(config: RouterConfig) -> list[str]:
         if value < 1:
             problems.append(f"{field} = {value}: must be at least 1")
     for field, value in (
+        ("body_read_timeout_seconds", config.body_read_timeout_seconds),
         ("circuit.cooldown_seconds", config.circuit.cooldown_seconds),
         ("scrape.interval_seconds", config.scrape.interval_seconds),
         ("scrape.timeout_seconds", config.scrape.timeout_seconds),

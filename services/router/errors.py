@@ -17,6 +17,7 @@ _TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout",
     413: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_exceeded",

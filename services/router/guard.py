@@ -11,6 +11,12 @@ Watching for the client leaving needs a task blocked in ASGI `receive()`. It is
 started only once a request has run for `watch_after` seconds: most requests
 to a fast upstream finish sooner, and a client that leaves earlier is noticed
 when the watcher starts (so "at once" means within `watch_after`).
+
+The same timer bounds reading the request body (`reading`/`read_done`): a
+client that declares more bytes than it sends, or trickles them, is cut off.
+While the body is read the watcher is held back, since it would compete for
+`receive()` and swallow body chunks; a body read sooner than `watch_after`
+(nearly all of them) costs no timer operation at all.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Guard:
         "_phase",
         "_phase_at",
         "_closed",
+        "_reading",
         "fired",
         "client_gone",
         "total_at",
@@ -47,6 +54,7 @@ class Guard:
         self._phase = ""
         self._phase_at = float("inf")
         self._closed = False
+        self._reading = False
         self.fired: str | None = None  # the phase whose deadline passed
         self.client_gone = False
         self.total_at = float("inf")  # loop time of the request's total deadline
@@ -68,6 +76,19 @@ class Guard:
 
     def no_deadline(self) -> None:
         self._phase_at = float("inf")
+
+    def reading(self, seconds: float) -> None:
+        """The request body is being read: it must arrive within `seconds`."""
+        self._reading = True
+        self.arm("body_read", seconds)
+
+    def read_done(self) -> None:
+        """The body is in (or its read failed): lift its deadline and let the watcher start."""
+        self._reading = False
+        self._phase_at = float("inf")
+        if self._watcher is None and self._timer_at > self._watch_at:
+            # The watch time passed while reading: the timer now fires at once.
+            self._set_timer(self._watch_at)
 
     def close(self) -> None:
         """The request is over: nothing may cancel its task any more."""
@@ -91,14 +112,17 @@ class Guard:
         if self._closed:
             return
         now = self._loop.time() + _TOLERANCE
-        if self._watcher is None and now >= self._watch_at:
+        if self._watcher is None and not self._reading and now >= self._watch_at:
             self._watcher = self._loop.create_task(self._watch())
         if now >= self._phase_at:
             self.fired = self._phase
             self._phase_at = float("inf")
             self._task.cancel()
             return
-        nxt = self._phase_at if self._watcher is not None else min(self._phase_at, self._watch_at)
+        if self._watcher is not None or self._reading:
+            nxt = self._phase_at
+        else:
+            nxt = min(self._phase_at, self._watch_at)
         if nxt != float("inf"):
             self._set_timer(nxt)
 

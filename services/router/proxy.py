@@ -11,6 +11,10 @@ one OpenAI-shaped error event rather than a truncated or spliced answer. The
 response headers are held back until the first event, so an engine that
 accepts a request and then never produces a token can still be retried.
 
+Reading the request body has its own deadline (`body_read_seconds`, 408):
+uvicorn has none, so a client that declares more bytes than it sends would
+otherwise hold a connection and a coroutine forever.
+
 Deadlines (per model): connect (aiohttp's), then response headers, first
 token, inter-token idle (the watchdog that tells a wedged engine from a slow
 one) and total, enforced by the request's Guard (guard.py). A client
@@ -65,6 +69,7 @@ DISCONNECT_WATCH_AFTER = 0.02
 @dataclass(frozen=True, slots=True)
 class Settings:
     max_body_bytes: int = 8 * 1024 * 1024
+    body_read_seconds: float = 30.0
     attempts_per_model: int = 3
     prefix_block_bytes: int = 256
     prefix_max_blocks: int = 128
@@ -176,10 +181,13 @@ class Proxy:
         logs.request_id.set(rid.decode())
         ex = _Exchange(rid, t0)
         model = ""
+        task = asyncio.current_task()
+        assert task is not None
+        guard = Guard(asyncio.get_running_loop(), task, receive, DISCONNECT_WATCH_AFTER)
         try:
             if scope["method"] != "POST":
                 raise RouterError(405, "method_not_allowed", f"use POST for {scope['path']}")
-            body = await self._read_body(receive, headers)
+            body = await self._read_body(receive, headers, guard, task)
             if body is None:  # the client left while sending
                 ex.status = 499
                 return
@@ -193,7 +201,7 @@ class Proxy:
                     param="model",
                 )
             model = route.name
-            await self._serve(req, route, headers, ex, receive, send)
+            await self._serve(req, route, headers, ex, send, guard, task)
         except RouterError as err:
             ex.status = err.status
             if ex.started:
@@ -216,6 +224,7 @@ class Proxy:
                     }
                 )
         finally:
+            guard.close()
             self._record(model, ex)
 
     def _record(self, model: str, ex: _Exchange) -> None:
@@ -241,7 +250,9 @@ class Proxy:
                 },
             )
 
-    async def _read_body(self, receive, headers: dict[bytes, bytes]) -> bytes | None:
+    async def _read_body(
+        self, receive, headers: dict[bytes, bytes], guard: Guard, task: asyncio.Task
+    ) -> bytes | None:
         limit = self.settings.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -257,18 +268,36 @@ class Proxy:
                 )
         chunks = []
         total = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            chunk = message.get("body", b"")
-            if chunk:
-                total += len(chunk)
-                if total > limit:
-                    raise RouterError(413, "body_too_large", f"request body exceeds {limit} bytes")
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        guard.reading(self.settings.body_read_seconds)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                chunk = message.get("body", b"")
+                if chunk:
+                    total += len(chunk)
+                    if total > limit:
+                        raise RouterError(
+                            413, "body_too_large", f"request body exceeds {limit} bytes"
+                        )
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        except asyncio.CancelledError:
+            if guard.fired != "body_read":
+                raise
+            task.uncancel()
+            guard.fired = None
+            # The rest of the body may still arrive: the connection cannot be reused.
+            raise RouterError(
+                408,
+                "body_timeout",
+                f"request body not received within {self.settings.body_read_seconds}s",
+                headers=[(b"connection", b"close")],
+            ) from None
+        finally:
+            guard.read_done()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _serve(
@@ -277,12 +306,10 @@ class Proxy:
         route: ModelRoute,
         headers: dict[bytes, bytes],
         ex: _Exchange,
-        receive,
         send,
+        guard: Guard,
+        task: asyncio.Task,
     ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        guard = Guard(asyncio.get_running_loop(), task, receive, DISCONNECT_WATCH_AFTER)
         grant: Grant | None = None
         try:
             grant = await self.gate.admit(req, route, headers)

@@ -279,6 +279,50 @@ async def test_bodies_over_the_limit_get_413_declared_or_streamed(client):
     assert a.seen == []
 
 
+async def _raw_exchange(url: str, head: bytes, parts: list[bytes], gap: float = 0.0) -> bytes:
+    """Send a request by hand, in parts, and read the whole answer until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(gap)
+        return await asyncio.wait_for(reader.read(), 10)  # EOF: the server closed
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_sends_less_body_than_declared_gets_408_and_is_closed(client):
+    async with fake_engines("a") as (a,):
+        async with running_router(config_for([a], body_read_timeout_seconds=0.5)) as r:
+            head = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+            )
+            raw = await _raw_exchange(r.url, head, [b'{"model":"'])
+            # The router still serves others, and a body split in parts that arrives in
+            # time is read whole (the disconnect watcher does not steal its chunks).
+            status, _, _ = await post(client, r.url, CHAT)
+            body = json.dumps(CHAT).encode()
+            split = await _raw_exchange(
+                r.url,
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n",
+                [body[:10], body[10:]],
+                gap=0.05,
+            )
+    status_line, _, rest = raw.partition(b"\r\n")
+    head_part, _, payload = rest.partition(b"\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408")
+    assert b"x-llmgw-reason: body_timeout" in head_part
+    assert json.loads(payload)["error"]["type"] == "timeout"
+    assert status == 200
+    assert split.startswith(b"HTTP/1.1 200")
+    assert [s.body for s in a.seen] == [CHAT, CHAT]
+
+
 async def test_no_available_endpoint_gives_503(client):
     async with fake_engines("a") as (a,):
         cfg = config_for([a])

@@ -76,3 +76,30 @@ async def test_nothing_fires_after_close():
     guard.close()
     await task  # not cancelled
     assert guard.fired is None
+
+
+async def test_a_body_read_past_its_deadline_cancels_the_task_naming_body_read():
+    async def body(guard):
+        guard.reading(0.02)
+        await asyncio.sleep(1)
+
+    result, guard = await run_guarded(body, watch_after=0.0)
+    assert result == "cancelled" and guard.fired == "body_read"
+
+
+async def test_the_watcher_waits_for_the_body_then_watches_the_client():
+    calls = []
+
+    async def gone():
+        calls.append(1)
+        return {"type": "http.disconnect"}
+
+    async def body(guard):
+        guard.reading(10)
+        await asyncio.sleep(0.05)  # past watch_after: the body read still owns receive()
+        assert calls == []
+        guard.read_done()
+        await asyncio.sleep(1)
+
+    result, guard = await run_guarded(body, watch_after=0.01, receive=gone)
+    assert result == "cancelled" and guard.client_gone and guard.fired is None
