@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 
-from .state import ClusterState, Liveness, NodeView, ReplicaView, ShardView
+from .state import ClusterState, Liveness, NodeView, ReplicaView, ShardView, profile_digest
 
 Change = tuple[
     str, str
@@ -127,11 +127,15 @@ def _bands_declared(state: ClusterState, seq: int, ev: c.BandsDeclared) -> set[C
 
 def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) -> set[Change]:
     changes: set[Change] = {("replica", ev.replica_id)}
+    decl = state.models.get(ev.model)
     state.replicas[ev.replica_id] = ReplicaView(
         replica_id=ev.replica_id,
         model=ev.model,
         assignments=list(ev.assignments),
         decided_seq=seq,
+        # What the replica runs is the profile declared when it was placed: a
+        # later ModelDeclared with another profile makes it outdated (reconcile.py).
+        profile_digest=profile_digest(decl.profile) if decl is not None else "",
     )
     _count_replica(state, ev.model, ev.replica_id)
     for a in ev.assignments:

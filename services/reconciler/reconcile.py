@@ -27,7 +27,7 @@ from llmgw import contracts as c
 
 from . import fold, placement
 from .placement import event_id
-from .state import ClusterState, Liveness, ReplicaView, ShardView, replica_id
+from .state import ClusterState, Liveness, ReplicaView, ShardView, profile_digest, replica_id
 
 MASTER_PORT_BASE = 29500  # multi-node rendezvous port = base + crc32(replica) % span
 MASTER_PORT_SPAN = 1000
@@ -129,6 +129,7 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
     decl = state.models.get(model)
     if decl is None or decl.profile.shards_per_replica != 1:
         return []
+    want = profile_digest(decl.profile)
     busy_by_owned: dict[str, set[str]] = {}
     for s in state.shards.values():
         owner = state.replicas.get(s.replica_id)
@@ -143,6 +144,8 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
             s.model == model
             and s.state == c.ShardState.READY
             and (owner is None or owner.retired)
+            # A replica retired by a rolling update runs the old profile: never take it back.
+            and (owner is None or not owner.profile_digest or owner.profile_digest == want)
             and node is not None
             and node.liveness == Liveness.ALIVE
             and len(s.gpus) == decl.profile.gpus_per_shard
@@ -185,19 +188,28 @@ def control_events(
                 events.append(_retire(sc, replica, reason, ts))
 
         active = sc.state.active_replicas(model)
-        surplus = len(active) - decl.replicas
+        stale = {r.replica_id for r in outdated(sc.state, model)}
+        # Surge 1: while outdated replicas run, one extra replica with the new profile.
+        surplus = len(active) - decl.replicas - (1 if stale else 0)
         if surplus > 0:
-            # Not-ready replicas go first (nothing is lost), then the newest.
+            # Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
             order = sorted(
                 active,
-                key=lambda r: (is_ready(sc.state, r), -r.decided_seq, _number(r.replica_id)),
+                key=lambda r: (
+                    is_ready(sc.state, r),
+                    r.replica_id not in stale,
+                    -r.decided_seq,
+                    _number(r.replica_id),
+                ),
             )
             for replica in order[:surplus]:
                 reason = f"scale down: {decl.replicas} wanted, {len(active)} active"
                 events.append(_retire(sc, replica, reason, ts))
             continue
 
-        missing = 0 if model in hold else -surplus
+        events.extend(_roll_step(sc, decl, ts))
+        wanted = decl.replicas + (1 if outdated(sc.state, model) else 0)
+        missing = 0 if model in hold else wanted - len(sc.state.active_replicas(model))
         for shard in adoptable(sc.state, model)[:missing]:
             ev = _adopt(sc, model, shard, ts)
             events.append(ev)
@@ -213,10 +225,83 @@ def control_events(
                 if not _same_failure(sc.state.failures.get(rid), result):
                     events.append(result)
                     sc.apply(result)
+                events.extend(_make_room(sc, decl, ts))
                 break  # the next replica of this model would fail the same way
             events.append(result)
             sc.apply(result)
     return events, adopted
+
+
+def outdated(state: ClusterState, model: str) -> list[ReplicaView]:
+    """Active replicas placed with another profile than the one declared now, newest first.
+
+    Newest first, like scale-down: the longest-running replicas keep serving longest.
+    """
+    decl = state.models.get(model)
+    if decl is None:
+        return []
+    want = profile_digest(decl.profile)
+    stale = [
+        r for r in state.active_replicas(model) if r.profile_digest and r.profile_digest != want
+    ]
+    return sorted(stale, key=lambda r: (-r.decided_seq, _number(r.replica_id)))
+
+
+def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+    """Retire one outdated replica once the surge replica has made it spare.
+
+    It is spare when more than `replicas` are active and retiring it leaves at
+    least `replicas` ready (an outdated replica that is not ready costs nothing).
+    """
+    stale = outdated(sc.state, decl.name)
+    active = sc.state.active_replicas(decl.name)
+    if not stale or len(active) <= decl.replicas:
+        return []
+    victim = min(stale, key=lambda r: is_ready(sc.state, r))  # stable: newest first
+    ready = sum(1 for r in active if is_ready(sc.state, r))
+    if is_ready(sc.state, victim) and ready - 1 < decl.replicas:
+        return []
+    reason = f"rolling update: profile changed since {victim.replica_id} was placed"
+    return [_retire(sc, victim, reason, ts)]
+
+
+def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+    """No room for the surge replica: retire one outdated replica so the new one fits.
+
+    Only when every active replica runs, none is missing and no retired one
+    still drains, so the roll gives up at most one replica's capacity at a time
+    (the Kubernetes maxUnavailable=1 fallback): the retired one drains, then its
+    GPUs take the new profile.
+    """
+    stale = outdated(sc.state, decl.name)
+    active = sc.state.active_replicas(decl.name)
+    if not stale or len(active) != decl.replicas:
+        return []
+    if not all(is_ready(sc.state, r) for r in active) or _freeing(sc.state, decl.name):
+        return []
+    victim = stale[0]
+    # A new profile that would not fit even in the victim's place (a selector no
+    # node matches, more GPUs than a node has) must not cost a serving replica.
+    trial = sc.state.copy()
+    for sid in victim.shard_ids:
+        if sid in trial.shards:
+            trial.shards[sid].state = c.ShardState.STOPPED
+    rid = replica_id(decl.name, trial.replica_counter.get(decl.name, 0) + 1)
+    if isinstance(placement.place(trial, decl.name, rid, sc.base.last_seq), c.PlacementFailed):
+        return []
+    reason = (
+        f"rolling update: profile changed since {victim.replica_id} was placed; no room to surge"
+    )
+    return [_retire(sc, victim, reason, ts)]
+
+
+def _freeing(state: ClusterState, model: str) -> bool:
+    """A retired replica of `model` still holds GPUs: room is already on its way."""
+    return any(
+        not s.terminal and (owner := state.replicas.get(s.replica_id)) is not None and owner.retired
+        for s in state.shards.values()
+        if s.model == model
+    )
 
 
 def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.PlacementDecided:

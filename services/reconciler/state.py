@@ -10,6 +10,7 @@ wall clock is read here: every time in it came from an event.
 from __future__ import annotations
 
 import enum
+import hashlib
 
 import msgspec
 
@@ -62,6 +63,9 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     model: str
     assignments: list[c.ShardAssignment] = msgspec.field(default_factory=list)
     decided_seq: int = 0
+    # profile_digest() of the model's profile when it was placed; "" = not known
+    # (placed before this was recorded), which never counts as outdated.
+    profile_digest: str = ""
     retired: bool = False
     retired_reason: str = ""
 
@@ -100,6 +104,12 @@ class ClusterState(msgspec.Struct, kw_only=True):
             if shard.node == node and not shard.terminal:
                 out.update(shard.gpus)
         return out
+
+
+def profile_digest(profile: c.ServingProfile) -> str:
+    """A stable digest of a serving profile: equal content, equal digest."""
+    raw = msgspec.json.encode(msgspec.to_builtins(profile), order="sorted")
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def replica_id(model: str, n: int) -> str:

@@ -80,6 +80,7 @@ class Replica(Base):
     model: Mapped[str] = mapped_column(Text)
     assignments: Mapped[list[Any]]
     decided_seq: Mapped[int]
+    profile_digest: Mapped[str] = mapped_column(Text)
     retired: Mapped[bool] = mapped_column(Boolean)
     retired_reason: Mapped[str] = mapped_column(Text)
 
