@@ -125,7 +125,8 @@ def test_dev_secure_serves_with_every_identity_and_stops_clean(tmp_path):
         res = cli(data_dir, "apply", "-f", str(data_dir / "catalog.yaml"), "--dry-run")
         assert res.returncode == 0 and "no changes" in res.stdout, res.stderr
 
-        # The server itself refuses a client that presents no certificate.
+        # The server itself refuses a client that presents no certificate (seen as the
+        # TLS alert "certificate required" or as a reset connection, depending on timing).
         async def connect(**options) -> None:
             nc = await nats.connect(
                 info["nats_url"], allow_reconnect=False, connect_timeout=5, **options
@@ -133,7 +134,7 @@ def test_dev_secure_serves_with_every_identity_and_stops_clean(tmp_path):
             await nc.close()
 
         no_cert = ssl.create_default_context(cafile=tls["ca"])
-        with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED"):
+        with pytest.raises(OSError):  # ssl.SSLError or ConnectionResetError
             asyncio.run(connect(tls=no_cert))
         asyncio.run(connect(**tlsconfig.nats_options(tlsconfig.NatsTLS(**tls))))  # the control
 
