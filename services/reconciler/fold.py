@@ -43,40 +43,28 @@ def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set
     )
     reported = {sh.shard_id: sh for sh in ev.shards}
     for info in ev.shards:
-        shard = state.shards.get(info.shard_id)
-        if shard is None:
-            # A shard the log never placed (or placed and forgot): record it so
-            # the reconciler can adopt it or stop it.
-            shard = state.shards[info.shard_id] = ShardView(
-                shard_id=info.shard_id, model=info.model, replica_id=info.replica_id
-            )
+        # A shard the log never placed (or placed and forgot) is recorded too, so
+        # the reconciler can adopt it or stop it.
+        shard = _shard_for(state, info.shard_id, info.model, info.replica_id)
         shard.node = ev.node
         shard.shard_index = info.shard_index
         shard.state = info.state
         shard.url = info.url
         shard.port = info.port
         shard.gpus = list(info.gpus)
-        shard.updated_seq = seq
-        shard.updated_at = ev.ts
-        changes.add(("shard", info.shard_id))
+        _touch(shard, seq, ev.ts, changes)
     # What the node no longer runs is gone, whatever the log said before.
     for shard in state.shards_on(ev.node):
         if shard.shard_id in reported or shard.terminal or shard.state == c.ShardState.PENDING:
             continue
         shard.state = c.ShardState.STOPPED
         shard.reason = "not running on the node when it registered"
-        shard.updated_seq = seq
-        shard.updated_at = ev.ts
-        changes.add(("shard", shard.shard_id))
+        _touch(shard, seq, ev.ts, changes)
     return changes
 
 
 def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Change]:
-    shard = state.shards.get(ev.shard_id)
-    if shard is None:
-        shard = state.shards[ev.shard_id] = ShardView(
-            shard_id=ev.shard_id, model=ev.model, replica_id=ev.replica_id
-        )
+    shard = _shard_for(state, ev.shard_id, ev.model, ev.replica_id)
     shard.node = ev.node
     shard.shard_index = ev.shard_index
     shard.state = ev.state
@@ -91,9 +79,9 @@ def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Chang
     shard.output_tail = list(ev.output_tail)
     if ev.max_running is not None:
         shard.max_running = ev.max_running
-    shard.updated_seq = seq
-    shard.updated_at = ev.ts
-    return {("shard", ev.shard_id)}
+    changes: set[Change] = set()
+    _touch(shard, seq, ev.ts, changes)
+    return changes
 
 
 def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
@@ -199,14 +187,28 @@ def _node_lost(state: ClusterState, seq: int, ev: c.NodeLost) -> set[Change]:
             continue
         shard.state = c.ShardState.FAILED
         shard.reason = "node lost"
-        shard.updated_seq = seq
-        shard.updated_at = ev.ts
-        changes.add(("shard", shard.shard_id))
+        _touch(shard, seq, ev.ts, changes)
     return changes
 
 
 def _node_recovered(state: ClusterState, seq: int, ev: c.NodeRecovered) -> set[Change]:
     return _set_liveness(state, ev.node, Liveness.ALIVE, ev.ts)
+
+
+def _shard_for(state: ClusterState, shard_id: str, model: str, replica_id: str) -> ShardView:
+    """The shard's view, created the first time the log mentions the shard."""
+    shard = state.shards.get(shard_id)
+    if shard is None:
+        shard = state.shards[shard_id] = ShardView(
+            shard_id=shard_id, model=model, replica_id=replica_id
+        )
+    return shard
+
+
+def _touch(shard: ShardView, seq: int, ts: float, changes: set[Change]) -> None:
+    shard.updated_seq = seq
+    shard.updated_at = ts
+    changes.add(("shard", shard.shard_id))
 
 
 def _count_replica(state: ClusterState, model: str, replica_id: str) -> None:
