@@ -345,6 +345,20 @@ class Step:
     summary: str  # one line an operator reads, e.g. "model llama: changed (replicas)"
 
 
+def _declarations(kind: str, entries: list, current: dict[str, c.Message]) -> list[Step]:
+    """A declaration per entry that is new or differs from the current one."""
+    steps = []
+    for entry in entries:
+        ev = entry.event()
+        old = current.get(entry.name)
+        if old is None:
+            steps.append(Step(ev, f"{kind} {entry.name}: declared"))
+        elif _body(old) != _body(ev):
+            changed = ", ".join(_changed_fields(old, ev))
+            steps.append(Step(ev, f"{kind} {entry.name}: changed ({changed})"))
+    return steps
+
+
 def plan(catalog: Catalog, current: Current) -> list[Step]:
     """The events that turn `current` into `catalog`, in an order routers can follow:
     bands first (tenants name them), declarations, then removals."""
@@ -352,24 +366,8 @@ def plan(catalog: Catalog, current: Current) -> list[Step]:
     if msgspec.to_builtins(catalog.bands) != msgspec.to_builtins(current.bands):
         names = ", ".join(b.name for b in catalog.bands) or "none"
         steps.append(Step(c.BandsDeclared(bands=list(catalog.bands)), f"bands: set to {names}"))
-    for m in catalog.models:
-        ev = m.event()
-        old = current.models.get(m.name)
-        if old is None:
-            steps.append(Step(ev, f"model {m.name}: declared"))
-        elif _body(old) != _body(ev):
-            steps.append(
-                Step(ev, f"model {m.name}: changed ({', '.join(_changed_fields(old, ev))})")
-            )
-    for t in catalog.tenants:
-        ev = t.event()
-        old = current.tenants.get(t.name)
-        if old is None:
-            steps.append(Step(ev, f"tenant {t.name}: declared"))
-        elif _body(old) != _body(ev):
-            steps.append(
-                Step(ev, f"tenant {t.name}: changed ({', '.join(_changed_fields(old, ev))})")
-            )
+    steps += _declarations("model", catalog.models, current.models)
+    steps += _declarations("tenant", catalog.tenants, current.tenants)
     wanted_tenants = {t.name for t in catalog.tenants}
     for name in sorted(set(current.tenants) - wanted_tenants):
         steps.append(Step(c.TenantRemoved(name=name), f"tenant {name}: removed"))
