@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +26,16 @@ import msgspec
 from aiohttp import web
 
 from llmgw.localservers import free_port
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every series of `name` in a Prometheus text page whose labels match."""
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def sse(obj: Any) -> bytes:

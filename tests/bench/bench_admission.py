@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import aiohttp
 
 from llmgw import keys
 from llmgw.localservers import free_port
+from llmgw.router.testing import metric_sum
 from llmgw.simengine.testing import start_sim
 
 MAX_NUM_SEQS = 32
@@ -103,12 +103,7 @@ class Router:
 async def metric(http: aiohttp.ClientSession, admin: str, name: str, **labels: str) -> float:
     async with http.get(f"{admin}/metrics") as r:
         text = await r.text()
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_sum(text, name, **labels)
 
 
 async def wait_for(what: str, check, timeout: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import re
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from llmgw import keys
 from llmgw.localservers import free_port
+from llmgw.router.testing import metric_sum
 from llmgw.simengine.testing import start_sim
 
 pytestmark = pytest.mark.e2e
@@ -88,12 +88,7 @@ class Router:
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the series of `name` whose labels include `labels`."""
         text = httpx.get(f"{self.admin}/metrics", timeout=5).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return metric_sum(text, name, **labels)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
