@@ -8,6 +8,7 @@ workers: it runs in the parent and merges the workers' snapshots
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,10 +64,27 @@ class LocalStats:
         return {"workers": 1, "endpoints": self.service.describe_endpoints()}
 
 
+def accepts_connections(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Whether something listens on host:port (a wildcard host is probed on loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 class MergedStats:
-    def __init__(self, directory: Path, workers: int):
+    def __init__(self, directory: Path, workers: int, public: tuple[str, int] | None = None):
         self.directory = directory
         self.workers = workers
+        # uvicorn's supervisor binds the public socket but only a worker's server
+        # calls listen(), after the worker's lifespan has already reported ready:
+        # until then connections are refused, so readiness probes the port too.
+        self.public = public
         self.metrics = RouterMetrics()  # the series definitions; values come from snapshots
 
     def metrics_text(self) -> bytes:
@@ -83,6 +101,8 @@ class MergedStats:
             if alive and now - s.written_at < SNAPSHOT_FRESH_SECONDS
         ]
         ready = sum(1 for s in fresh if s.ready)
+        if ready and self.public is not None and not accepts_connections(*self.public):
+            return False, "the public port does not accept connections yet"
         if ready:
             return True, f"{ready} of {self.workers} workers ready"
         if not fresh:

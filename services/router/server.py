@@ -102,11 +102,12 @@ def serve_workers(config: RouterConfig) -> int:
     snapshot_dir = Path(tempfile.mkdtemp(prefix="llmgw-router-"))
     os.environ[CONFIG_ENV] = encode_config(config)
     os.environ[SNAPSHOT_ENV] = str(snapshot_dir)
-    admin = _Server(admin_config(admin_app(MergedStats(snapshot_dir, config.workers)), config))
+    host, port = host_port(config.listen, 8080)
+    stats = MergedStats(snapshot_dir, config.workers, public=(host, port))
+    admin = _Server(admin_config(admin_app(stats), config))
     thread = threading.Thread(target=admin.run, name="router-admin", daemon=True)
     thread.start()
     try:
-        host, port = host_port(config.listen, 8080)
         uvicorn.run(
             "llmgw.router.app:worker_app",
             factory=True,

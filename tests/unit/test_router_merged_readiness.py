@@ -1,0 +1,54 @@
+"""With --workers N the parent's /readyz says ready only once a worker both knows
+a ready endpoint and the public port accepts connections (uvicorn's workers call
+listen() after their lifespan has already reported in)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from llmgw.router import snapshots
+from llmgw.router.admin import MergedStats
+
+
+def write_ready_snapshot(directory):
+    snapshots.write(
+        directory,
+        snapshots.Snapshot(
+            pid=os.getpid(), written_at=time.time(), ready=True, metrics={}, endpoints=[]
+        ),
+    )
+
+
+def test_not_ready_while_the_public_port_refuses_connections(tmp_path):
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))  # bound, as uvicorn's supervisor leaves it, but not listening
+    try:
+        port = bound.getsockname()[1]
+        write_ready_snapshot(tmp_path)
+        stats = MergedStats(tmp_path, workers=2, public=("127.0.0.1", port))
+        ready, reason = stats.readiness()
+        assert not ready and "public port" in reason
+        bound.listen()
+        ready, reason = stats.readiness()
+        assert ready and reason == "1 of 2 workers ready"
+    finally:
+        bound.close()
+
+
+def test_a_wildcard_listen_address_is_probed_on_loopback(tmp_path):
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        write_ready_snapshot(tmp_path)
+        stats = MergedStats(tmp_path, workers=1, public=("0.0.0.0", listening.getsockname()[1]))
+        assert stats.readiness()[0]
+
+
+def test_no_snapshot_means_not_ready_whatever_the_port(tmp_path):
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        stats = MergedStats(tmp_path, workers=2, public=("127.0.0.1", listening.getsockname()[1]))
+        assert stats.readiness() == (False, "no worker has reported yet")
