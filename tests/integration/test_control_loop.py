@@ -17,7 +17,7 @@ import io
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -101,9 +101,21 @@ class Leader:
 class SimAgent:
     """A node: registers, heartbeats, and answers commands like an agent would."""
 
-    def __init__(self, js, nc, name: str, n_gpus: int = 1, labels=None, drop_first_start=False):
+    def __init__(
+        self,
+        js,
+        nc,
+        name: str,
+        n_gpus: int = 1,
+        labels=None,
+        drop_first_start=False,
+        load_seconds: float = 0.0,
+    ):
         self.js, self.nc, self.name = js, nc, name
         self.n_gpus, self.labels = n_gpus, labels or {}
+        # How long a started shard stays loading: a window in which a test can look
+        # at the cluster mid-change (this node answers nothing else meanwhile).
+        self.load_seconds = load_seconds
         self.received: list[c.Message] = []
         self.running: dict[str, c.StartShard] = {}
         self.drop_first_start = drop_first_start
@@ -169,6 +181,7 @@ class SimAgent:
                 return  # same key again: already done
             self.running[cmd.shard_id] = cmd
             await self._status(cmd, S.LOADING, gpus=cmd.gpus)
+            await asyncio.sleep(self.load_seconds)
             port = 9000 + len(self.running)
             await self._status(
                 cmd, S.READY, url=f"http://{self.name}:{port}", port=port, max_running=8
@@ -368,10 +381,11 @@ async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
     assert leader.state.nodes["node-a"].liveness == Liveness.ALIVE
 
 
-async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(nats, database_url):
-    """The part-1 reconciler (Postgres fold, leadership) drives the actor; the CLI reads it."""
+@contextlib.asynccontextmanager
+async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
+    """The part-1 reconciler (Postgres fold, leadership, operator API) driving the actor
+    with FAST timings; yields its operator API's URL."""
     from llmgw import localservers
-    from llmgw.opcli import explain
     from llmgw.reconciler import schema
     from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
     from llmgw.reconciler.service import Reconciler
@@ -379,8 +393,7 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
     engine = schema.make_engine(database_url)
     await schema.upgrade(engine)
     await engine.dispose()
-    js = nats.jetstream()
-    await bus.provision(js)
+    await bus.provision(nats.jetstream())
     port = localservers.free_port()
     cfg = ReconcilerConfig(
         nats_url=nats.connected_url.geturl(),
@@ -392,82 +405,93 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
     )
     rec = Reconciler(cfg)
     task = asyncio.create_task(rec.run())
-    agents = [SimAgent(js, nats, "node-a", n_gpus=2), SimAgent(js, nats, "node-b")]
     try:
-        for a in agents:
-            await a.start()
-        await bus.publish(js, c.ModelDeclared(name="m", profile=c.ServingProfile()))
-        await bus.publish(
-            js,
-            c.ModelDeclared(name="big", profile=c.ServingProfile(gpus_per_shard=4)),
-        )
-        await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 1, "m ready via the reconciler")
-
-        api = f"http://127.0.0.1:{port}"
-
-        def cli(module, **kw) -> tuple[int, str]:
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                code = module.run(argparse.Namespace(**kw))
-            return code, out.getvalue()
-
-        loop = asyncio.get_running_loop()
-        stop_at = loop.time() + DEADLINE
-        while True:  # the API reads Postgres, which the fold commits just before acting
-            code, text = await asyncio.to_thread(
-                cli, explain, model="big", output="table", all=False, api=api
-            )
-            # The first failure saw node-b free; m then took it, and the restated failure
-            # (at most every failure_restate_interval) says so.
-            if code == 0 and "node-b  0 free" in text or loop.time() > stop_at:
-                break
-            await asyncio.sleep(0.1)
-        assert "big-r1" in text and "NOT PLACED" in text
-        assert "- node-a  2 free GPUs of 2, needs 4" in text
-        assert "- node-b  0 free GPUs of 1, needs 4" in text  # m took it
-        code, text = await asyncio.to_thread(
-            cli, explain, model="m", output="table", all=False, api=api
-        )
-        assert code == 0 and "m-r1" in text and "placed: shard 0 on node-b (node-b-g0)" in text
-        assert "now: ready" in text
-        code, _ = await asyncio.to_thread(
-            cli, explain, model="nope", output="table", all=False, api=api
-        )
-        assert code == 1
-
-        common = dict(from_seq=0, to_seq=None, explain=None, strict=True, verbose=False)
-        code, text = await asyncio.to_thread(
-            cli, replay_cli, database_url=None, api=api, nats=None, **common
-        )
-        assert code == 0 and "decisions checked, 0 differ" in text
-        code, text = await asyncio.to_thread(
-            cli, replay_cli, database_url=database_url, api=None, nats=None, **common
-        )
-        assert code == 0 and "the event archive" in text and ", 0 differ" in text
-        # The same through the console script, as an operator runs it.
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "audit",
-            "replay",
-            "--api",
-            api,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        stdout, _ = await asyncio.wait_for(proc.communicate(), DEADLINE)
-        assert proc.returncode == 0 and b", 0 differ" in stdout
-        code, text = await asyncio.to_thread(
-            cli, explain, model="big", output="json", all=False, api=api
-        )
-        seq = json.loads(text)["decisions"][0]["seq"]
-        code, text = await asyncio.to_thread(
-            cli, replay_cli, database_url=None, api=api, nats=None, **{**common, "explain": seq}
-        )
-        assert code == 0 and f"seq {seq}: failure to place for big-r1 of big" in text
-        assert "  node-a: alive since" in text and "2/2 GPUs free" in text
+        yield f"http://127.0.0.1:{port}"
     finally:
         rec.stop.set()
         await asyncio.wait_for(task, timeout=20)
-        for a in agents:
-            await a.stop()
+
+
+def cli(module, **kw) -> tuple[int, str]:
+    """Run an operator command module as `llmgw` would; its exit code and stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = module.run(argparse.Namespace(**kw))
+    return code, out.getvalue()
+
+
+async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(nats, database_url):
+    """The part-1 reconciler (Postgres fold, leadership) drives the actor; the CLI reads it."""
+    from llmgw.opcli import explain
+
+    js = nats.jetstream()
+    agents = [SimAgent(js, nats, "node-a", n_gpus=2), SimAgent(js, nats, "node-b")]
+    async with real_reconciler(nats, database_url) as api:
+        try:
+            for a in agents:
+                await a.start()
+            await bus.publish(js, c.ModelDeclared(name="m", profile=c.ServingProfile()))
+            await bus.publish(
+                js,
+                c.ModelDeclared(name="big", profile=c.ServingProfile(gpus_per_shard=4)),
+            )
+            await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 1, "m ready via the reconciler")
+
+            loop = asyncio.get_running_loop()
+            stop_at = loop.time() + DEADLINE
+            while True:  # the API reads Postgres, which the fold commits just before acting
+                code, text = await asyncio.to_thread(
+                    cli, explain, model="big", output="table", all=False, api=api
+                )
+                # The first failure saw node-b free; m then took it, and the restated failure
+                # (at most every failure_restate_interval) says so.
+                if code == 0 and "node-b  0 free" in text or loop.time() > stop_at:
+                    break
+                await asyncio.sleep(0.1)
+            assert "big-r1" in text and "NOT PLACED" in text
+            assert "- node-a  2 free GPUs of 2, needs 4" in text
+            assert "- node-b  0 free GPUs of 1, needs 4" in text  # m took it
+            code, text = await asyncio.to_thread(
+                cli, explain, model="m", output="table", all=False, api=api
+            )
+            assert code == 0 and "m-r1" in text and "placed: shard 0 on node-b (node-b-g0)" in text
+            assert "now: ready" in text
+            code, _ = await asyncio.to_thread(
+                cli, explain, model="nope", output="table", all=False, api=api
+            )
+            assert code == 1
+
+            common = dict(from_seq=0, to_seq=None, explain=None, strict=True, verbose=False)
+            code, text = await asyncio.to_thread(
+                cli, replay_cli, database_url=None, api=api, nats=None, **common
+            )
+            assert code == 0 and "decisions checked, 0 differ" in text
+            code, text = await asyncio.to_thread(
+                cli, replay_cli, database_url=database_url, api=None, nats=None, **common
+            )
+            assert code == 0 and "the event archive" in text and ", 0 differ" in text
+            # The same through the console script, as an operator runs it.
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "llmgw.cli",
+                "audit",
+                "replay",
+                "--api",
+                api,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            stdout, _ = await asyncio.wait_for(proc.communicate(), DEADLINE)
+            assert proc.returncode == 0 and b", 0 differ" in stdout
+            code, text = await asyncio.to_thread(
+                cli, explain, model="big", output="json", all=False, api=api
+            )
+            seq = json.loads(text)["decisions"][0]["seq"]
+            code, text = await asyncio.to_thread(
+                cli, replay_cli, database_url=None, api=api, nats=None, **{**common, "explain": seq}
+            )
+            assert code == 0 and f"seq {seq}: failure to place for big-r1 of big" in text
+            assert "  node-a: alive since" in text and "2/2 GPUs free" in text
+        finally:
+            for a in agents:
+                await a.stop()
