@@ -8,14 +8,12 @@ be reached. Errors use the OpenAI error shape, like every llmgw HTTP surface.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -139,37 +137,3 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
         Route("/api/explain/{model:path}", explain),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found})
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the service owns SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-class AdminServer:
-    def __init__(self, app: Starlette, host: str, port: int):
-        self.server = _Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        )
-        self.task: asyncio.Task | None = None
-
-    async def start(self, timeout: float = 10.0) -> None:
-        self.task = asyncio.create_task(self.server.serve(), name="admin-server")
-        async with asyncio.timeout(timeout):
-            while not self.server.started:
-                if self.task.done():
-                    self.task.result()  # raises the bind error
-                    raise RuntimeError("admin listener exited before it started")
-                await asyncio.sleep(0.02)
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        try:
-            await asyncio.wait_for(self.task, timeout=5)
-        except (TimeoutError, asyncio.CancelledError, Exception):
-            self.task.cancel()

@@ -26,7 +26,7 @@ from nats.js import api as jsapi
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw import bus, config, subjects, tlsconfig
+from llmgw import adminserver, bus, config, subjects, tlsconfig
 
 from . import admin, consumer, leader, schema, store
 from . import metrics as m
@@ -64,7 +64,7 @@ class Reconciler:
     async def run(self) -> int:
         logging.getLogger("alembic").setLevel(logging.WARNING)
         engine = schema.make_engine(self.cfg.database_url)
-        server: admin.AdminServer | None = None
+        server: adminserver.AdminServer | None = None
         try:
             if not await self._wait_for_schema(engine):
                 return 1
@@ -83,12 +83,12 @@ class Reconciler:
             if not await self._provision(js):
                 return 0
             host, port = config.host_port(self.cfg.admin_listen, 9300)
-            server = admin.AdminServer(admin.build_app(engine, self.role), host, port)
+            server = adminserver.AdminServer(admin.build_app(engine, self.role), host, port)
             await server.start()
             log.info("reconciler %s up; admin on %s:%d", self.id, host, port)
             await self._compete(engine, self.nc, js)
             return 0
-        except schema.SchemaError as exc:
+        except (schema.SchemaError, adminserver.ListenError) as exc:
             log.error("%s", exc)
             return 1
         finally:
