@@ -27,7 +27,15 @@ from llmgw import contracts as c
 
 from . import fold, placement
 from .placement import event_id
-from .state import ClusterState, Liveness, ReplicaView, ShardView, profile_digest, replica_id
+from .state import (
+    ClusterState,
+    Liveness,
+    ReplicaView,
+    ShardView,
+    is_outdated,
+    profile_digest,
+    replica_id,
+)
 
 MASTER_PORT_BASE = 29500  # multi-node rendezvous port = base + crc32(replica) % span
 MASTER_PORT_SPAN = 1000
@@ -145,7 +153,7 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
             and s.state == c.ShardState.READY
             and (owner is None or owner.retired)
             # A replica retired by a rolling update runs the old profile: never take it back.
-            and (owner is None or not owner.profile_digest or owner.profile_digest == want)
+            and (owner is None or not is_outdated(owner.profile_digest, want))
             and node is not None
             and node.liveness == Liveness.ALIVE
             and len(s.gpus) == decl.profile.gpus_per_shard
@@ -241,9 +249,7 @@ def outdated(state: ClusterState, model: str) -> list[ReplicaView]:
     if decl is None:
         return []
     want = profile_digest(decl.profile)
-    stale = [
-        r for r in state.active_replicas(model) if r.profile_digest and r.profile_digest != want
-    ]
+    stale = [r for r in state.active_replicas(model) if is_outdated(r.profile_digest, want)]
     return sorted(stale, key=lambda r: (-r.decided_seq, _number(r.replica_id)))
 
 

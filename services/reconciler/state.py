@@ -107,9 +107,29 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
 
 def profile_digest(profile: c.ServingProfile) -> str:
-    """A stable digest of a serving profile: equal content, equal digest."""
-    raw = msgspec.json.encode(msgspec.to_builtins(profile), order="sorted")
+    """A stable digest of a serving profile: equal content, equal digest.
+
+    Fields left at their default are not part of it, so adding a field to
+    ServingProfile (with a default that keeps today's behaviour) leaves every
+    digest as it was: otherwise the upgrade alone would roll every replica of
+    the fleet. Digests are stored with replicas: this must never change.
+    """
+    defaults = type(profile)()
+    content = {
+        name: getattr(profile, name)
+        for name in profile.__struct_fields__
+        if getattr(profile, name) != getattr(defaults, name)
+    }
+    raw = msgspec.json.encode(content, order="sorted")
     return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def is_outdated(placed_digest: str, declared_digest: str) -> bool:
+    """A replica placed with `placed_digest` runs another profile than the one declared now.
+
+    "" (placed before digests were recorded) is never outdated: such replicas are not rolled.
+    """
+    return bool(placed_digest) and placed_digest != declared_digest
 
 
 def replica_id(model: str, n: int) -> str:

@@ -2,6 +2,7 @@
 
 from llmgw import contracts as c
 from llmgw.reconciler import reconcile
+from llmgw.reconciler.state import profile_digest
 
 from ._cluster import Log, model, node, status
 
@@ -123,3 +124,38 @@ def test_profile_that_cannot_fit_anywhere_costs_no_serving_replica():
     plan = step(log)
     assert [type(ev).__name__ for ev in plan.events] == ["PlacementFailed"]
     assert active(log) == ["m-r1", "m-r2"]  # both keep serving the old profile
+
+
+class _NextProfile(c.ServingProfile, kw_only=True):
+    """ServingProfile as a later version might have it: one more field, with a default."""
+
+    speculative_tokens: int | None = None
+
+
+def test_a_field_added_to_the_profile_rolls_nothing_until_someone_sets_it():
+    log = running(Log())
+
+    def redeclare(profile: c.ServingProfile) -> None:
+        # After an upgrade the reconciler reads the same declaration through the wider struct.
+        log.state.models["m"] = c.ModelDeclared(name="m", replicas=2, profile=profile)
+
+    redeclare(_NextProfile(engine_args=["--old"]))
+    assert reconcile.outdated(log.state, "m") == [] and reconcile.decide(log.state).events == []
+    redeclare(_NextProfile(engine_args=["--old"], speculative_tokens=4))
+    assert sorted(r.replica_id for r in reconcile.outdated(log.state, "m")) == ["m-r1", "m-r2"]
+    assert placed(reconcile.decide(log.state)) == ["m-r3"]
+
+
+def test_profile_digests_are_stable_across_versions():
+    # Replicas keep the digest they were placed with (Postgres, the event archive's
+    # replay): a digest computed differently for the same profile would roll the fleet.
+    p = c.ServingProfile(
+        engine="vllm",
+        model_ref="org/m",
+        engine_args=["--a"],
+        max_model_len=8192,
+        selector={"zone": "z1"},
+    )
+    assert profile_digest(p) == "4f137402ce530de7"
+    assert profile_digest(c.ServingProfile(engine="sim")) == profile_digest(c.ServingProfile())
+    assert profile_digest(c.ServingProfile(max_model_len=4096)) != profile_digest(p)
