@@ -271,6 +271,18 @@ class NodeVerdict(msgspec.Struct, kw_only=True, gc=False):
     reason: str
 
 
+class VerdictGroup(msgspec.Struct, kw_only=True):
+    """Nodes counted instead of listed (large fleets), all with one kind of reason."""
+
+    fits: bool
+    kind: str  # what every node of the group has in common, e.g. "no free GPU"
+    count: int
+    nodes: list[str]  # the first few of them by node id: examples, not all
+    reason: str  # the first example's verdict, word for word
+    same: bool = False  # every node of the group has exactly `reason`
+    digest: str = ""  # of every member's node id: replay checks membership, not just count
+
+
 class ShardAssignment(msgspec.Struct, kw_only=True):
     shard_id: str
     shard_index: int
@@ -287,6 +299,8 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     based_on_seq: int
     assignments: list[ShardAssignment]
     verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
+    # The nodes `verdicts` leaves out, grouped; empty: `verdicts` names every node.
+    verdict_groups: list[VerdictGroup] = msgspec.field(default_factory=list)
     explanation: str = ""
     # True when the replica takes over shards a node already runs (a node that came
     # back): the shards keep their state, and replay checks them instead of re-placing.
@@ -301,6 +315,8 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     replica_id: str
     based_on_seq: int
     verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
+    # The nodes `verdicts` leaves out, grouped; empty: `verdicts` names every node.
+    verdict_groups: list[VerdictGroup] = msgspec.field(default_factory=list)
     explanation: str = ""
 
 

@@ -242,6 +242,7 @@ def decision_row(seq: int, event: c.Message) -> Row | None:
         "assignments": assignments,
         "adopted": adopted,
         "verdicts": msgspec.to_builtins(event.verdicts),
+        "verdict_groups": msgspec.to_builtins(event.verdict_groups),
         "explanation": event.explanation,
         "ts": event.ts,
     }

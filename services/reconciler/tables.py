@@ -131,6 +131,7 @@ class PlacementFailure(Base):
     model: Mapped[str] = mapped_column(Text)
     based_on_seq: Mapped[int]
     verdicts: Mapped[list[Any]]
+    verdict_groups: Mapped[list[Any]]  # the nodes `verdicts` leaves out (large fleets)
     explanation: Mapped[str] = mapped_column(Text)
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
@@ -162,6 +163,7 @@ class PlacementDecision(Base):
     assignments: Mapped[list[Any]]
     adopted: Mapped[bool] = mapped_column(Boolean)  # took over shards a node already ran
     verdicts: Mapped[list[Any]]
+    verdict_groups: Mapped[list[Any]]  # the nodes `verdicts` leaves out (large fleets)
     explanation: Mapped[str] = mapped_column(Text)
     ts: Mapped[float]
 
