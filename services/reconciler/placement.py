@@ -5,7 +5,9 @@ function of the folded state: no I/O, no clock, no randomness; every
 collection is sorted before it is used. Its answer is an event
 (PlacementDecided or PlacementFailed) carrying a verdict per registered node
 in words an operator reads, so the log alone explains every decision and
-`llmgw audit replay` can re-derive it.
+`llmgw audit replay` can re-derive it. In a large fleet the event lists the
+chosen and best-ranked nodes and counts the others by kind of reason
+(verdicts.py), so it stays small whatever the fleet size.
 
 A node can take a shard of the replica when, in this order of checks:
   1. it is alive (not unreachable, not lost);
@@ -34,11 +36,13 @@ so, then by lowest index.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import time
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 
+from . import verdicts
 from .state import ClusterState, Liveness, NodeView, shard_id
 
 FABRIC_LABEL = "fabric"
@@ -74,6 +78,9 @@ class Fit:
     node: str
     fits: bool
     reason: str
+    # What this reason has in common with other nodes' (no per-node numbers or times):
+    # the group a large fleet counts the node in instead of listing it.
+    kind: str
     free: list[c.GpuInfo] = field(default_factory=list)  # the GPUs that fit, unordered
     model_shards: int = 0
     fabric: str | None = None
@@ -118,20 +125,28 @@ def _take(eligible: list[c.GpuInfo], want: int) -> list[str]:
     return [g.uuid for g in by_index[:want]]
 
 
+def _too_few(need: int, what: str = "") -> str:
+    return f"no free GPU{what}" if need == 1 else f"fewer than {need} free GPUs{what}"
+
+
 def _node_fit(node: NodeView, profile: c.ServingProfile, usage: Usage) -> Fit:
     name = node.node
     if node.liveness != Liveness.ALIVE:
-        return Fit(name, False, f"{node.liveness.value} since {clock_text(node.liveness_since)}")
+        since = f"{node.liveness.value} since {clock_text(node.liveness_since)}"
+        return Fit(name, False, since, node.liveness.value)
     if profile.engine not in node.engines:
         runs = ", ".join(sorted(node.engines)) or "none"
-        return Fit(name, False, f"does not run engine {profile.engine} (runs {runs})")
+        kind = f"does not run engine {profile.engine}"
+        return Fit(name, False, f"{kind} (runs {runs})", kind)
     for key in sorted(profile.selector):
         want = profile.selector[key]
         have = node.labels.get(key)
         if have is None:
-            return Fit(name, False, f"has no label {key}, needs {key}={want}")
+            missing = f"has no label {key}, needs {key}={want}"
+            return Fit(name, False, missing, missing)
         if have != want:
-            return Fit(name, False, f"label {key}={have} does not match {key}={want}")
+            kind = f"label {key} does not match {key}={want}"
+            return Fit(name, False, f"label {key}={have} does not match {key}={want}", kind)
     busy = usage.busy.get(name, set())
     free = [g for g in node.gpus.values() if g.uuid not in busy]
     big = [g for g in free if g.memory_bytes >= profile.min_gpu_memory_bytes]
@@ -139,18 +154,22 @@ def _node_fit(node: NodeView, profile: c.ServingProfile, usage: Usage) -> Fit:
     if len(big) < need:
         total = len(node.gpus)
         if len(big) < len(free):
+            memory = f"at least {gib(profile.min_gpu_memory_bytes)}"
             return Fit(
                 name,
                 False,
-                f"{plural(len(free), 'free GPU')} of {total}, {len(big)} with at least "
-                f"{gib(profile.min_gpu_memory_bytes)}, needs {need}",
+                f"{plural(len(free), 'free GPU')} of {total}, {len(big)} with {memory}, "
+                f"needs {need}",
+                _too_few(need, f" with {memory}"),
             )
-        return Fit(name, False, f"{plural(len(free), 'free GPU')} of {total}, needs {need}")
+        why = f"{plural(len(free), 'free GPU')} of {total}, needs {need}"
+        return Fit(name, False, why, _too_few(need))
     shards_here = usage.model_shards.get(name, 0)
     return Fit(
         name,
         True,
         f"fits: {plural(len(big), 'free GPU')}, {plural(shards_here, 'shard')} of this model",
+        "fits, ranked below the nodes listed",
         free=big,
         model_shards=shards_here,
         fabric=node.labels.get(FABRIC_LABEL),
@@ -170,30 +189,44 @@ def _requirements(model: c.ModelDeclared) -> str:
 
 
 def place(
-    state: ClusterState, model: str, replica_id: str, based_on_seq: int, *, ts: float = 0.0
+    state: ClusterState,
+    model: str,
+    replica_id: str,
+    based_on_seq: int,
+    *,
+    ts: float = 0.0,
+    keep_all: bool = False,
 ) -> c.PlacementDecided | c.PlacementFailed:
-    """Place one replica of `model` on `state`; `ts` only stamps the event envelope."""
+    """Place one replica of `model` on `state`; `ts` only stamps the event envelope.
+
+    `keep_all` lists every node's verdict however large the fleet (replay of an
+    event recorded that way); otherwise a large fleet's verdicts are summarised.
+    """
     decl = state.models[model]
     profile = decl.profile
     usage = Usage(state, model)
     fits = [_node_fit(state.nodes[n], profile, usage) for n in sorted(state.nodes)]
-    if profile.shards_per_replica > 1:
-        chosen, why = _multi_node(fits, profile.shards_per_replica)
-    else:
-        ranked = sorted((f for f in fits if f.fits), key=lambda f: f.rank)
-        chosen, why = (ranked[:1], "") if ranked else ([], "no node fits")
+    width = profile.shards_per_replica
+    chosen, why = _multi_node(fits, width) if width > 1 else ([], "no node fits")
+    # After _multi_node: a node that cannot join a fabric group no longer fits.
+    best = heapq.nsmallest(verdicts.KEEP_BEST, (f for f in fits if f.fits), key=lambda f: f.rank)
+    if width == 1 and best:
+        chosen, why = best[:1], ""
+    listed = {f.node for f in chosen + best}
 
     fitting = sum(f.fits for f in fits)
     considered = f"{fitting} of {plural(len(fits), 'node')} fit"
     if not chosen:
         reason = why if fits else "no nodes are registered"
+        shown, groups = verdicts.summarise(fits, listed, keep_all=keep_all)
         return c.PlacementFailed(
             id=event_id("failed", replica_id, based_on_seq),
             ts=ts,
             model=model,
             replica_id=replica_id,
             based_on_seq=based_on_seq,
-            verdicts=[c.NodeVerdict(node=f.node, fits=f.fits, reason=f.reason) for f in fits],
+            verdicts=shown,
+            verdict_groups=groups,
             explanation=f"{replica_id} cannot be placed: {reason} "
             f"(needs {_requirements(decl)}; {considered})",
         )
@@ -204,13 +237,10 @@ def place(
         c.ShardAssignment(shard_id=shard_id(replica_id, i), shard_index=i, node=node, gpus=gpus)
         for node, (i, gpus) in taken.items()
     ]
-    verdicts = []
-    for f in fits:
-        reason = f.reason
-        if f.node in taken:
-            i, gpus = taken[f.node]
-            reason = f"chosen for shard {i} ({','.join(gpus)}); {f.reason}"
-        verdicts.append(c.NodeVerdict(node=f.node, fits=f.fits, reason=reason))
+    for f in chosen:
+        i, gpus = taken[f.node]
+        f.reason = f"chosen for shard {i} ({','.join(gpus)}); {f.reason}"
+    shown, groups = verdicts.summarise(fits, listed, keep_all=keep_all)
     where = ", ".join(f"{a.node} ({','.join(a.gpus)})" for a in assignments)
     return c.PlacementDecided(
         id=event_id("decided", replica_id),
@@ -219,7 +249,8 @@ def place(
         replica_id=replica_id,
         based_on_seq=based_on_seq,
         assignments=assignments,
-        verdicts=verdicts,
+        verdicts=shown,
+        verdict_groups=groups,
         explanation=f"{replica_id} placed on {where}; {considered}; ranked by {PACKING_RULE}",
     )
 
@@ -239,7 +270,7 @@ def _multi_node(fits: list[Fit], width: int) -> tuple[list[Fit], str]:
             continue
         if f.fabric is None:
             f.fits = False
-            f.reason = f"has no {FABRIC_LABEL} label, a {width}-node replica needs one"
+            f.reason = f.kind = f"has no {FABRIC_LABEL} label, a {width}-node replica needs one"
             continue
         groups.setdefault(f.fabric, []).append(f)
     best: tuple[tuple[int, int, str], list[Fit]] | None = None
@@ -251,6 +282,10 @@ def _multi_node(fits: list[Fit], width: int) -> tuple[list[Fit], str]:
                 f.reason = (
                     f"{f.reason.removeprefix('fits: ')}, but {FABRIC_LABEL}={fabric} has "
                     f"{plural(len(members), 'fitting node')}, needs {width}"
+                )
+                f.kind = (
+                    f"fits alone, but fewer than {width} fitting nodes share its "
+                    f"{FABRIC_LABEL} label"
                 )
             continue
         pick = members[:width]

@@ -14,7 +14,12 @@ in log order, reproducing exactly what the reconciler saw.
 
 A decision *differs* when the outcome (placed or not), the assignments (node
 and GPUs per shard), or which nodes fit changed. A change in the wording of a
-verdict alone is reported as wording, and counts only with `strict`. Adopted
+verdict alone is reported as wording, and counts only with `strict`. In a
+large fleet a decision lists some nodes and counts the others in groups
+(verdicts.py): which nodes are listed, and each group's fit, size and example
+nodes, are part of the decision; a group's words are wording. An event that
+lists every node (recorded before groups existed) is re-derived the same way,
+so old logs replay node by node. Adopted
 replicas are not re-placed: replay checks that each adopted shard was indeed
 running, ready and unowned on its node at the base sequence.
 
@@ -31,11 +36,12 @@ from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 
-from . import fold, placement, reconcile
+from . import fold, placement, reconcile, verdicts
 from .state import ClusterState
 
 Decision = c.PlacementDecided | c.PlacementFailed
-Placer = Callable[[ClusterState, str, str, int], Decision]
+# (state, model, replica id, based_on_seq, keep_all=): placement.place's signature.
+Placer = Callable[..., Decision]
 PLAN_EVENTS = (c.PlacementDecided, c.PlacementFailed, c.ReplicaRetired)
 
 
@@ -62,8 +68,10 @@ class ReplayResult:
         return [ch for ch in self.checks if ch.differs(strict)]
 
 
-def _default_placer(state: ClusterState, model: str, rid: str, base: int) -> Decision:
-    return placement.place(state, model, rid, base)
+def _default_placer(
+    state: ClusterState, model: str, rid: str, base: int, *, keep_all: bool = False
+) -> Decision:
+    return placement.place(state, model, rid, base, keep_all=keep_all)
 
 
 def outcome(d: Decision | None) -> str:
@@ -71,8 +79,8 @@ def outcome(d: Decision | None) -> str:
     if d is None:
         return "-"
     if isinstance(d, c.PlacementFailed):
-        fit = sum(v.fits for v in d.verdicts)
-        return f"not placed ({fit} of {len(d.verdicts)} nodes fit)"
+        fit, nodes = verdicts.node_count(d)
+        return f"not placed ({fit} of {nodes} nodes fit)"
     where = " ".join(f"{a.node}[{','.join(a.gpus)}]" for a in d.assignments)
     return ("adopted " if d.adopted else "placed on ") + where
 
@@ -90,14 +98,45 @@ def compare(recorded: Decision, derived: Decision) -> tuple[list[str], list[str]
     before = {v.node: v for v in recorded.verdicts}
     after = {v.node: v for v in derived.verdicts}
     wording: list[str] = []
+    grouped = bool(recorded.verdict_groups or derived.verdict_groups)
     for node in sorted(set(before) | set(after)):
         b, a = before.get(node), after.get(node)
         if b is None or a is None:
-            diffs.append(f"{node}: {'not considered' if b is None else 'no longer considered'}")
+            # With groups, a node listed on one side only is counted in a group on the other.
+            missing = "only counted in a group" if grouped else "not considered"
+            was = f'"{b.reason}"' if b is not None else missing
+            now = f'"{a.reason}"' if a is not None else missing
+            diffs.append(f"{node}: recorded {was}, now {now}")
         elif b.fits != a.fits:
             diffs.append(f'{node}: recorded "{b.reason}", now "{a.reason}"')
         elif b.reason != a.reason:
             wording.append(f'{node}: recorded "{b.reason}", now "{a.reason}"')
+    group_diffs, group_wording = _compare_groups(recorded.verdict_groups, derived.verdict_groups)
+    return diffs + group_diffs, wording + group_wording
+
+
+def _compare_groups(
+    recorded: list[c.VerdictGroup], derived: list[c.VerdictGroup]
+) -> tuple[list[str], list[str]]:
+    """Groups are matched by their first node: a node is in one group only, so a group
+    whose members are unchanged keeps its first node, whatever its words say."""
+    before = {g.nodes[0]: g for g in recorded if g.nodes}
+    after = {g.nodes[0]: g for g in derived if g.nodes}
+    diffs: list[str] = []
+    wording: list[str] = []
+    for first in sorted(set(before) | set(after)):
+        b, a = before.get(first), after.get(first)
+        if b is None or a is None:
+            side = "recorded" if a is None else "now"
+            diffs.append(f"group {side} only: {verdicts.group_line(b or a)}")
+        elif (b.fits, b.count, b.nodes) != (a.fits, a.count, a.nodes):
+            diffs.append(f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}")
+        elif b.digest != a.digest:
+            diffs.append(f"group: same size, other members now: {verdicts.group_line(a)}")
+        elif (b.kind, b.reason, b.same) != (a.kind, a.reason, a.same):
+            wording.append(
+                f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}"
+            )
     return diffs, wording
 
 
@@ -172,7 +211,9 @@ def _check(seq: int, ev: Decision, snapshot: ClusterState, placer: Placer) -> Ch
         return Check(seq, ev, None, _check_adoption(snapshot, ev))
     if ev.model not in snapshot.models:
         return Check(seq, ev, None, [f"model {ev.model} was not declared at seq {ev.based_on_seq}"])
-    derived = placer(snapshot, ev.model, ev.replica_id, ev.based_on_seq)
+    # Derived in the recorded form: an event that lists every node is compared node by node.
+    keep_all = not ev.verdict_groups
+    derived = placer(snapshot, ev.model, ev.replica_id, ev.based_on_seq, keep_all=keep_all)
     diffs, wording = compare(ev, derived)
     return Check(seq, ev, derived, diffs, wording)
 
@@ -265,6 +306,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         )
     lines.append("recorded verdicts:")
     lines += [f"  {v.node}: {v.reason}" for v in rec.verdicts]
+    lines += [f"  {verdicts.group_line(g)}" for g in rec.verdict_groups]
     lines.append(f"recorded:   {outcome(rec)}")
     if inp.derived is not None:
         lines.append(f"re-derived: {outcome(inp.derived)}")

@@ -51,12 +51,12 @@ def test_recorded_log_replays_without_differences():
     assert "0 differ" in replay.render(result)[-1]
 
 
-def worst_fit(state, model_name, rid, base):
+def worst_fit(state, model_name, rid, base, **kw):
     """The same placement with the packing rule flipped: most free GPUs first."""
     original = Fit.rank
     Fit.rank = property(lambda f: (f.model_shards, -len(f.free), f.node))
     try:
-        return placement.place(state, model_name, rid, base)
+        return placement.place(state, model_name, rid, base, **kw)
     finally:
         Fit.rank = original
 
