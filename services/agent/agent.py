@@ -7,6 +7,7 @@ Tasks, all owned (started and cancelled) by `Agent.run`:
   load        scrapes engine /metrics several times a second, publishes LoadSample (core NATS)
   resync      after each reconnect: provision, re-register, re-bind the consumer
   one supervisor per engine (shard.py)
+  admin-server /metrics, /healthz, /readyz (adminserver.py), up first and down last
 
 Engines belong to the node, not to this process: on SIGTERM the agent stops consuming
 commands and exits, leaving engines serving; the next agent re-adopts them.
@@ -29,16 +30,17 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
-from llmgw import __version__, bus, subjects, tlsconfig
+from llmgw import __version__, adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
 
-from . import adapters, procs, validate
-from .config import AgentConfig, parse_port_range
+from . import adapters, admin, procs, validate
+from .config import ADMIN_PORT, AgentConfig, parse_port_range
 from .decide import Action, ShardView, answer_state, decide
 from .inventory import Inventory
 from .metrics import Load
 from .shard import EngineShard, Timing
 from .state import ShardRecord, StateDir
+from .telemetry import COMMAND_KINDS, AgentMetrics, Live
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,8 @@ class Agent:
         self._hb_seq = 0
         self._tasks: set[asyncio.Task] = set()
         self._resync_task: asyncio.Task | None = None
+        self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
+        self.metrics = AgentMetrics(self.live)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -130,7 +134,10 @@ class Agent:
 
     async def run(self) -> None:
         self.http = httpx.AsyncClient(trust_env=False)
+        server: adminserver.AdminServer | None = None
         try:
+            # Before adopting: a failed start must not swallow the news of engines that died.
+            server = await self._start_admin()
             self._adopt()
             connect = asyncio.create_task(
                 bus.connect(
@@ -161,6 +168,40 @@ class Agent:
             await asyncio.gather(commands, return_exceptions=True)
         finally:
             await self._shutdown()
+            if server is not None:
+                await server.stop()
+
+    async def _start_admin(self) -> adminserver.AdminServer | None:
+        if not self.cfg.admin_listen:
+            return None
+        host, port = config.host_port(self.cfg.admin_listen, ADMIN_PORT)
+        server = adminserver.AdminServer(
+            admin.build_app(self.metrics.text, self.readiness), host, port
+        )
+        await server.start()
+        log.info("admin listener on http://%s:%d (/metrics, /healthz, /readyz)", host, server.port)
+        return server
+
+    def live(self) -> Live:
+        at = self._heartbeat_at
+        return Live(
+            node=self.node,
+            version=__version__,
+            shards=[(s.rec.model, s.rec.state) for s in self.shards.values()],
+            nats_connected=self.nc is not None and self.nc.is_connected,
+            registered=self.registered.is_set(),
+            outbox=len(self._outbox),
+            heartbeat_age=None if at is None else time.monotonic() - at,
+            gpus=self.inventory.gpus,
+            host=self.inventory.host,
+        )
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.nc is None or not self.nc.is_connected:
+            return False, "not connected to NATS"
+        if not self.registered.is_set():
+            return False, "connected to NATS; registration not yet acknowledged"
+        return True, "connected to NATS and registered"
 
     async def _shutdown(self) -> None:
         running = [s for s in self.shards.values() if s.task and not s.task.done()]
@@ -211,7 +252,9 @@ class Agent:
                 rec.pid, rec.proc_start, rec.kernel_boot_id
             )
             if not alive:
-                shard.fail(None, "the engine exited while the agent was not running")
+                shard.fail(
+                    None, "the engine exited while the agent was not running", "died_unsupervised"
+                )
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
             self._supervise(shard)
@@ -224,6 +267,7 @@ class Agent:
             emit=self._emit,
             http=self.http,
             probe_host=self.probe_host,
+            count_exit=lambda reason: self.metrics.engine_exits.labels(reason).inc(),
             proc=proc,
         )
         self.shards[rec.shard_id] = shard
@@ -269,6 +313,8 @@ class Agent:
                 await bus.publish(self.js, msg, deadline=5.0)
             except Exception as exc:  # disconnected, stream missing...: keep it and retry
                 log.warning("publishing %s failed (%s); retrying", type(msg).__name__, exc)
+                what = "registration" if isinstance(msg, c.NodeRegistered) else "status"
+                self.metrics.publish_failures.labels(what).inc()
                 if isinstance(exc, NoStreamResponseError):
                     await self._ensure_streams()
                 await asyncio.sleep(delay * (0.5 + random.random()))
@@ -283,6 +329,7 @@ class Agent:
         self.registered.clear()
 
     async def _on_reconnect(self) -> None:
+        self.metrics.reconnects.inc()
         if self._resync_task is not None:
             self._resync_task.cancel()
         self._resync_task = self._spawn(self._resync(first=False), "resync")
@@ -334,6 +381,10 @@ class Agent:
                 await bus.publish(self.js, hb, deadline=interval)
             except Exception as exc:
                 log.debug("heartbeat %d not published: %s", hb.seq, exc)
+                self.metrics.publish_failures.labels("heartbeat").inc()
+            else:
+                self._heartbeat_at = time.monotonic()
+                self.metrics.heartbeats.inc()
             next_at += interval  # a fixed rate, not interval-plus-publish-time
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             if loop.time() - next_at > interval:
@@ -374,6 +425,9 @@ class Agent:
             await self.nc.publish(subjects.load(self.node), c.encode(sample))
         except Exception as exc:
             log.debug("load sample not published: %s", exc)
+            self.metrics.publish_failures.labels("load_sample").inc()
+        else:
+            self.metrics.load_samples.inc()
 
     # ------------------------------------------------------------ commands
 
@@ -416,20 +470,26 @@ class Agent:
         except c.ContractError as exc:
             # Dead letter: logged with its payload and terminated, never redelivered.
             log.error("dead letter on %s: %s; payload %r", msg.subject, exc.reason, msg.data[:500])
+            self.metrics.commands_received.labels("unknown").inc()
+            self.metrics.commands_rejected.labels("unknown", "malformed").inc()
             await msg.term()
             return
+        self.metrics.commands_received.labels(COMMAND_KINDS[type(cmd)]).inc()
         try:
             self.handle(cmd)
         except Exception:
             log.exception("command %s (%s) could not be handled", cmd.key, type(cmd).__name__)
+            self.metrics.commands_rejected.labels(COMMAND_KINDS[type(cmd)], "error").inc()
             await msg.term()
             return
         await msg.ack()
 
     def handle(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> None:
         """Apply one command; every command is answered with a shard status."""
+        kind = COMMAND_KINDS[type(cmd)]
         if cmd.node != self.node:
             log.error("command %s is for node %s, not %s: ignored", cmd.key, cmd.node, self.node)
+            self.metrics.commands_rejected.labels(kind, "wrong_node").inc()
             return
         shard = self.shards.get(cmd.shard_id)
         view = None
@@ -444,7 +504,10 @@ class Agent:
             action.value,
         )
         if action is Action.LAUNCH:
-            self._launch(cmd, shard)
+            rejected = self._launch(cmd, shard)
+            if rejected is not None:
+                self.metrics.commands_rejected.labels(kind, rejected).inc()
+                return
         elif action is Action.STOP:
             # Answered by the `stopped` status once the engine is gone.
             shard.request_stop(cmd.key, cmd.grace_seconds if isinstance(cmd, c.StopShard) else 10.0)
@@ -465,6 +528,7 @@ class Agent:
         else:
             shard.note_command(cmd.key)
             self._enqueue(status_of(self.node, shard.rec, cmd.key))
+        self.metrics.commands_applied.labels(kind, action.value).inc()
 
     # ------------------------------------------------------------ launching
 
@@ -488,7 +552,8 @@ class Agent:
                 return port
         return None
 
-    def _launch(self, cmd: c.StartShard, previous: EngineShard | None) -> None:
+    def _launch(self, cmd: c.StartShard, previous: EngineShard | None) -> str | None:
+        """Launch the engine; None, or why not (a reason label: the shard is `failed`)."""
         keys = list(previous.rec.keys) if previous else []
         rec = ShardRecord(
             shard_id=cmd.shard_id,
@@ -503,17 +568,20 @@ class Agent:
             max_running=cmd.profile.max_num_seqs,
             log_path=str(self.state_dir.log_path(cmd.shard_id)),
         )
-        reason = validate.check(cmd, self._facts())  # before this shard counts as holding GPUs
+        refusal = validate.check(cmd, self._facts())  # before this shard counts as holding GPUs
         shard = self._new_shard(rec)
+        if refusal is not None:
+            self.metrics.validation_refusals.labels(refusal.check).inc()
+            shard.transition(S.FAILED, reason=str(refusal))
+            return "invalid"
         adapter = adapters.ADAPTERS.get(cmd.profile.engine)
         port = 0
-        if reason is None and adapter.serves_http(cmd):
+        if adapter.serves_http(cmd):
             port = self._free_port() or 0
             if not port:
                 reason = f"no free port in the engine port range {self.cfg.engine_port_range}"
-        if reason is not None:
-            shard.transition(S.FAILED, reason=reason)
-            return
+                shard.transition(S.FAILED, reason=reason)
+                return "no_free_port"
         spec = adapter.build(
             cmd,
             adapters.LaunchContext(
@@ -548,13 +616,14 @@ class Agent:
                 )
         except OSError as exc:
             shard.transition(S.FAILED, reason=f"cannot start {spec.argv[0]}: {exc.strerror or exc}")
-            return
+            return "spawn_error"
         shard.proc = proc
         rec.pid = proc.pid
         rec.proc_start = procs.process_start(proc.pid)
         rec.kernel_boot_id = procs.kernel_boot_id()
         shard.transition(S.LOADING)
         self._supervise(shard)
+        return None
 
     def _engine_command(self, engine: str) -> list[str]:
         return {

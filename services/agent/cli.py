@@ -10,11 +10,18 @@ import sys
 
 import msgspec
 
-from llmgw import config, logs
+from llmgw import adminserver, config, logs
 
 from . import engines as engine_detect
 from .agent import Agent
-from .config import AgentConfig, parse_labels, parse_port_range, resolve_node_id, resolve_state_dir
+from .config import (
+    ADMIN_PORT,
+    AgentConfig,
+    parse_labels,
+    parse_port_range,
+    resolve_node_id,
+    resolve_state_dir,
+)
 from .inventory import InventoryError, discover
 from .state import StateDir, StateDirBusy
 
@@ -25,6 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     parser.add_argument("--node-id", help="this node's id (default: the host name)")
     parser.add_argument("--nats", metavar="URL", help="NATS server URL(s), comma-separated")
+    parser.add_argument(
+        "--admin-listen",
+        metavar="HOST:PORT",
+        help=f"address for /metrics, /healthz, /readyz (default 127.0.0.1:{ADMIN_PORT}; '' = off)",
+    )
     parser.add_argument("--labels", metavar="K=V,...", help="node labels, e.g. fabric=ib-a,zone=z1")
     parser.add_argument(
         "--fake-gpus",
@@ -52,6 +64,7 @@ def load_config(args: argparse.Namespace) -> AgentConfig:
     overrides = {
         "node_id": args.node_id,
         "nats": args.nats,
+        "admin_listen": args.admin_listen,
         "labels": parse_labels(args.labels) if args.labels is not None else None,
         "fake_gpus": args.fake_gpus,
         "engine_port_range": args.engine_port_range,
@@ -63,6 +76,11 @@ def load_config(args: argparse.Namespace) -> AgentConfig:
     }
     cfg = config.load(AgentConfig, args.config, overrides=overrides)
     parse_port_range(cfg.engine_port_range)  # fail at start, not at the first launch
+    if cfg.admin_listen:
+        try:
+            config.host_port(cfg.admin_listen, ADMIN_PORT)
+        except config.ConfigError as exc:
+            raise config.ConfigError(f"admin_listen: {exc}") from None
     for name in ("heartbeat_interval_seconds", "load_interval_seconds", "ready_poll_seconds"):
         if getattr(cfg, name) <= 0:
             raise config.ConfigError(f"{name} = {getattr(cfg, name)!r}: must be positive")
@@ -101,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         asyncio.run(_main(Agent(cfg, node, inventory, state_dir, found)))
+    except adminserver.ListenError as exc:
+        print(f"llmgw agent: admin_listen: {exc.strerror}", file=sys.stderr)
+        return 1
     finally:
         state_dir.close()
     return 0

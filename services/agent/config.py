@@ -11,12 +11,16 @@ import msgspec
 
 from llmgw import bus, config, subjects, tlsconfig
 
+ADMIN_PORT = 9410
+
 
 class AgentConfig(config.ConfigStruct, kw_only=True):
     node_id: str = ""  # "" -> the host name, made subject-safe
     nats: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
     # Mutual TLS with the certificate of identity agent-<node> (llmgw certs / nats-config).
     nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
+    # /metrics, /healthz, /readyz; "" turns the listener off.
+    admin_listen: str = f"127.0.0.1:{ADMIN_PORT}"
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     # Inventory for simulated nodes, e.g. "8x80GiB" or "2x80GiB:H100,2x40GiB" (see inventory.py).
     fake_gpus: str = ""

@@ -61,6 +61,7 @@ class EngineShard:
         emit: Callable[[ShardRecord], None],
         http: httpx.AsyncClient,
         probe_host: str,
+        count_exit: Callable[[str], None],
         proc: subprocess.Popen | None = None,
     ):
         self.rec = rec
@@ -70,6 +71,7 @@ class EngineShard:
         self._emit = emit
         self._http = http
         self._probe_host = probe_host
+        self._count_exit = count_exit  # the engine ended: why, as a bounded metric label
         self._wake = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -161,7 +163,7 @@ class EngineShard:
                 return
             exited, code = self.exit_code()
             if exited:
-                self.fail(code, describe_exit(code))
+                self.fail(code, describe_exit(code), "crashed")
                 return
             if rec.state == S.DRAINING and await self._drained():
                 rec.stopping = True
@@ -173,7 +175,7 @@ class EngineShard:
         while not rec.stopping:
             exited, code = self.exit_code()
             if exited:
-                self.fail(code, describe_exit(code) + " while loading")
+                self.fail(code, describe_exit(code) + " while loading", "crashed_while_loading")
                 return
             waited = time.time() - rec.launched_at
             if rec.port:
@@ -185,7 +187,9 @@ class EngineShard:
                 return
             if waited > t.ready_timeout:
                 await self._kill_group(grace=5.0)
-                self.fail(self.exit_code()[1], f"not ready within {t.ready_timeout:.0f}s")
+                self.fail(
+                    self.exit_code()[1], f"not ready within {t.ready_timeout:.0f}s", "ready_timeout"
+                )
                 return
             await self._pause(t.ready_poll)
 
@@ -206,6 +210,7 @@ class EngineShard:
 
     async def _stop(self) -> None:
         code = await self._kill_group(grace=self.rec.stop_grace)
+        self._count_exit("stopped")
         self.transition(S.STOPPED, stopping=False, exit_code=code)
 
     async def _kill_group(self, grace: float) -> int | None:
@@ -237,10 +242,12 @@ class EngineShard:
             await asyncio.sleep(0.05)
         return self.exit_code()[0]
 
-    def fail(self, code: int | None, reason: str) -> None:
+    def fail(self, code: int | None, reason: str, cause: str) -> None:
+        """The engine is gone or must be: `reason` for people, `cause` a bounded label."""
         pgid = self.rec.pid
         if pgid is not None:
             procs.signal_group(pgid, signal.SIGKILL)  # orphaned workers would pin the GPUs
+        self._count_exit(cause)
         self.transition(
             S.FAILED,
             reason=reason,

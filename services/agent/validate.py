@@ -30,6 +30,18 @@ class NodeFacts:
     path_exists: Callable[[str], bool] = lambda path: True
 
 
+class Refusal(str):
+    """The reason an operator reads, tagged with the check that gave it: `check` is a short,
+    bounded name (a metric label), the text is free."""
+
+    check: str
+
+    def __new__(cls, check: str, message: str) -> Refusal:
+        self = super().__new__(cls, message)
+        self.check = check
+        return self
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -38,62 +50,88 @@ def _looks_like_path(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~"))
 
 
-def check(cmd: c.StartShard, facts: NodeFacts) -> str | None:
+def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
     """None when the shard may launch, else the first reason it may not."""
     p = cmd.profile
     if p.engine not in ADAPTERS:
-        return f"unknown engine {p.engine!r} (this agent runs: {', '.join(sorted(ADAPTERS))})"
+        return Refusal(
+            "unknown_engine",
+            f"unknown engine {p.engine!r} (this agent runs: {', '.join(sorted(ADAPTERS))})",
+        )
     missing = facts.engine_missing(p.engine)
     if missing:
-        return f"engine {p.engine} is not installed on this node: {missing}"
+        return Refusal(
+            "engine_missing", f"engine {p.engine} is not installed on this node: {missing}"
+        )
     if p.gpus_per_shard < 1:
-        return f"profile.gpus_per_shard must be at least 1, got {p.gpus_per_shard}"
+        return Refusal(
+            "gpu_assignment", f"profile.gpus_per_shard must be at least 1, got {p.gpus_per_shard}"
+        )
     if len(set(cmd.gpus)) != len(cmd.gpus):
-        return f"the same GPU is assigned twice: {cmd.gpus}"
+        return Refusal("gpu_assignment", f"the same GPU is assigned twice: {cmd.gpus}")
     if len(cmd.gpus) != p.gpus_per_shard:
-        return (
+        return Refusal(
+            "gpu_assignment",
             f"{len(cmd.gpus)} GPU(s) assigned but the tensor parallel size "
-            f"(profile.gpus_per_shard) is {p.gpus_per_shard}"
+            f"(profile.gpus_per_shard) is {p.gpus_per_shard}",
         )
     for uuid in cmd.gpus:
         gpu = facts.gpus.get(uuid)
         if gpu is None:
-            return f"GPU {uuid} does not exist on node {facts.node}"
+            return Refusal("gpu_unknown", f"GPU {uuid} does not exist on node {facts.node}")
         holder = facts.gpu_holders.get(uuid)
         if holder is not None and holder != cmd.shard_id:
-            return f"GPU {uuid} (index {gpu.index}) is in use by shard {holder}"
+            return Refusal(
+                "gpu_in_use", f"GPU {uuid} (index {gpu.index}) is in use by shard {holder}"
+            )
         procs = facts.process_count(uuid)
         if procs:
-            return f"GPU {uuid} (index {gpu.index}) is busy: {procs} compute process(es) run on it"
+            return Refusal(
+                "gpu_busy",
+                f"GPU {uuid} (index {gpu.index}) is busy: {procs} compute process(es) run on it",
+            )
         need = p.min_gpu_memory_bytes
         if need and gpu.memory_bytes < need:
-            return (
+            return Refusal(
+                "gpu_memory",
                 f"GPU {uuid} (index {gpu.index}) has {_gib(gpu.memory_bytes)}, "
-                f"the profile needs {_gib(need)} per GPU"
+                f"the profile needs {_gib(need)} per GPU",
             )
         free = facts.free_memory(uuid)
         if need and free is not None and free < need:
-            return (
+            return Refusal(
+                "gpu_memory",
                 f"GPU {uuid} (index {gpu.index}) has only {_gib(free)} free, "
-                f"the profile needs {_gib(need)} per GPU"
+                f"the profile needs {_gib(need)} per GPU",
             )
     ref = model_ref(cmd)
     if not ref.strip():
-        return "no model reference: profile.model_ref and the model name are both empty"
+        return Refusal(
+            "model_ref", "no model reference: profile.model_ref and the model name are both empty"
+        )
     if _looks_like_path(ref) and not facts.path_exists(ref):
-        return f"model path {ref} does not exist on node {facts.node}"
+        return Refusal("model_ref", f"model path {ref} does not exist on node {facts.node}")
     for name in ("max_model_len", "max_num_seqs"):
         value = getattr(p, name)
         if value is not None and value < 1:
-            return f"profile.{name} must be positive, got {value}"
+            return Refusal("profile_range", f"profile.{name} must be positive, got {value}")
     gmu = p.gpu_memory_utilization
     if gmu is not None and not 0 < gmu <= 1:
-        return f"profile.gpu_memory_utilization must be in (0, 1], got {gmu}"
+        return Refusal(
+            "profile_range", f"profile.gpu_memory_utilization must be in (0, 1], got {gmu}"
+        )
     if cmd.nnodes > 1:
         if not 0 <= cmd.node_rank < cmd.nnodes:
-            return f"node_rank {cmd.node_rank} is outside 0..{cmd.nnodes - 1}"
+            return Refusal(
+                "multi_node", f"node_rank {cmd.node_rank} is outside 0..{cmd.nnodes - 1}"
+            )
         if not cmd.master_addr:
-            return f"a {cmd.nnodes}-node replica needs master_addr (the rank-0 node's address)"
+            return Refusal(
+                "multi_node",
+                f"a {cmd.nnodes}-node replica needs master_addr (the rank-0 node's address)",
+            )
         if p.engine == "sglang" and not cmd.master_port:
-            return "a multi-node SGLang replica needs master_port (for --dist-init-addr)"
+            return Refusal(
+                "multi_node", "a multi-node SGLang replica needs master_port (for --dist-init-addr)"
+            )
     return None

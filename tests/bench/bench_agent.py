@@ -69,6 +69,7 @@ async def main() -> int:
             fake_gpus="8x80GiB",
             engine_port_range=f"{base}-{base + 50}",
             state_dir=str(tmp / "state"),
+            admin_listen="",
         )
         sd = StateDir(tmp / "state").open()
         agent = Agent(

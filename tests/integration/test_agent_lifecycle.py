@@ -90,6 +90,7 @@ def agent_config(node: str, nats_url: str, state_dir: Path, **kw) -> AgentConfig
         load_interval_seconds=0.1,
         ready_poll_seconds=0.05,
         drain_settle_seconds=0.3,
+        admin_listen="",  # several agents share a process; test_agent_admin covers the listener
     )
     values.update(kw)
     return AgentConfig(**values)

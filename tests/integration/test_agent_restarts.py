@@ -31,7 +31,9 @@ S = c.ShardState
 
 
 class AgentProcess:
-    def __init__(self, node: str, nats_url: str, state_dir: Path, log: Path, base_port: int):
+    def __init__(
+        self, node: str, nats_url: str, state_dir: Path, log: Path, base_port: int, admin_port: int
+    ):
         self.argv = [
             sys.executable, "-m", "llmgw.cli", "agent",
             "--node-id", node,
@@ -40,6 +42,7 @@ class AgentProcess:
             "--state-dir", str(state_dir),
             "--engine-port-range", f"{base_port}-{base_port + 20}",
             "--heartbeat-interval", "0.2",
+            "--admin-listen", f"127.0.0.1:{admin_port}",
         ]  # fmt: skip
         self.env = {**os.environ, "LLMGW_READY_POLL_SECONDS": "0.05"}
         self.log = log
@@ -67,9 +70,16 @@ async def test_agent_killed_and_restarted_keeps_and_readopts_engines(nats, nats_
     await bus.provision(js)
     watch = await Watch().start(nats, "llmgw.evt.agent.>")
     state_dir = tmp_path / "state"
+    # One admin port for all three: each agent must release it for the next.
+    admin_port = localservers.free_port()
     agents = [
         AgentProcess(
-            "n-proc", nats_url, state_dir, tmp_path / "agent.log", localservers.free_port()
+            "n-proc",
+            nats_url,
+            state_dir,
+            tmp_path / "agent.log",
+            localservers.free_port(),
+            admin_port,
         )
         for _ in range(3)
     ]
