@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -25,10 +27,62 @@ class ServerError(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_PORT_BAND_FIRST = 24000  # above the dev agents' engine ports (20000-20199)
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _port_band() -> range | None:
+    """Ports the kernel never hands out by itself: below (or above) its ephemeral range."""
+    low, high = _ephemeral_range()
+    if low - _PORT_BAND_FIRST >= 1000:
+        return range(_PORT_BAND_FIRST, low)
+    if 65535 - high >= 1000:
+        return range(high + 1, 65536)
+    return None
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a server that a child process binds a moment later.
+
+    Picked at random outside the kernel's ephemeral range: a port from bind(0) lies inside
+    it, so any outgoing connection (which takes its local port from that range) or another
+    bind(0) could take it before the child binds. And never the same port twice in this
+    process, so two servers started side by side cannot be given one port.
+    """
+    band = _port_band()
+    rng = random.SystemRandom()
+    with _handed_out_lock:
+        for _ in range(200 if band else 0):
+            port = rng.choice(band)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+        for _ in range(200):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise ServerError("no free TCP port found")
 
 
 def wait_for_port(
