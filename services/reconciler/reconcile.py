@@ -339,7 +339,12 @@ def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.Placement
 
 
 def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool:
-    return old is not None and old.model == new.model and old.verdicts == new.verdicts
+    return (
+        old is not None
+        and old.model == new.model
+        and old.verdicts == new.verdicts
+        and old.verdict_groups == new.verdict_groups
+    )
 
 
 def _number(rid: str) -> int:
