@@ -14,7 +14,11 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
+
+from llmgw import contracts as c
 from llmgw.opcli import apiclient
+from llmgw.reconciler.verdicts import group_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +92,9 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
         for v in d.get("verdicts") or []:
             mark = "+" if v["fits"] else "-"
             lines.append(f"  {mark} {v['node']:<{width}}  {v['reason']}")
+        # A large fleet's other nodes, counted by kind of reason (absent in older events).
+        for g in msgspec.convert(d.get("verdict_groups") or [], list[c.VerdictGroup]):
+            lines.append(f"  {'+' if g.fits else '-'} {group_line(g)}")
     if not data.get("decisions"):
         lines.append("no placement decisions recorded yet")
     if hidden:
