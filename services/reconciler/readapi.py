@@ -17,6 +17,7 @@ from llmgw import contracts as c
 
 from . import store
 from . import tables as t
+from .state import is_outdated, profile_digest
 
 _ACTIVE_SHARD = t.Shard.state.not_in([s.value for s in c.TERMINAL_SHARD_STATES])
 # The state a replica shows: its least advanced shard's.
@@ -69,6 +70,19 @@ def _replica_state(shards: list[dict[str, Any]], retired: bool) -> str:
     return "ready"
 
 
+def _digest(profile: dict[str, Any]) -> str:
+    # Through the struct, so defaults of fields added since the row was written count
+    # exactly as they do in the reconciler's in-memory state.
+    return profile_digest(msgspec.convert(profile, c.ServingProfile))
+
+
+async def _declared_digests(conn: AsyncConnection, model: str | None) -> dict[str, str]:
+    q = select(t.Model.name, t.Model.profile)
+    if model is not None:
+        q = q.where(t.Model.name == model)
+    return {row["name"]: _digest(row["profile"]) for row in await _rows(conn, q)}
+
+
 async def _replicas_with_shards(
     conn: AsyncConnection, model: str | None = None
 ) -> list[dict[str, Any]]:
@@ -77,6 +91,7 @@ async def _replicas_with_shards(
     if model is not None:
         rq = rq.where(t.Replica.model == model)
         sq = sq.where(t.Shard.model == model)
+    declared = await _declared_digests(conn, model)
     by_replica: dict[str, list[dict[str, Any]]] = {}
     for shard in await _rows(conn, sq):
         by_replica.setdefault(shard["replica_id"], []).append(
@@ -96,6 +111,12 @@ async def _replicas_with_shards(
                 "retired": rep["retired"],
                 "retired_reason": rep["retired_reason"],
                 "decided_seq": rep["decided_seq"],
+                "profile_digest": rep["profile_digest"],
+                # As reconcile.outdated() sees it: active, and placed with another
+                # profile than the one declared now. A rolling update replaces it.
+                "outdated": not rep["retired"]
+                and rep["model"] in declared
+                and is_outdated(rep["profile_digest"], declared[rep["model"]]),
                 "shards": shards,
             }
         )
@@ -146,6 +167,8 @@ async def replicas(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "retired": False,
                 "retired_reason": "",
                 "decided_seq": row["based_on_seq"],
+                "profile_digest": "",
+                "outdated": False,
                 "explanation": row["explanation"],
                 "shards": [],
             }
@@ -255,6 +278,7 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "declared": declared is not None,
         "desired_replicas": declared[0]["replicas"] if declared else 0,
         "profile": declared[0]["profile"] if declared else None,
+        "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
     }

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote
 
@@ -54,6 +55,21 @@ def _where(assignments: list[dict[str, Any]]) -> str:
     )
 
 
+def _roll_line(replicas: Iterable[dict[str, Any]]) -> list[str]:
+    """While replicas run an earlier profile, how far the rolling update has come."""
+    active = [r for r in replicas if not r.get("retired")]
+    current = sum(1 for r in active if not r.get("outdated"))
+    if current == len(active):
+        return []
+    return [
+        f"rolling update in progress: {current} of {len(active)} replica(s) on the current profile"
+    ]
+
+
+def _outdated_mark(rep: dict[str, Any] | None) -> str:
+    return "  (OUTDATED: placed with an earlier profile)" if rep and rep.get("outdated") else ""
+
+
 def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     model = data["model"]
     replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
@@ -66,6 +82,7 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
             f"{p.get('shards_per_replica', 1)} shard(s)"
             + (f", selector {p['selector']}" if p.get("selector") else "")
         )
+        lines.extend(_roll_line(replicas.values()))
     else:
         lines.append(f"{model}: not in the catalog (removed); history follows")
     hidden = 0
@@ -80,7 +97,8 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
             lines.append(f"{head}: NOT PLACED")
         else:
             verb = "adopted" if d.get("adopted") else "placed"
-            lines.append(f"{head}: {verb}: {_where(d.get('assignments') or [])}")
+            where = _where(d.get("assignments") or [])
+            lines.append(f"{head}: {verb}: {where}{_outdated_mark(rep)}")
         if rep is not None:
             state = rep["state"]
             if rep.get("retired"):

@@ -55,14 +55,22 @@ def _models(items: list[dict[str, Any]]) -> Rows:
     return ["NAME", "ENGINE", "READY", "GPUS/SHARD", "SHARDS/REPLICA", "ALIASES", "FALLBACKS"], rows
 
 
+def _profile(r: dict[str, Any]) -> str:
+    """Outdated: placed with an earlier profile of its model, so a rolling update replaces it."""
+    if r.get("outdated"):
+        return "outdated"
+    # Retired, not placed yet, or placed before digests were recorded: nothing to say.
+    return "current" if r.get("profile_digest") and not r["retired"] else ""
+
+
 def _replicas(items: list[dict[str, Any]]) -> Rows:
     rows = []
     for r in items:
         nodes = output.csv(sorted({s["node"] for s in r["shards"]}))
         urls = output.csv(s["url"] for s in r["shards"] if s["url"])
         info = r.get("explanation") or r.get("retired_reason") or ""
-        rows.append([r["replica_id"], r["model"], r["state"], nodes, urls, info])
-    return ["REPLICA", "MODEL", "STATE", "NODES", "URLS", "INFO"], rows
+        rows.append([r["replica_id"], r["model"], r["state"], _profile(r), nodes, urls, info])
+    return ["REPLICA", "MODEL", "STATE", "PROFILE", "NODES", "URLS", "INFO"], rows
 
 
 def _endpoints(items: list[dict[str, Any]]) -> Rows:
