@@ -217,6 +217,8 @@ class DevCluster:
         names = [*nats_names, "postgres"]
         names += [f"reconciler-{i}" for i in range(1, args.reconcilers + 1)]
         names += routers + [f"{r}-admin" for r in routers]
+        agents = [f"agent-{i}" for i in range(1, args.agents + 1)]
+        names += [f"{a}-admin" for a in agents]
         ports = _ports(self.data_dir, names)
 
         self.say(f"data dir {self.data_dir}")
@@ -251,8 +253,7 @@ class DevCluster:
             if i == 1:
                 self._wait_http(f"http://{admin}/healthz", name, 30)
 
-        for i in range(1, args.agents + 1):
-            name = f"agent-{i}"
+        for i, name in enumerate(agents, start=1):
             first = 20000 + (i - 1) * 100
             argv = procs.llmgw_argv(
                 "agent",
@@ -262,6 +263,7 @@ class DevCluster:
                 "--labels", f"fabric=dev,zone=z{i}",
                 "--engine-port-range", f"{first}-{first + 99}",
                 "--state-dir", str(self.data_dir / name),
+                "--admin-listen", f"127.0.0.1:{ports[name + '-admin']}",
             )  # fmt: skip
             self.group.start(name, argv, env={**env, **self._identity(f"agent-node-{i}")})
 
@@ -302,6 +304,7 @@ class DevCluster:
             "api_url": api_urls[0],
             "api_urls": api_urls,
             "router_admin": [f"http://127.0.0.1:{ports[r + '-admin']}" for r in routers],
+            "agent_admin": [f"http://127.0.0.1:{ports[a + '-admin']}" for a in agents],
             "data_dir": str(self.data_dir),
             "processes": {name: child.pid for name, child in self.group.children.items()},
             "servers": {
@@ -392,6 +395,10 @@ class DevCluster:
         self.say("waiting for the demo models to be placed and served ...")
         key = self.info["api_key"]
         started = time.monotonic()
+        replicas = {
+            m["name"]: m.get("replicas", 1)
+            for m in demo_catalog(_demo_keys(self.data_dir))["models"]
+        }
 
         def served() -> bool:
             for base in self.info["routers"]:
@@ -408,7 +415,12 @@ class DevCluster:
                     return False
                 if not set(DEMO_MODELS) <= names:
                     return False
-            return self._endpoints_ready()
+            # The operator API reads Postgres, which the fold commits before the leader
+            # writes the routers' projection: ready there is not yet routable. Ready means
+            # every replica is ready in the API and in every router's own view.
+            return self._endpoints_ready(replicas) and all(
+                self._router_ready(admin, replicas) for admin in self.info["router_admin"]
+            )
 
         if procs.wait_until(served, timeout, 0.5):
             self.say(f"ready in {time.monotonic() - started:.1f}s")
@@ -426,13 +438,28 @@ class DevCluster:
             body = next((v for v in body.values() if isinstance(v, list)), [])
         return body if isinstance(body, list) else []
 
-    def _endpoints_ready(self) -> bool:
+    def _endpoints_ready(self, replicas: dict[str, int]) -> bool:
         ready = {
-            row.get("model")
+            row.get("model"): sum(ep.get("state") == "ready" for ep in row.get("endpoints", []))
             for row in self._api_list("/api/endpoints")
-            if any(ep.get("state") == "ready" for ep in row.get("endpoints", []))
         }
-        return set(DEMO_MODELS) <= ready
+        return all(ready.get(model, 0) >= n for model, n in replicas.items())
+
+    @staticmethod
+    def _router_ready(admin_url: str, replicas: dict[str, int]) -> bool:
+        """Whether this router would send each model to all of its replicas right now."""
+        try:
+            body = httpx.get(f"{admin_url}/debug/endpoints", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        endpoints = body.get("endpoints", []) if isinstance(body, dict) else body
+        ready = {
+            model: sum(
+                ep.get("state") == "ready" and model in ep.get("models", []) for ep in endpoints
+            )
+            for model in replicas
+        }
+        return all(ready[model] >= n for model, n in replicas.items())
 
     def _wait_nodes(self, count: int, timeout: float) -> None:
         """Apply the catalog once the agents registered, so replicas spread over nodes."""
@@ -476,6 +503,8 @@ class DevCluster:
         if self.secure:
             print(f"  NATS identities : {self.certs_dir} (mutual TLS; the CLI uses operator.crt)")
         print(f"  Postgres        : {self.info['database_url']}")
+        if self.info["agent_admin"]:
+            print(f"  agent /metrics  : {', '.join(self.info['agent_admin'])}")
         print(f"  cluster.json    : {self.data_dir / 'cluster.json'}")
         print()
         print(

@@ -21,6 +21,7 @@ import pytest
 from llmgw.agent import procs as engine_procs
 from llmgw.agent.state import StateDir
 from tests.e2e import clusterkit as ck
+from tests.unit.test_agent_telemetry import samples, value
 
 pytestmark = pytest.mark.e2e
 
@@ -85,6 +86,13 @@ def test_cluster_json_says_where_everything_is(cluster):
     )
     for pid in info["processes"].values():
         os.kill(pid, 0)  # every process it names is alive
+    # Each agent's admin listener: ready, and together they run the demo's three shards.
+    ready = 0.0
+    for base in info["agent_admin"]:
+        assert httpx.get(f"{base}/readyz", timeout=5).status_code == 200
+        page = samples(httpx.get(f"{base}/metrics", timeout=5).text)
+        ready += value(page, "llmgw_agent_shards", state="ready") or 0
+    assert len(info["agent_admin"]) == 2 and ready == 3
 
 
 def test_declared_models_are_served_through_both_routers(cluster):
