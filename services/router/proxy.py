@@ -1,7 +1,8 @@
 """The hot path: a raw ASGI endpoint that relays OpenAI requests to engines.
 
-Per request: read and parse the body, resolve the model, pass the admission
-gate, then schedule and dispatch, retrying on another endpoint (and then down
+Per request: authenticate (headers only, so a request without a valid key
+gets 401 whatever its body), read and parse the body, resolve the model, pass
+the admission gate, then schedule and dispatch, retrying on another endpoint (and then down
 the model's fallback chain) only while nothing has reached the client.
 
 Streams are relayed event by event as they arrive: each read from the engine
@@ -102,7 +103,10 @@ class _OpenGate:
 
     _grant = _OpenGrant()
 
-    async def admit(self, request, route, headers) -> _OpenGrant:
+    def authenticate(self, headers) -> None:
+        return None
+
+    async def admit(self, request, route, who) -> _OpenGrant:
         return self._grant
 
 
@@ -184,9 +188,12 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         guard = Guard(asyncio.get_running_loop(), task, receive, DISCONNECT_WATCH_AFTER)
+        gate = self.gate  # this request's gate, even if another is installed meanwhile
         try:
             if scope["method"] != "POST":
                 raise RouterError(405, "method_not_allowed", f"use POST for {scope['path']}")
+            # Before the body: whatever it holds, a request without a valid key gets 401.
+            who = gate.authenticate(headers)
             body = await self._read_body(receive, headers, guard, task)
             if body is None:  # the client left while sending
                 ex.status = 499
@@ -201,7 +208,7 @@ class Proxy:
                     param="model",
                 )
             model = route.name
-            await self._serve(req, route, headers, ex, send, guard, task)
+            await self._serve(req, route, headers, gate, who, ex, send, guard, task)
         except RouterError as err:
             ex.status = err.status
             if ex.started:
@@ -305,6 +312,8 @@ class Proxy:
         req: rq.Parsed,
         route: ModelRoute,
         headers: dict[bytes, bytes],
+        gate: Gate,
+        who: object,
         ex: _Exchange,
         send,
         guard: Guard,
@@ -312,7 +321,7 @@ class Proxy:
     ) -> None:
         grant: Grant | None = None
         try:
-            grant = await self.gate.admit(req, route, headers)
+            grant = await gate.admit(req, route, who)
             await self._dispatch(req, route, headers, ex, send, guard)
         except asyncio.CancelledError:
             if guard.client_gone:

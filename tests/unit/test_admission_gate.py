@@ -48,6 +48,11 @@ KEY = "sk-acme"
 HEADERS = {b"authorization": f"Bearer {KEY}".encode()}
 
 
+def admit(g: AdmissionGate, request: Request, route: Route, headers=HEADERS):
+    """What the proxy does: authenticate on the headers, admit once the body is parsed."""
+    return g.admit(request, route, g.authenticate(headers))
+
+
 def gate(clock, **settings) -> AdmissionGate:
     settings.setdefault("queue_threshold", 1.0)
     bands = [contracts.Band(name="bronze", ceiling=0.5, queue_ttl_seconds=5)]
@@ -65,9 +70,9 @@ def gate(clock, **settings) -> AdmissionGate:
 async def test_a_queued_request_waits_for_capacity():
     g = gate(Clock())
     route = Route()
-    first = await g.admit(Request(), route, HEADERS)
-    await g.admit(Request(), route, HEADERS)  # capacity 1 + 1: now at the ceiling
-    waiter = asyncio.ensure_future(g.admit(Request(), route, HEADERS))
+    first = await admit(g, Request(), route)
+    await admit(g, Request(), route)  # capacity 1 + 1: now at the ceiling
+    waiter = asyncio.ensure_future(admit(g, Request(), route))
     await asyncio.sleep(0)
     assert not waiter.done() and g.controller.queued == 1
     first.release(Usage(prompt_tokens=10, completion_tokens=5))
@@ -79,8 +84,8 @@ async def test_a_queued_request_waits_for_capacity():
 async def test_a_cancelled_wait_leaves_the_queue():
     g = gate(Clock())
     route = Route()
-    held = [await g.admit(Request(), route, HEADERS) for _ in range(2)]
-    waiter = asyncio.ensure_future(g.admit(Request(), route, HEADERS))
+    held = [await admit(g, Request(), route) for _ in range(2)]
+    waiter = asyncio.ensure_future(admit(g, Request(), route))
     await asyncio.sleep(0)
     ticket = next(iter(g.controller.queues["m"][0]._arrivals))
     waiter.cancel()  # what the proxy does when the client disconnects
@@ -96,8 +101,8 @@ async def test_a_cancelled_wait_leaves_the_queue():
 async def test_a_grant_that_races_a_cancellation_is_given_back():
     g = gate(Clock())
     route = Route()
-    held = [await g.admit(Request(), route, HEADERS) for _ in range(2)]
-    waiter = asyncio.ensure_future(g.admit(Request(), route, HEADERS))
+    held = [await admit(g, Request(), route) for _ in range(2)]
+    waiter = asyncio.ensure_future(admit(g, Request(), route))
     await asyncio.sleep(0)
     held[0].release()  # grants the waiter; it has not resumed yet
     waiter.cancel()
@@ -112,8 +117,8 @@ async def test_the_timer_expires_a_queued_request_with_504():
     g = gate(clock, tick_seconds=0.01)
     route = Route()
     for _ in range(2):
-        await g.admit(Request(), route, HEADERS)
-    waiter = asyncio.ensure_future(g.admit(Request(), route, HEADERS))
+        await admit(g, Request(), route)
+    waiter = asyncio.ensure_future(admit(g, Request(), route))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # ticks ran, but the fake clock has not reached the TTL
     clock.t += 5.0
@@ -126,10 +131,10 @@ async def test_the_timer_expires_a_queued_request_with_504():
 async def test_rejections_are_raised_before_any_wait():
     g = gate(Clock())
     with pytest.raises(AdmissionRejected) as err:
-        await g.admit(Request(), Route(), {})
+        g.authenticate({})  # no body needed to refuse a request without a key
     assert err.value.status == 401
     with pytest.raises(AdmissionRejected) as err:
-        await g.admit(Request(max_tokens=200_000), Route(), HEADERS)
+        await admit(g, Request(max_tokens=200_000), Route())
     assert err.value.reason == "request_too_large"
 
 
@@ -155,3 +160,21 @@ def test_live_routers_and_workers_divide_the_quotas():
     assert g.controller.directory.by_name["acme"].quotas.tpm == 100_000 // 6
     g.set_tenants([])
     assert g.controller.open
+
+
+async def test_a_tenant_replaced_while_its_body_arrived_is_admitted_as_declared_now():
+    g = gate(Clock())
+    early = g.authenticate(HEADERS)  # before the body
+    stricter = contracts.Quotas(concurrency=1)
+    g.set_tenants(
+        [TenantConfig(name="acme", band="bronze", key_hashes=[keys.hash_key(KEY)], quotas=stricter)]
+    )
+    await g.admit(Request(), Route(), early)
+    with pytest.raises(AdmissionRejected) as err:
+        await g.admit(Request(), Route(), early)  # the new concurrency limit applies
+    assert err.value.reason == "rate_limit_concurrency"
+    g.set_tenants([TenantConfig(name="other", band="bronze", key_hashes=[keys.hash_key("sk-o")])])
+    with pytest.raises(AdmissionRejected) as err:
+        await g.admit(Request(), Route(), early)  # revoked meanwhile
+    assert (err.value.status, err.value.reason) == (401, "invalid_api_key")
+    g.close()

@@ -192,8 +192,19 @@ class Controller:
     def admit(self, tenant: Tenant, model: str, endpoints: Sequence[Any], tokens: int) -> Ticket:
         """Quotas, then flow or queue. Returns a GRANTED or QUEUED ticket, or raises.
 
-        `endpoints` are the pool's endpoints as the router sees them now.
+        `tenant` is what `authenticate` returned when the request arrived, before its
+        body was read; `endpoints` are the pool's endpoints as the router sees them now.
         """
+        current = self.directory.by_name.get(tenant.name)
+        if current is not tenant:
+            # The tenants were replaced while the body arrived: use the tenant as it is
+            # declared now (band, quotas), or refuse one that is no longer declared.
+            if current is None:
+                self.metrics.rejected("", "", "invalid_api_key")
+                raise AdmissionRejected(
+                    "invalid_api_key", "The API key was revoked while the request arrived."
+                )
+            tenant = current
         now = self.clock()
         band = tenant.band
         band_name = self._band_names[band]

@@ -1,8 +1,9 @@
 """The router's admission gate: the asyncio shell around the controller.
 
-It implements the router's Gate seam (seam.py): `admit` runs after the request
-is parsed and its model resolved, before scheduling, and returns the ticket as
-the grant the proxy releases with the engine's usage when the response ends.
+It implements the router's Gate seam (seam.py): `authenticate` runs on the
+headers before the body is read, `admit` after the request is parsed and its
+model resolved, before scheduling, and returns the ticket as the grant the
+proxy releases with the engine's usage when the response ends.
 
 A request that flows at once never awaits anything and allocates no future.
 Only a queued one waits; the proxy cancels the waiting task the moment its
@@ -24,7 +25,7 @@ from llmgw import contracts
 from .config import AdmissionSettings
 from .controller import QUEUED, Controller, Metrics, Ticket
 from .metrics import AdmissionMetrics
-from .tenants import TenantSpec
+from .tenants import Tenant, TenantSpec
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,19 @@ class AdmissionGate:
             return True
         return self.settings.enabled and any(b.ceiling <= 1.0 for b in c.bands)
 
-    async def admit(self, request: Any, route: Any, headers: dict[bytes, bytes]) -> Ticket:
-        """Authenticate, check quotas, then flow or wait. Raises AdmissionRejected
-        (401, 429, 503, 504); cancelling the wait takes the request out of its queue."""
-        c = self.controller
+    def authenticate(self, headers: dict[bytes, bytes]) -> Tenant:
+        """The tenant of a request's Authorization header, or a 401 AdmissionRejected."""
         auth = headers.get(b"authorization")
-        tenant = c.authenticate(None if auth is None else auth.decode("latin-1"))
+        return self.controller.authenticate(None if auth is None else auth.decode("latin-1"))
+
+    async def admit(self, request: Any, route: Any, tenant: Tenant) -> Ticket:
+        """Check quotas, then flow or wait. Raises AdmissionRejected (429, 503, 504; 401
+        when the tenant went away after `authenticate`); cancelling the wait takes the
+        request out of its queue."""
         tokens = estimate_tokens(
             len(request.body), request.max_tokens, self.settings.default_max_tokens
         )
-        ticket = c.admit(tenant, route.name, route.endpoints, tokens)
+        ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens)
         if ticket.state == QUEUED:
             await self.wait(ticket)
         return ticket

@@ -1,10 +1,14 @@
 """The seam between "may this request proceed, and when" and "where does it go".
 
-The proxy calls `admit` after the request is parsed and its model resolved,
-and before scheduling. Authentication, quotas and admission queues live behind
-this interface; scheduling and dispatch never see tenants. A gate rejects by
-raising `RouterError` (401, 429, 503, 504 ...), and may wait (queue) before
-returning. If the client disconnects while it waits, the waiting task is
+The proxy calls `authenticate` first, from the request's headers alone, before
+it reads the body: a request without a valid key gets its 401 whatever its body
+says (malformed, unknown model, too large), as OpenAI answers. It calls `admit`
+with what `authenticate` returned after the request is parsed and its model
+resolved, and before scheduling; both calls go to the gate that was installed
+when the request arrived. Authentication, quotas and admission queues live
+behind this interface; scheduling and dispatch never see tenants. A gate
+rejects by raising `RouterError` (401, 429, 503, 504 ...), and may wait (queue)
+before returning. If the client disconnects while it waits, the waiting task is
 cancelled: a gate must leave its queue on `CancelledError`. The returned grant
 is released exactly once, with the engine's usage when known, however the
 request ended.
@@ -12,7 +16,7 @@ request ended.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from llmgw.router.requests import Parsed, Usage
@@ -24,6 +28,6 @@ class Grant(Protocol):
 
 
 class Gate(Protocol):
-    async def admit(
-        self, request: Parsed, route: ModelRoute, headers: dict[bytes, bytes]
-    ) -> Grant: ...
+    def authenticate(self, headers: dict[bytes, bytes]) -> Any: ...
+
+    async def admit(self, request: Parsed, route: ModelRoute, who: Any) -> Grant: ...
