@@ -190,7 +190,11 @@ def test_depends_on_conditions_can_be_met():
 
 
 def test_health_checks_probe_the_admin_ports_the_services_listen_on():
-    probes = {"router": ("/readyz", "127.0.0.1:9090"), "reconciler": ("/healthz", "127.0.0.1:9300")}
+    probes = {
+        "router": ("/readyz", "127.0.0.1:9090"),
+        "reconciler": ("/healthz", "127.0.0.1:9300"),
+        "agent": ("/readyz", "127.0.0.1:9410"),
+    }
     for sub, (path, default) in probes.items():
         for name, svc in _by_command(sub).items():
             test = " ".join(svc["healthcheck"]["test"])
@@ -199,12 +203,13 @@ def test_health_checks_probe_the_admin_ports_the_services_listen_on():
             assert http_port(url) == _listen_port(svc, "LLMGW_ADMIN_LISTEN", default), name
 
 
-def test_prometheus_scrapes_every_router_and_reconciler_admin_port():
+def test_prometheus_scrapes_every_router_reconciler_and_agent_admin_port():
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    for sub, default in (("router", "127.0.0.1:9090"), ("reconciler", "127.0.0.1:9300")):
+    admin = (("router", "127.0.0.1:9090"), ("reconciler", "127.0.0.1:9300"))
+    for sub, default in (*admin, ("agent", "127.0.0.1:9410")):
         for name, svc in _by_command(sub).items():
             assert f"{name}:{_listen_port(svc, 'LLMGW_ADMIN_LISTEN', default)}" in targets
     for target in targets:

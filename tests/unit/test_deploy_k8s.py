@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import yaml
 
-from llmgw import certs, natsconfig
+from llmgw import certs, config, natsconfig
 
 from .deploy_checks import DEPLOY, check_environment, parse_command
 
@@ -161,6 +161,14 @@ def test_agent_daemonset_runs_on_gpu_nodes_with_the_node_name_as_id():
     # Its NATS identity is the node's own certificate on the host, never a shared Secret.
     tls = next(v for v in pod["volumes"] if v["name"] == "nats-tls")
     assert "hostPath" in tls
+    # Probes and scrapes reach the admin listener on the port it listens on.
+    c = pod["containers"][0]
+    admin = next(p["containerPort"] for p in c["ports"] if p["name"] == "admin")
+    assert config.host_port(env["LLMGW_ADMIN_LISTEN"]["value"], 0) == ("0.0.0.0", admin)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    annotations = agent["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(admin)
 
 
 def test_nats_chart_values_make_a_three_node_jetstream_cluster_with_mtls():
