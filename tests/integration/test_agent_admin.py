@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import subprocess
+import sys
 
 import httpx
 
@@ -108,3 +110,21 @@ async def test_agent_admin_metrics_and_readiness(tmp_path):
             procs.signal_group(pid, signal.SIGKILL)
         await bus.close_quietly(nc)
         server.stop()
+
+
+def test_an_admin_address_in_use_refuses_to_start(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", "agent", "--node-id", "n-clash",
+             "--nats", "nats://127.0.0.1:1", "--fake-gpus", "1x80GiB",
+             "--state-dir", str(tmp_path), "--admin-listen", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert res.returncode == 1, res.stderr
+    assert f"admin_listen: cannot listen on 127.0.0.1:{port}" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -74,3 +74,12 @@ def test_state_dir_default_is_per_node(monkeypatch, tmp_path):
 def test_bad_config_exits_2(capsys):
     assert cli.run(args("--engine-port-range", "abc")) == 2
     assert "engine_port_range" in capsys.readouterr().err
+
+
+def test_admin_listen_defaults_to_loopback_and_can_be_turned_off(monkeypatch):
+    assert cli.load_config(args()).admin_listen == "127.0.0.1:9410"
+    assert cli.load_config(args("--admin-listen", "")).admin_listen == ""
+    monkeypatch.setenv("LLMGW_ADMIN_LISTEN", "0.0.0.0:9411")
+    assert cli.load_config(args()).admin_listen == "0.0.0.0:9411"
+    with pytest.raises(ConfigError, match="admin_listen: .*port 'y' is not a number"):
+        cli.load_config(args("--admin-listen", "x:y"))
