@@ -84,6 +84,7 @@ def test_typos_are_errors_naming_the_key(tmp_path, text, needle):
         ("tenants: [{name: t, band: default, quotas: {rpm: 0}}]", "quotas.rpm = 0"),
         ("admission: {anonymous_tenant: dev}", "anonymous_tenant = 'dev'"),
         ("admission: {kv_threshold: 1.5}", "admission.kv_threshold"),
+        ("admission: {capacity_relearn_seconds: -1}", "admission.capacity_relearn_seconds"),
     ],
 )
 def test_validation_names_the_entry(tmp_path, text, needle):

@@ -25,6 +25,13 @@ class Ep:
         return self
 
 
+def seen(d: Detector, ep: Ep, **sample) -> Ep:
+    """A sample lands, as the router's view reports it (the detector learns from it)."""
+    ep.scraped(**sample)
+    d.observed(ep)
+    return ep
+
+
 def pool(*eps: Ep, active: int = 0) -> Pool:
     p = Pool("m")
     p.endpoints = eps
@@ -50,7 +57,7 @@ def test_scraped_waiting_and_kv_the_worse_of_the_two():
 
 def test_the_router_view_counts_queued_work_before_metrics_show_it():
     d = detector()
-    a = Ep("a").scraped(running=8)  # capacity learned: 8
+    a = seen(d, Ep("a"), running=8)  # capacity learned: 8
     a.inflight = 8  # a full batch is not a queue
     assert d.saturation(pool(a), NOW) == 0.0
     a.inflight = 11  # 3 beyond the batch: the engine is queueing, whatever the scrape says
@@ -61,7 +68,7 @@ def test_the_router_view_counts_queued_work_before_metrics_show_it():
 
 def test_stale_metrics_are_ignored_and_the_router_view_remains():
     d = detector(stale_after=1.0)
-    a = Ep("a").scraped(running=4, waiting=10, kv=0.9, age=1.5)
+    a = seen(d, Ep("a"), running=4, waiting=10, kv=0.9, age=1.5)
     assert d.saturation(pool(a), NOW) == 0.0
     a.inflight = 6  # the learned capacity (4) still applies
     assert d.saturation(pool(a), NOW) == 0.4
@@ -73,13 +80,13 @@ def test_capacity_is_the_hint_or_the_high_water_mark_of_running():
     d = detector(assumed_capacity=1)
     a = Ep("a")
     assert d.capacity(a) == 1  # nothing known yet
-    a.scraped(running=6)
+    seen(d, a, running=6)
     assert d.capacity(a) == 6
-    a.scraped(running=2)
+    seen(d, a, running=2)
     assert d.capacity(a) == 6  # a high-water mark: a quiet moment does not shrink it
-    b = Ep("b", max_running=32).scraped(running=5)
+    b = seen(d, Ep("b", max_running=32), running=5)
     assert d.capacity(b) == 32
-    b.scraped(running=40)
+    seen(d, b, running=40)
     assert d.capacity(b) == 40
 
 

@@ -24,6 +24,9 @@ class AdmissionSettings(config.ConfigStruct, kw_only=True):
     kv_threshold: float = 0.8
     # Batch capacity assumed for an endpoint before a running count is seen (no max_running).
     assumed_capacity: int = 1
+    # A learned capacity falls after requests waited at an engine this long while it ran
+    # fewer than learned (a smaller engine behind the same id); 0: it never falls.
+    capacity_relearn_seconds: float = 5.0
     # Tenant that serves requests carrying no Authorization header (development only).
     anonymous_tenant: str = ""
     # Completion allowance counted against tpm when a request sets no max_tokens.
@@ -66,6 +69,11 @@ def check(
         ("queue_threshold", s.queue_threshold, s.queue_threshold > 0),
         ("kv_threshold", s.kv_threshold, 0 < s.kv_threshold <= 1),
         ("assumed_capacity", s.assumed_capacity, s.assumed_capacity >= 0),
+        (
+            "capacity_relearn_seconds",
+            s.capacity_relearn_seconds,
+            0 <= s.capacity_relearn_seconds < math.inf,
+        ),
         ("default_max_tokens", s.default_max_tokens, s.default_max_tokens > 0),
         ("routers", s.routers, s.routers >= 1),
         ("tick_seconds", s.tick_seconds, s.tick_seconds > 0),

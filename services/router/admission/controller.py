@@ -109,6 +109,7 @@ class Controller:
             kv_threshold=settings.kv_threshold,
             stale_after=stale_after,
             assumed_capacity=settings.assumed_capacity,
+            relearn_after=settings.capacity_relearn_seconds,
             routers=self.routers,
         )
         self.queues: dict[str, list[BandQueue]] = {}  # pool name -> one queue per band

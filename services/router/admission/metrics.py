@@ -62,7 +62,7 @@ class AdmissionMetrics(Metrics):
         )
         self.capacity = Gauge(
             "llmgw_admission_endpoint_capacity",
-            "Batch capacity per endpoint: max_running hint or high-water mark of running.",
+            "Batch capacity per endpoint: max_running hint or the capacity learned from running.",
             ("endpoint",),
             merge="max",
         )
