@@ -234,12 +234,15 @@ async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp
         )
         async with httpx.AsyncClient(timeout=10) as http:
             server.stop()
-            await asyncio.sleep(1.0)  # the router notices: disconnected, reconnecting
+
+            async def noticed():  # disconnected, reconnecting
+                metrics = (await http.get(router.admin_url + "/metrics")).text
+                return "llmgw_router_nats_connected 0.0" in metrics
+
+            await wait_for(noticed, what="the router to notice the outage")
             resp = await http.post(router.url + "/v1/chat/completions", json=chat())
             assert resp.status_code == 200
             assert (await http.get(router.admin_url + "/readyz")).status_code == 200
-            metrics = (await http.get(router.admin_url + "/metrics")).text
-            assert "llmgw_router_nats_connected 0.0" in metrics
 
             await asyncio.to_thread(server.start)
             began = time.monotonic()
