@@ -325,10 +325,12 @@ def test_limits_are_4xx_naming_the_limit(conn):
     huge_head = request("GET", "/v1/models", headers=[("X-Pad", "a" * 40_000)])
     status, _, body = conn.send(huge_head)
     assert status == 431 and json.loads(body)["error"]["code"] == "headers_too_large"
-    lies = request("POST", PATHS[0], b"{}", [("Content-Length", "nope")])
+    # With a key: without one, any body gets 401 before it is read.
+    auth = ("Authorization", f"Bearer {KEY}")
+    lies = request("POST", PATHS[0], b"{}", [auth, ("Content-Length", "nope")])
     assert conn.send(lies)[0] == 400
     # Declared shorter than sent: the rest is read as the next request, which is garbage.
-    short = request("POST", PATHS[0], b"{}", [("Content-Length", "2")]).replace(
+    short = request("POST", PATHS[0], b"{}", [auth, ("Content-Length", "2")]).replace(
         b"Content-Length: 2\r\n\r\n{}", b"Content-Length: 2\r\n\r\n{}garbage\r\n\r\n"
     )
     assert conn.send(short)[0] == 400
