@@ -44,7 +44,7 @@ def client(sim: SimProcess) -> openai.OpenAI:
         yield c
 
 
-def wait_for_state(sim: SimProcess, pred, timeout: float = 5.0) -> dict:
+def wait_for_state(sim: SimProcess, pred, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         state = sim.state()
@@ -268,11 +268,13 @@ def test_shared_prefix_hits_the_cache_and_shortens_time_to_first_token(sim: SimP
 
     hits_before = sim.state()["prefix_cache_hits"]
     cold, cold_cached = ttft("What is a prefix cache?")
-    warm, warm_cached = ttft("And why does it help?")
-    assert cold_cached == 0 and warm_cached >= 900
-    assert sim.state()["prefix_cache_hits"] - hits_before == warm_cached
-    # ~1k uncached tokens at 0.2 ms each against a handful: the warm one is far quicker.
-    assert warm < cold / 2
+    warm = [ttft(q) for q in ("And why does it help?", "Where?", "When?")]
+    assert cold_cached == 0 and all(cached >= 900 for _, cached in warm)
+    assert sim.state()["prefix_cache_hits"] - hits_before == sum(cached for _, cached in warm)
+    # ~1k uncached tokens at 0.2 ms each against a handful: the warm ones are far quicker.
+    # (The cold one cannot be quicker than its simulated prefill; a loaded machine only adds
+    # delay, so the best of three warm ones is compared.)
+    assert min(t for t, _ in warm) < cold / 2
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -320,7 +322,10 @@ async def test_hang_after_tokens_keeps_the_connection_open_and_silent(sim: SimPr
 
         # A reader that is never cancelled: cancelling a read would close the stream.
         reader = asyncio.create_task(read())
-        await asyncio.sleep(0.4)  # 2 tokens take ~4 ms; 48 more would take ~100 ms
+        deadline = time.monotonic() + 10
+        while len(events) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)  # 48 more tokens would take ~100 ms
         assert len(events) == 2 and not reader.done()
         wedged = sim.state()
         assert wedged["running"] == 1 and wedged["kv_blocks_used"] >= 1
