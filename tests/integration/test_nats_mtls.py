@@ -83,7 +83,7 @@ def violations(caplog):
     """Wait for the server's 'permissions violation' report about `what`."""
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
 
-    async def wait_for(what: str, timeout: float = 5.0) -> str:
+    async def wait_for(what: str, timeout: float = 15.0) -> str:
         deadline = time.monotonic() + timeout
         needle = f"permissions violation for {what}".lower()
         while time.monotonic() < deadline:
@@ -262,7 +262,7 @@ async def _handshake(url: str, ctx: ssl.SSLContext | None) -> None:
         url,
         tls=ctx,
         allow_reconnect=False,
-        connect_timeout=3,
+        connect_timeout=10,  # the genuine handshake, on a busy box
         error_cb=quiet,
         max_reconnect_attempts=0,
     )
