@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,8 +50,12 @@ def _exposition(collect) -> bytes:
 
 
 class LocalStats:
-    def __init__(self, service):
+    def __init__(self, service, listening: Callable[[], bool] | None = None):
         self.service = service
+        # The service reports started from the public server's lifespan, which uvicorn
+        # runs before it binds and listens: until `listening()` holds, connections to
+        # the public port are refused, so readiness waits for it too.
+        self.listening = listening
 
     def metrics_text(self) -> bytes:
         svc = self.service
@@ -58,6 +63,8 @@ class LocalStats:
         return _exposition(svc.metrics.registry.collect)
 
     def readiness(self) -> tuple[bool, str]:
+        if self.listening is not None and not self.listening():
+            return False, "the public port is not listening yet"
         return self.service.readiness()
 
     def endpoints(self) -> dict[str, Any]:

@@ -76,7 +76,8 @@ def admin_config(app, config: RouterConfig) -> uvicorn.Config:
 async def serve_single(config: RouterConfig) -> None:
     service = RouterService(config)
     public = _Server(public_config(service.public_app(tune_gc=True), config))
-    admin = _Server(admin_config(admin_app(LocalStats(service)), config))
+    stats = LocalStats(service, listening=lambda: public.started)
+    admin = _Server(admin_config(admin_app(stats), config))
 
     loop = asyncio.get_running_loop()
 
