@@ -10,6 +10,7 @@ port on 127.0.0.1 we choose, and `stop()` ends it for certain.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -169,16 +170,42 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it
+        cmd = [*self.command(), "--ports_file_dir", str(self.data_dir)]
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         try:
-            wait_for_port(self.host, self.port, timeout, self.proc)
+            self._wait_listening(timeout)
         except ServerError as exc:
             self.stop()
             raise ServerError(f"nats-server failed to start: {exc}; log: {self.log_file}") from None
         return self
+
+    def _wait_listening(self, timeout: float) -> None:
+        """Until this process serves clients on our port.
+
+        A connection to the port is not proof: if something else took the port (another
+        server started on a port we chose, or on ours while it restarted), ours fails to
+        bind and exits, but the port still answers. nats-server writes
+        `<name>_<pid>.ports`, naming what it listens on, once it listens.
+        """
+        assert self.proc is not None
+        ports_file = self.data_dir / f"{Path(nats_server_binary()).name}_{self.proc.pid}.ports"
+        address = f"{self.host}:{self.port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"exited with {self.proc.returncode} before it listened")
+            with contextlib.suppress(OSError, ValueError):
+                listening = json.loads(ports_file.read_text()).get("nats") or []
+                if any(url.endswith(f"//{address}") for url in listening):
+                    wait_for_port(
+                        self.host, self.port, max(1.0, deadline - time.monotonic()), self.proc
+                    )
+                    return
+            time.sleep(0.02)
+        raise ServerError(f"not listening on {address} within {timeout}s")
 
     def stop(self, kill: bool = False) -> None:
         _stop_process(self.proc, sig=signal.SIGKILL if kill else signal.SIGTERM)
@@ -434,12 +461,30 @@ class PostgresServer:
             raise ServerError(f"postgres failed to start: {exc}\n{tail}") from None
         return self
 
+    def _ours_and_ready(self) -> bool:
+        """Whether our postmaster says it accepts connections (postmaster.pid: pid on the
+        first line, status on the eighth). pg_isready alone would also be satisfied by
+        another server that holds the port, while ours fails to bind and exits."""
+        try:
+            lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return (
+            self.proc is not None
+            and len(lines) >= 8
+            and lines[0].strip() == str(self.proc.pid)
+            and lines[7].strip() == "ready"
+        )
+
     def _wait_ready(self, timeout: float) -> None:
         bin_dir = _pg_bin()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerError(f"postgres exited with {self.proc.returncode}")
+            if not self._ours_and_ready():
+                time.sleep(0.05)
+                continue
             res = subprocess.run(
                 [
                     str(bin_dir / "pg_isready"),

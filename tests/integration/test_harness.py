@@ -61,3 +61,24 @@ async def test_each_test_gets_its_own_database(database_dsn):
         assert await conn.fetchval("select to_regclass('public.t')") is None
     finally:
         await conn.close()
+
+
+def test_a_server_whose_port_is_taken_fails_instead_of_using_the_other_one(tmp_path):
+    """Something else answering on the port is not our server having started."""
+    import socket
+
+    import pytest
+
+    from llmgw import localservers
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", localservers.free_port()))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(localservers.ServerError, match="exited with"):
+            localservers.NatsServer(tmp_path / "nats", port=port).start()
+        with pytest.raises(localservers.ServerError, match="exited with"):
+            localservers.PostgresServer(tmp_path / "pg", port=port).start()
+    # The same servers start once the port is theirs.
+    nats_server = localservers.NatsServer(tmp_path / "nats", port=port).start()
+    nats_server.stop()
