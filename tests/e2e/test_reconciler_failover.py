@@ -57,7 +57,7 @@ def shard_event(i: int, state: c.ShardState) -> c.ShardStatus:
 
 def role(port: int) -> str | None:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).json()["role"]
+        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).json()["role"]
     except (httpx.HTTPError, ValueError, KeyError):
         return None
 
@@ -75,7 +75,7 @@ async def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
 
 def folded_seq(port: int) -> int:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=1).json()["folded_seq"]
+        return httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=5).json()["folded_seq"]
     except (httpx.HTTPError, ValueError, KeyError):
         return -1
 
