@@ -38,9 +38,11 @@ async def test_a_passed_deadline_cancels_the_task_naming_its_phase():
 
 async def test_pushing_the_idle_deadline_later_keeps_a_steady_stream_alive():
     async def body(guard):
-        for _ in range(8):
-            guard.arm("idle", 0.03)
-            await asyncio.sleep(0.01)
+        for _ in range(10):
+            # 0.5 s in all, twice the deadline; each gap leaves 0.2 s of slack, as a short
+            # sleep can overrun by tens of ms on a loaded box.
+            guard.arm("idle", 0.25)
+            await asyncio.sleep(0.05)
         return "done"
 
     result, guard = await run_guarded(body)
