@@ -100,7 +100,8 @@ async def reconciler(nats, nats_url, database_url):
         yield api
     finally:
         rec.stop.set()
-        await asyncio.wait_for(task, 20)
+        # The reconciler bounds its actor's stop at 15 s; the rest of its shutdown comes on top.
+        await asyncio.wait_for(task, 45)
         await api.http.aclose()
 
 

@@ -411,7 +411,8 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         rec.stop.set()
-        await asyncio.wait_for(task, timeout=20)
+        # The reconciler bounds its actor's stop at 15 s; the rest of its shutdown comes on top.
+        await asyncio.wait_for(task, timeout=45)
 
 
 def cli(module, **kw) -> tuple[int, str]:
