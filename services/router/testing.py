@@ -416,7 +416,7 @@ class RouterProcess:
         return self.proc.returncode
 
 
-def start_router(directory, yaml_body: str, *args: str, timeout: float = 20.0) -> RouterProcess:
+def start_router(directory, yaml_body: str, *args: str, timeout: float = 60.0) -> RouterProcess:
     """Write `yaml_body` (without listen addresses) under `directory`, start `llmgw
     router` on free ports, and return once /readyz answers 200."""
     import os

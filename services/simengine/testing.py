@@ -75,7 +75,7 @@ class SimProcess:
     def metrics_text(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5).raise_for_status().text
 
-    def wait_ready(self, timeout: float = 20.0) -> str:
+    def wait_ready(self, timeout: float = 60.0) -> str:
         """Block until the sim prints its ready line; returns its URL."""
         deadline = time.monotonic() + timeout
         sel = selectors.DefaultSelector()
@@ -140,7 +140,7 @@ def start_sim(
     *args: str,
     port: int = 0,
     wait: bool = True,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
     **options: Any,
@@ -230,7 +230,7 @@ async def sim_in_process(
         name="sim-in-process",
     )
     try:
-        done, _ = await asyncio.wait({task, ready}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, ready}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
             task.cancel()
             raise RuntimeError("in-process sim-engine did not start")
