@@ -251,7 +251,7 @@ class DevCluster:
             )
             self.group.start(name, argv, env={**env, **self._identity("reconciler")})
             if i == 1:
-                self._wait_http(f"http://{admin}/healthz", name, 30)
+                self._wait_http(f"http://{admin}/healthz", name, 60)
 
         for i, name in enumerate(agents, start=1):
             first = 20000 + (i - 1) * 100
@@ -278,7 +278,7 @@ class DevCluster:
             router_urls.append(f"http://{listen}/v1")
 
         self.info["api_url"] = api_urls[0]
-        self._wait_nodes(args.agents, 30)
+        self._wait_nodes(args.agents, 60)
         demo_keys = _demo_keys(self.data_dir)
         catalog_path = args.catalog
         if catalog_path is None:
