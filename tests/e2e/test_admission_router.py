@@ -145,7 +145,9 @@ def test_keys_and_quotas_reach_the_openai_sdk_as_its_own_errors(cluster):
 
 def test_the_openai_sdk_retries_after_the_retry_after_it_is_given(cluster):
     router, _ = cluster
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=key("single"), max_retries=2)
+    # Retries to spare: each waits the 1 s Retry-After, and on a loaded box the first
+    # request's last tokens may take longer than that.
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=key("single"), max_retries=6)
     long = {**body(60), "stream": True}
     with client.chat.completions.create(**long) as stream:
         next(iter(stream))  # the tenant's one concurrent request is now in flight
