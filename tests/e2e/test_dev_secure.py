@@ -138,13 +138,16 @@ def test_dev_secure_serves_with_every_identity_and_stops_clean(tmp_path):
             asyncio.run(connect(tls=no_cert))
         asyncio.run(connect(**tlsconfig.nats_options(tlsconfig.NatsTLS(**tls))))  # the control
 
-        engines = [
-            rec.pid
-            for rec in StateDir(data_dir / "agent-1").load_all()
-            if rec.pid and not gone(rec.pid)
-        ]
-        assert len(engines) == 3  # demo-chat x2, demo-small
-        pids += engines
+        def engines() -> list[int]:
+            return [
+                rec.pid
+                for rec in StateDir(data_dir / "agent-1").load_all()
+                if rec.pid and not gone(rec.pid)
+            ]
+
+        # demo-chat x2, demo-small (the second demo-chat may still be starting: it need
+        # not serve for the requests above to succeed)
+        pids += wait_for(lambda: e if len(e := engines()) == 3 else None, 60, "three engines", dev)
 
         dev.send_signal(signal.SIGTERM)
         assert dev.wait(60) == 0, (tmp_path / "dev.log").read_text()[-3000:]
