@@ -110,6 +110,7 @@ class Actor:
         self.clock = clock  # wall clock: heartbeat times in the stream are wall times
         self._tasks: list[asyncio.Task] = []
         self._sub = None
+        self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._state = ClusterState()
         self._changes: set[Change] = set()
@@ -131,6 +132,7 @@ class Actor:
     async def start(self, nc: NATS, js: JetStreamContext, state: ClusterState) -> None:
         started = self.clock()
         log.info("acting as leader from seq %d", state.last_seq)
+        self._nc = nc
         self._js = js
         self._state = state
         self._changes = set()
@@ -233,6 +235,14 @@ class Actor:
             if late > self.cfg.stall_grace_after:
                 log.warning("event loop stalled %.1fs: counting node silence from now", late)
                 self.liveness.grace(self.clock())
+            connected = self._nc is not None and self._nc.is_connected
+            was_deaf = self.liveness.deaf
+            if not self.liveness.listening(connected, self.clock()):
+                if not was_deaf:
+                    log.warning("NATS connection down: node silence is not judged until it returns")
+                continue
+            if was_deaf:
+                log.info("NATS connection back: counting node silence from now")
             try:
                 state = self._state
                 events = self.liveness.check(state, self.clock())

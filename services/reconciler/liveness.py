@@ -10,7 +10,10 @@ and replay reproduces it exactly.
 A new leader does not know when it last heard from each node: it rebuilds
 last-seen from the newest heartbeat per node kept in LLMGW_HEARTBEATS, and
 counts silence from no earlier than its own start (`started_at`), so a
-leadership change alone never makes a node unreachable. Recovery needs a
+leadership change alone never makes a node unreachable. Likewise, while the
+leader's own NATS connection is down it hears no heartbeats at all: silence
+then says nothing about the nodes, so it is not judged until the connection is
+back and is counted from that moment (`listening`). Recovery needs a
 heartbeat newer than `unreachable_after`, which the rebuilt one of a dead node
 is not.
 
@@ -43,6 +46,21 @@ class LivenessTracker:
         self.pending_timeout = pending_timeout
         self.last_seen: dict[str, float] = {}
         self._pending: dict[str, tuple[Liveness, float]] = {}
+        self.deaf = False  # our bus connection is down: we hear no node
+
+    def listening(self, connected: bool, now: float) -> bool:
+        """Whether silence may be judged now, given our connection to the bus.
+
+        A bus outage silences every node at once; without this a leader cut off
+        for longer than `lost_after` would declare the whole fleet lost and move
+        every replica the moment it reconnected."""
+        if not connected:
+            self.deaf = True
+            return False
+        if self.deaf:
+            self.deaf = False
+            self.grace(now)
+        return True
 
     def grace(self, now: float) -> None:
         """Count silence from `now`: we were not listening (a new term, a stalled loop)."""

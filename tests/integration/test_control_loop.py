@@ -147,9 +147,14 @@ class SimAgent:
         while True:
             if self.alive:
                 n += 1
-                await self.js.publish(
-                    s.heartbeat(self.name), c.encode(c.Heartbeat(node=self.name, seq=n))
-                )
+                # An agent keeps heartbeating through a bus outage: a failed publish
+                # is just a missed beat.
+                with contextlib.suppress(Exception):
+                    await self.js.publish(
+                        s.heartbeat(self.name),
+                        c.encode(c.Heartbeat(node=self.name, seq=n)),
+                        timeout=0.5,
+                    )
             await asyncio.sleep(0.1)
 
     def kill(self) -> None:

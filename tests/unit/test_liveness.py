@@ -93,3 +93,29 @@ def test_a_stalled_reconciler_counts_silence_from_the_end_of_the_stall():
     assert t.check(log.state, 20.0) == []
     assert t.check(log.state, 24.9) == []
     assert names(t.check(log.state, 25.0)) == [("NodeUnreachable", "a")]
+
+
+def test_a_bus_outage_judges_no_silence_and_counts_it_from_the_reconnect():
+    log = Log().append(node("a"), node("b"))
+    t = LivenessTracker(unreachable_after=5, lost_after=10, started_at=0.0)
+    t.seen("a", 1.0)
+    t.seen("b", 1.0)
+    # Our connection drops at 2 and returns at 60: every node went quiet at once.
+    for now in range(2, 60):
+        assert not t.listening(False, float(now))
+    assert t.listening(True, 60.0)
+    assert run(log, t, 60.0) == []
+    t.seen("a", 60.5)  # a's heartbeats come back; b really died during the outage
+    assert t.listening(True, 64.9) and run(log, t, 64.9) == []
+    assert names(run(log, t, 65.0)) == [("NodeUnreachable", "b")]
+    t.seen("a", 69.0)
+    assert names(run(log, t, 70.0)) == [("NodeLost", "b")]
+    assert log.state.nodes["a"].liveness == Liveness.ALIVE
+
+
+def test_without_an_outage_listening_changes_nothing():
+    log = Log().append(node("a"))
+    t = LivenessTracker(unreachable_after=5, lost_after=10, started_at=0.0)
+    t.seen("a", 1.0)
+    assert t.listening(True, 6.0)
+    assert names(run(log, t, 6.0)) == [("NodeUnreachable", "a")]
