@@ -49,12 +49,22 @@ class AdminServer:
         sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]  # the real one when asked for port 0
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="admin-server")
-        async with asyncio.timeout(timeout):
-            while not self.server.started:
-                if self.task.done():
-                    self.task.result()
-                    raise RuntimeError("admin listener exited before it started")
-                await asyncio.sleep(0.02)
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.server.started:
+                    if self.task.done():
+                        self.task.result()
+                        raise RuntimeError("admin listener exited before it started")
+                    await asyncio.sleep(0.02)
+        except BaseException:
+            # The caller gets no server to stop: end the task and free the port here,
+            # or a failed start leaves a listening socket and a task nobody owns.
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+            sock.close()
+            self.task = None
+            raise
 
     async def stop(self) -> None:
         if self.task is None:
