@@ -26,8 +26,9 @@ from tests.unit.test_agent_telemetry import samples, value
 pytestmark = pytest.mark.e2e
 
 # Short liveness timings so a killed agent becomes lost within seconds; yet a node
-# must outlast the NATS restart below: the leader counts the silence of the outage
-# (2 s down, reconnects, the next heartbeat), and a lost node has its replicas moved.
+# must survive the NATS restart below: the leader judges no silence while its own
+# connection is down, but counts it from its reconnect, so each agent must reconnect
+# and heartbeat within unreachable_after of that, or its replicas are moved.
 ENV = {
     "LLMGW_HEARTBEAT_INTERVAL_SECONDS": "0.5",
     "LLMGW_ACTOR__UNREACHABLE_AFTER": "3",
