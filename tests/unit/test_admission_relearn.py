@@ -164,3 +164,27 @@ def test_with_the_gate_in_the_loop_the_capacity_settles_once_and_stays():
     # within the band's allowance.
     drained = engine_waiting.index(1, changes[0][0])
     assert max(engine_waiting[drained:]) <= 2  # 1 beyond 16, and 1 between two steps
+
+
+def test_a_stalled_engine_running_nothing_keeps_its_capacity():
+    d = detector()
+    ep = Ep()
+    sample = Samples(d, ep)
+    assert sample(32) == 32
+    # Hung (or preempting everything) for 10 s with requests queued: not a smaller engine.
+    assert set(sample.repeat(2 * SHORT_OF_5S + 2, running=0, waiting=40)) == {32}
+    assert sample(32, waiting=10) == 32  # it recovers at its full batch at once
+
+
+def test_what_was_learned_of_an_endpoint_no_route_serves_is_forgotten():
+    d = detector()
+    kept, gone = Ep("kept"), Ep("gone")
+    Samples(d, kept)(8)
+    Samples(d, gone)(16)
+    d.pool("m").endpoints = (kept, gone)
+    d.forget_gone()
+    assert set(d.learned) == {"kept", "gone"}
+    d.pool("m").endpoints = (kept,)  # a rolling update replaced "gone"
+    d.forget_gone()
+    assert set(d.learned) == {"kept"} and set(d._own_at_sample) == {"kept"}
+    assert d.capacity(kept) == 8

@@ -299,6 +299,7 @@ class Controller:
         for model, pool in self.detector.pools.items():
             pool.endpoints = endpoints_of(model)
             self.pump(model)
+        self.detector.forget_gone()
 
     def pump(self, model: str) -> int:
         """Grant queued requests of one pool while its saturation allows; returns how many."""

@@ -138,6 +138,14 @@ class Detector:
             entry = self.learned[ep.id] = Learned(spec)
         return entry
 
+    def forget_gone(self) -> None:
+        """Drop what was learned of endpoints no pool routes to any more: every rolling
+        update brings new endpoint ids, and a long-lived router must not keep them all."""
+        live = {ep.id for pool in self.pools.values() for ep in pool.endpoints}
+        for table in (self.learned, self._own_at_sample):
+            for gone in table.keys() - live:
+                del table[gone]
+
     def capacity(self, ep: Any) -> int:
         learned = self._learned(ep).value
         hint = ep.spec.max_running
@@ -170,6 +178,11 @@ class Detector:
             entry.short_peak = running
         entry.last_at = at
         if at - entry.short_since >= self.relearn_after:
+            if entry.short_peak == 0:
+                # Queued yet running nothing: a stalled engine (hung, preempting), not a
+                # smaller one. Learning 0 would leave it a capacity of 1 to climb back from.
+                entry.short_since = None
+                return
             log.info(
                 "endpoint %s: learned capacity %d -> %d (requests waited there for %.1fs "
                 "while it ran at most %d)",
