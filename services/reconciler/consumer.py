@@ -4,6 +4,16 @@ While one batch is folded and committed, the next fetch is already in flight:
 NATS round trips and Postgres commits overlap instead of adding up. Order is
 kept: batches are folded one after another, each acknowledged (AckPolicy.ALL:
 its last message covers it) only after its transaction committed.
+
+Order is also checked. A fetch whose messages never arrive (its response lost
+while a JetStream cluster elects a new consumer leader) leaves them delivered
+but unacknowledged: the next fetch brings later ones, and folding those would
+skip the lost ones for good (the fold ignores sequences at or below its
+position, and AckPolicy.ALL would acknowledge them too). So a batch that does
+not continue where the fold stands is not folded: the durable consumer is
+recreated at the fold's position + 1 and the missing events come first. Only
+the first delivery of a fresh consumer may jump ahead: there is nothing in
+between (expired or deleted).
 """
 
 from __future__ import annotations
@@ -23,6 +33,22 @@ FETCH_ERROR_GRACE = 20.0
 
 OnBatch = Callable[[BatchResult, int], Awaitable[None]]  # (result, messages still pending)
 OnIdle = Callable[[], None]
+Resubscribe = Callable[[int], Awaitable[object]]  # start seq -> a fresh pull subscription
+
+
+def first_gap(seqs: list[int], folded: int, fresh: bool) -> int | None:
+    """The sequence missing before the batch's new events, if any; None when they
+    continue the fold at `folded` (or, on a fresh consumer, start anywhere after it)
+    and follow one another. Redeliveries (at or below `folded`) are not new."""
+    new = [seq for seq in seqs if seq > folded]
+    if not new:
+        return None
+    expect = new[0] if fresh else folded + 1
+    for seq in new:
+        if seq != expect:
+            return expect
+        expect += 1
+    return None
 
 
 async def consume(
@@ -33,10 +59,16 @@ async def consume(
     fetch_wait: float,
     on_batch: OnBatch,
     on_idle: OnIdle | None = None,
+    resubscribe: Resubscribe,
 ) -> None:
-    """Run until cancelled, or until fetching has failed for FETCH_ERROR_GRACE seconds."""
+    """Run until cancelled, or until fetching has failed for FETCH_ERROR_GRACE seconds.
+
+    `psub` must be a consumer created fresh at the fold's position + 1; the caller
+    owns it. Consumers made by `resubscribe` (after a gap) are owned here."""
     loop = asyncio.get_running_loop()
     failing_since: float | None = None
+    fresh = True  # the next batch is a new consumer's first
+    original = psub
 
     def fetch() -> asyncio.Task:
         return asyncio.create_task(psub.fetch(batch_size, timeout=fetch_wait), name="fold-fetch")
@@ -66,6 +98,26 @@ async def consume(
             if not msgs:
                 continue
             entries = [Entry(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+            missing = first_gap([e.seq for e in entries], folder.state.last_seq, fresh)
+            if missing is not None:
+                log.warning(
+                    "the event log skipped from seq %d to %d (a fetch lost in transit?): "
+                    "reading again from %d",
+                    folder.state.last_seq,
+                    min(e.seq for e in entries if e.seq > folder.state.last_seq),
+                    folder.state.last_seq + 1,
+                )
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+                if psub is not original:
+                    with contextlib.suppress(Exception):
+                        await psub.unsubscribe()
+                psub = await resubscribe(folder.state.last_seq + 1)
+                fresh = True
+                pending = fetch()
+                continue
+            fresh = False
             result = await folder.fold_batch(entries)
             await msgs[-1].ack()
             await on_batch(result, msgs[-1].metadata.num_pending)
@@ -73,3 +125,6 @@ async def consume(
         pending.cancel()
         with contextlib.suppress(BaseException):
             await pending
+        if psub is not original:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()

@@ -194,23 +194,31 @@ class Reconciler:
         await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
         await _check_stream(js, state.last_seq)
         log.info("leading from seq %d", state.last_seq)
-        psub = await bus.ensure_pull_consumer(
-            js,
-            subjects.EVENTS_STREAM,
-            DURABLE,
-            subjects.EVENTS_ALL,
-            ack_wait=self.cfg.fold.ack_wait_seconds,
-            max_ack_pending=max(10_000, 4 * self.cfg.fold.batch_size),
-            ack_policy=jsapi.AckPolicy.ALL,
-            start_seq=state.last_seq + 1,
-            recreate=True,
-        )
+
+        async def subscribe(start_seq: int):
+            # Always afresh: what an old consumer delivered but never saw acknowledged
+            # would come back after newer events, out of order.
+            return await bus.ensure_pull_consumer(
+                js,
+                subjects.EVENTS_STREAM,
+                DURABLE,
+                subjects.EVENTS_ALL,
+                ack_wait=self.cfg.fold.ack_wait_seconds,
+                max_ack_pending=max(10_000, 4 * self.cfg.fold.batch_size),
+                ack_policy=jsapi.AckPolicy.ALL,
+                start_seq=start_seq,
+                recreate=True,
+            )
+
+        psub = await subscribe(state.last_seq + 1)
         actor = self.actor_factory()
         tasks: list[asyncio.Task] = []
         fold: asyncio.Task | None = None
         try:
             await actor.start(nc, js, state)
-            fold = asyncio.create_task(self._fold_loop(psub, Folder(engine, state), actor))
+            fold = asyncio.create_task(
+                self._fold_loop(psub, subscribe, Folder(engine, state), actor)
+            )
             lost = asyncio.create_task(lease.lost.wait())
             stopping = asyncio.create_task(self.stop.wait())
             tasks = [fold, lost, stopping]
@@ -230,7 +238,9 @@ class Reconciler:
         if fold is not None and fold.done() and not fold.cancelled() and fold.exception():
             raise fold.exception()  # type: ignore[misc]
 
-    async def _fold_loop(self, psub, folder: Folder, actor: Actor) -> None:
+    async def _fold_loop(
+        self, psub, resubscribe: consumer.Resubscribe, folder: Folder, actor: Actor
+    ) -> None:
         async def on_batch(result: BatchResult, pending: int) -> None:
             m.EVENTS_FOLDED.inc(result.folded)
             m.EVENTS_SKIPPED.inc(result.skipped)
@@ -247,6 +257,7 @@ class Reconciler:
             fetch_wait=self.cfg.fold.fetch_wait_seconds,
             on_batch=on_batch,
             on_idle=lambda: m.FOLD_LAG.set(0),
+            resubscribe=resubscribe,
         )
 
 

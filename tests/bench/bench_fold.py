@@ -158,10 +158,14 @@ async def part_a(nats_url: str, db_url: str, events: list[c.Message], batch: int
         f"{statistics.mean(sizes):.0f}, p50 {statistics.median(sizes):.0f}, max {max(sizes)}"
     )
     engine = schema.make_engine(db_url)
-    psub = await bus.ensure_pull_consumer(
-        js, s.EVENTS_STREAM, "bench", s.EVENTS_ALL, ack_policy=jsapi.AckPolicy.ALL,
-        start_seq=1, recreate=True,
-    )  # fmt: skip
+
+    async def subscribe(start_seq: int):
+        return await bus.ensure_pull_consumer(
+            js, s.EVENTS_STREAM, "bench", s.EVENTS_ALL, ack_policy=jsapi.AckPolicy.ALL,
+            start_seq=start_seq, recreate=True,
+        )  # fmt: skip
+
+    psub = await subscribe(1)
     folder = Folder(engine, await store.load_state(engine))
     folded = 0
     done = asyncio.Event()
@@ -174,7 +178,14 @@ async def part_a(nats_url: str, db_url: str, events: list[c.Message], batch: int
 
     t0 = time.perf_counter()
     loop = asyncio.create_task(
-        consumer.consume(psub, folder, batch_size=batch, fetch_wait=2.0, on_batch=on_batch)
+        consumer.consume(
+            psub,
+            folder,
+            batch_size=batch,
+            fetch_wait=2.0,
+            on_batch=on_batch,
+            resubscribe=subscribe,
+        )
     )
     await asyncio.wait([loop, asyncio.create_task(done.wait())], return_when="FIRST_COMPLETED")
     loop.cancel()
