@@ -78,8 +78,7 @@ class Leader:
         await self.actor.stop()
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=5)  # bounded: see SimAgent._heartbeat
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
 
@@ -122,6 +121,7 @@ class SimAgent:
         self.running: dict[str, c.StartShard] = {}
         self.drop_first_start = drop_first_start
         self.alive = True
+        self._stopping = False
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -144,7 +144,9 @@ class SimAgent:
 
     async def _heartbeat(self) -> None:
         n = 0
-        while True:
+        # A flag as well as the cancel: Python 3.11's wait_for (inside nats-py's request)
+        # can swallow a cancel that lands as the reply arrives, and this loop would go on.
+        while not self._stopping:
             if self.alive:
                 n += 1
                 # An agent keeps heartbeating through a bus outage: a failed publish
@@ -202,9 +204,11 @@ class SimAgent:
             self.running.pop(cmd.shard_id, None)
 
     async def stop(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         with contextlib.suppress(Exception):
             await self._sub.unsubscribe()
 

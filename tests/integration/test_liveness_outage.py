@@ -20,6 +20,13 @@ from .test_control_loop import FAST, Cluster
 
 async def test_a_bus_outage_longer_than_lost_after_loses_no_node(tmp_path):
     server = NatsServer(tmp_path / "nats").start()
+    try:
+        await outage_story(server)
+    finally:
+        server.stop()
+
+
+async def outage_story(server: NatsServer) -> None:
     nc = await bus.connect(server.url, name="outage-test")
     cl = Cluster(nc, nc.jetstream())
     try:
@@ -55,4 +62,3 @@ async def test_a_bus_outage_longer_than_lost_after_loses_no_node(tmp_path):
         for a in cl.agents:
             await a.stop()
         await bus.close_quietly(nc)
-        server.stop()
