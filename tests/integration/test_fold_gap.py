@@ -17,21 +17,11 @@ from nats.js import api as jsapi
 
 from llmgw import bus
 from llmgw import subjects as s
-from llmgw.reconciler import consumer, schema, store
+from llmgw.reconciler import consumer, store
 from llmgw.reconciler import tables as t
 from llmgw.reconciler.folder import Folder
 
 from .test_reconciler_store import count, registered
-
-
-@pytest.fixture
-async def engine(database_url):
-    eng = schema.make_engine(database_url)
-    await schema.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        await eng.dispose()
 
 
 class LosesOneFetch:

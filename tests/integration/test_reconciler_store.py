@@ -17,22 +17,12 @@ from sqlalchemy import func, select, text
 from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold, rebuild, schema, store, verify
+from llmgw.reconciler import fold, rebuild, store, verify
 from llmgw.reconciler import tables as t
 from llmgw.reconciler.folder import Entry, Folder
 from llmgw.reconciler.state import ClusterState
 
 S = c.ShardState
-
-
-@pytest.fixture
-async def engine(database_url):
-    eng = schema.make_engine(database_url)
-    await schema.upgrade(eng)
-    try:
-        yield eng
-    finally:
-        await eng.dispose()
 
 
 def gpu(i: int) -> c.GpuInfo:
