@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 from llmgw import contracts as c
 from llmgw import subjects
 from llmgw.router.kvwatch import BucketWatcher, Entry
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +166,8 @@ class Presence:
         self._task = asyncio.get_running_loop().create_task(self._announce(), name="presence")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.watcher.stop()
         if self.nc.is_connected:
             # Leave the count at once, so the others' shares grow without waiting a TTL.

@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from llmgw.tasks import cancel_and_wait
+
 INTERVAL = 0.5
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -84,9 +86,6 @@ class Writer:
             self.flush()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.flush()

@@ -10,10 +10,10 @@ simulator fast.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from llmgw.simengine.engine import Engine, Request
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,8 @@ class Driver:
             log.error("engine step loop died; requests will not progress", exc_info=self.failure)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def submit(self, req: Request) -> None:
         self.engine.add(req, self._loop.time())
