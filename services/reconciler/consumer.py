@@ -70,6 +70,15 @@ async def consume(
     fresh = True  # the next batch is a new consumer's first
     original = psub
 
+    async def release(fetching: asyncio.Task, sub) -> None:
+        """End the fetch in flight, and unsubscribe `sub` if it is ours to."""
+        fetching.cancel()
+        with contextlib.suppress(BaseException):
+            await fetching
+        if sub is not original:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
     def fetch() -> asyncio.Task:
         return asyncio.create_task(psub.fetch(batch_size, timeout=fetch_wait), name="fold-fetch")
 
@@ -101,18 +110,12 @@ async def consume(
             missing = first_gap([e.seq for e in entries], folder.state.last_seq, fresh)
             if missing is not None:
                 log.warning(
-                    "the event log skipped from seq %d to %d (a fetch lost in transit?): "
-                    "reading again from %d",
-                    folder.state.last_seq,
-                    min(e.seq for e in entries if e.seq > folder.state.last_seq),
+                    "the event log skipped seq %d (a fetch lost in transit?): reading again "
+                    "from %d",
+                    missing,
                     folder.state.last_seq + 1,
                 )
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-                if psub is not original:
-                    with contextlib.suppress(Exception):
-                        await psub.unsubscribe()
+                await release(pending, psub)
                 psub = await resubscribe(folder.state.last_seq + 1)
                 fresh = True
                 pending = fetch()
@@ -122,9 +125,4 @@ async def consume(
             await msgs[-1].ack()
             await on_batch(result, msgs[-1].metadata.num_pending)
     finally:
-        pending.cancel()
-        with contextlib.suppress(BaseException):
-            await pending
-        if psub is not original:
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+        await release(pending, psub)
