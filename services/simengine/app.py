@@ -169,39 +169,59 @@ class SimApp:
             return
         except _ClientGone:
             return
-        cfg = self.config
-        faults = self.faults.config
-        req = Request(
-            prompt_tokens=job.prompt_tokens,
-            max_output=len(job.pieces),
-            final_reason=job.final_reason,
-            block_hashes=tokens.block_hashes(job.prompt, cfg.block_size)
-            if cfg.enable_prefix_caching
-            else (),
-            hang_after=faults.hang_after_tokens,
-            first_token_delay=faults.slow_first_token_ms / 1000,
-        )
+        await self._run_job(receive, send, job, id_kind)
+
+    async def _run_job(self, receive: Receive, send: Send, job: Job, id_kind: str) -> None:
+        reqs = self._submit(job)
         rid = f"{id_kind}-{self._id_prefix}{next(self._ids):x}"
-        self.driver.submit(req)
-        watcher = asyncio.ensure_future(self._watch_disconnect(receive, req))
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, reqs))
         try:
             if job.stream:
-                await self._stream(send, job, req, rid)
+                await self._stream(send, job, reqs, rid)
             else:
-                await self._unary(send, job, req, rid)
+                await self._unary(send, job, reqs, rid)
         finally:
             watcher.cancel()
+            self._abort_unfinished(reqs)
+        self._count_completion(reqs)
+
+    def _submit(self, job: Job) -> list[Request]:
+        """One engine request per choice: n > 1 runs n sequences, as vLLM's does."""
+        cfg = self.config
+        faults = self.faults.config
+        hashes = (
+            tokens.block_hashes(job.prompt, cfg.block_size) if cfg.enable_prefix_caching else ()
+        )
+        reqs = []
+        for out in job.outputs:
+            req = Request(
+                prompt_tokens=job.prompt_tokens,
+                max_output=len(out.pieces),
+                final_reason=out.final_reason,
+                block_hashes=hashes,
+                hang_after=faults.hang_after_tokens,
+                first_token_delay=faults.slow_first_token_ms / 1000,
+            )
+            self.driver.submit(req)
+            reqs.append(req)
+        return reqs
+
+    def _abort_unfinished(self, reqs: list[Request]) -> None:
+        for req in reqs:
             if not req.finished:
                 # Cancelled (shutdown past its drain time): free the slot like a disconnect.
                 self.driver.abort(req)
-        if req.finished_reason != "abort" and self.faults.completed():
+
+    def _count_completion(self, reqs: list[Request]) -> None:
+        if reqs[0].finished_reason != "abort" and self.faults.completed():
             log.warning("exit_after_requests reached: exiting now, as a crashed engine would")
             asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._on_exit)
 
-    async def _watch_disconnect(self, receive: Receive, req: Request) -> None:
+    async def _watch_disconnect(self, receive: Receive, reqs: list[Request]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.driver.abort(req)
+        for req in reqs:
+            self.driver.abort(req)
 
     @staticmethod
     async def _progress(req: Request, seen: int) -> None:
@@ -214,8 +234,29 @@ class SimApp:
             finally:
                 req.waiter = None
 
-    async def _stream(self, send: Send, job: Job, req: Request, rid: str) -> None:
-        enc = wire.ChunkEncoder(job, rid, int(time.time()))
+    @staticmethod
+    async def _progress_any(reqs: list[Request], seen: list[int], done: list[bool]) -> None:
+        """Wait until a choice not yet `done` has more than its `seen` tokens or has finished."""
+        waiting = [r for r, s, d in zip(reqs, seen, done, strict=True) if not d]
+        if any(
+            r.generated > s or r.finished for r, s, d in zip(reqs, seen, done, strict=True) if not d
+        ):
+            return
+        fut = asyncio.get_running_loop().create_future()
+        for req in waiting:
+            req.waiter = fut
+        try:
+            await fut
+        finally:
+            for req in waiting:
+                req.waiter = None
+
+    async def _stream(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        if len(reqs) > 1:
+            await self._stream_choices(send, job, reqs, rid)
+            return
+        req = reqs[0]
+        enc = wire.encoder(job, rid, int(time.time()))
         await send(_SSE_START)
         pending = [enc.role()] if job.kind == "chat" else []
         sent = 0
@@ -236,13 +277,54 @@ class SimApp:
             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
             pending = []
 
-    async def _unary(self, send: Send, job: Job, req: Request, rid: str) -> None:
-        while not req.finished:
-            await self._progress(req, req.generated)
-        if req.finished_reason == "abort":
+    async def _stream_choices(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        """n > 1: each event carries one choice, interleaved as the choices progress."""
+        created = int(time.time())
+        encs = [wire.encoder(job, rid, created, i) for i in range(len(reqs))]
+        await send(_SSE_START)
+        pending = [enc.role() for enc in encs] if job.kind == "chat" else []
+        sent = [0] * len(reqs)
+        done = [False] * len(reqs)
+        while True:
+            await self._progress_any(reqs, sent, done)
+            if any(req.finished_reason == "abort" for req in reqs):
+                return
+            for i, req in enumerate(reqs):
+                if done[i]:
+                    continue
+                n, reason = req.generated, req.finished_reason
+                if n > sent[i] or reason is not None:
+                    pending += encs[i].tokens(sent[i], n, reason)
+                    sent[i] = n
+                    done[i] = reason is not None
+            if all(done):
+                if job.include_usage:
+                    pending.append(encs[0].usage(sum(sent), reqs[0].cached_tokens))
+                pending.append(wire.DONE)
+                await send({"type": "http.response.body", "body": b"".join(pending)})
+                return
+            if pending:
+                body = b"".join(pending)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                pending = []
+
+    async def _wait_all(self, reqs: list[Request]) -> bool:
+        """Wait until every choice has finished; False if the request was aborted."""
+        for req in reqs:
+            while not req.finished:
+                await self._progress(req, req.generated)
+        return all(req.finished_reason != "abort" for req in reqs)
+
+    async def _unary(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        if not await self._wait_all(reqs):
             return
         body = wire.full_response(
-            job, rid, int(time.time()), req.generated, req.finished_reason, req.cached_tokens
+            job,
+            rid,
+            int(time.time()),
+            [req.generated for req in reqs],
+            [req.finished_reason for req in reqs],
+            reqs[0].cached_tokens,
         )
         await _send_json(send, 200, body)
 
