@@ -22,7 +22,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import tokens, wire
+from llmgw.simengine import embeddings, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -113,6 +113,7 @@ class SimApp:
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completion},
+            "/v1/embeddings": {"POST": self._embeddings},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
@@ -326,6 +327,28 @@ class SimApp:
             [req.finished_reason for req in reqs],
             reqs[0].cached_tokens,
         )
+        await _send_json(send, 200, body)
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answered at once: pooling has no decode, and the sim models no prefill for it."""
+        cfg = self.config
+        try:
+            req, prompts = embeddings.parse(
+                await _read_body(receive),
+                self.parser.limits.served_names,
+                cfg.max_model_len,
+                cfg.embedding_dim,
+            )
+            injected = self.faults.injected_error()
+            if injected is not None:
+                raise injected
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        rid = f"embd-{self._id_prefix}{next(self._ids):x}"
+        body = embeddings.response(req, prompts, cfg.embedding_dim, rid, int(time.time()))
         await _send_json(send, 200, body)
 
     # -- everything else ----------------------------------------------------------------------

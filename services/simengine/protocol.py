@@ -172,7 +172,7 @@ class RequestParser:
         self._rng = random.Random(seed)
 
     def chat(self, body: bytes) -> Job:
-        req = _decode(_chat_decoder, body)
+        req = decode_body(_chat_decoder, body)
         self._common(req)
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
@@ -184,7 +184,7 @@ class RequestParser:
                     f"messages[{i}].role: unknown role {msg.role!r}; expected one of {sorted(ROLES)}",
                     param=f"messages[{i}].role",
                 )
-            text = _content_text(msg.content)
+            text = content_text(msg.content)
             if msg.tool_calls:
                 text += _encode(msg.tool_calls).decode()
             turns.append((msg.role, text))
@@ -213,7 +213,7 @@ class RequestParser:
         return job
 
     def completion(self, body: bytes) -> Job:
-        req = _decode(_completion_decoder, body)
+        req = decode_body(_completion_decoder, body)
         self._common(req)
         prompt, echo = _completion_prompt(req.prompt)
         if not prompt:
@@ -339,7 +339,7 @@ def _non_negative(value: int, param: str) -> int:
     return value
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -354,7 +354,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
 
 
-def _content_text(content: str | list[ContentPart] | None) -> str:
+def content_text(content: str | list[ContentPart] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
