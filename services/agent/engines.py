@@ -53,4 +53,12 @@ def missing(command: list[str], module: str | None) -> str | None:
 def detect(cfg: AgentConfig) -> dict[str, str | None]:
     """Engine name -> None when installed, else the reason it is not."""
     commands = {"vllm": cfg.vllm_command, "sglang": cfg.sglang_command, "sim": cfg.sim_command}
-    return {name: missing(cmd, _MODULES[name]) for name, cmd in commands.items()}
+    return {name: missing(cmd, _module(name, cmd)) for name, cmd in commands.items()}
+
+
+def _module(engine: str, command: list[str]) -> str | None:
+    # vLLM run as `python -m ...` (its environment's Python, not the console script):
+    # the Python resolving proves nothing, the package must be importable by it.
+    if engine == "vllm" and "-m" in command:
+        return "vllm"
+    return _MODULES[engine]
