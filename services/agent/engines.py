@@ -22,7 +22,9 @@ _FIND_SPEC = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.
 
 
 def _module_missing(python: str, module: str) -> str | None:
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    # Compare the paths as given, never resolved: every virtual environment's python is a
+    # link to the same interpreter, and which environment it runs is where the link lives.
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
         try:
             found = importlib.util.find_spec(module) is not None
         except ImportError:

@@ -1,5 +1,6 @@
 """Which engines an agent reports as installed, for vLLM run as a Python module."""
 
+import subprocess
 import sys
 
 from llmgw.agent import engines
@@ -18,3 +19,13 @@ def test_vllm_as_a_module_counts_only_where_that_python_imports_vllm():
 def test_vllm_console_script_counts_when_it_resolves():
     assert engines.detect(AgentConfig(vllm_command=["/nonexistent/vllm"]))["vllm"]
     assert engines.detect(AgentConfig(vllm_command=[sys.executable]))["vllm"] is None
+
+
+def test_another_virtual_environment_is_asked_even_though_it_links_to_our_interpreter(tmp_path):
+    # A fresh venv's python resolves to the same binary as ours, but has no llmgw.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True)
+    other = str(tmp_path / "v" / "bin" / "python")
+    assert engines.missing([other, "-m", "llmgw.cli"], "llmgw") == (
+        f"Python module llmgw is not importable by {other}"
+    )
+    assert engines.missing([sys.executable, "-m", "llmgw.cli"], "llmgw") is None
