@@ -22,13 +22,14 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import embeddings, tokens, wire
+from llmgw.simengine import embeddings, responses, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.faults import Faults
 from llmgw.simengine.metrics import build_registry
 from llmgw.simengine.protocol import ApiError, Job, Limits, RequestParser
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ _SSE_START = {
     ],
 }
 _encode = msgspec.json.encode
+_RESPONSES_PREFIX = "/v1/responses/"
 
 
 class _ClientGone(Exception):
@@ -89,6 +91,8 @@ class SimApp:
         )
         self.registry = build_registry(self.engine, names[0])
         self._on_exit = on_exit
+        self.store = responses.ResponseStore(cfg.responses_store_size)
+        self._background_tasks: set[asyncio.Task] = set()
         self._created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
@@ -114,6 +118,7 @@ class SimApp:
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completion},
             "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/responses": {"POST": self._responses},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
@@ -124,6 +129,9 @@ class SimApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             methods = self._routes.get(scope["path"])
+            if methods is None and scope["path"].startswith(_RESPONSES_PREFIX):
+                await self._response_by_id(scope, receive, send)
+                return
             if methods is None:
                 await _send_error(send, ApiError(404, f"no route for {scope['path']}"))
                 return
@@ -145,6 +153,8 @@ class SimApp:
                 self.driver.start()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
+                for task in list(self._background_tasks):
+                    await cancel_and_wait(task)
                 await self.driver.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -350,6 +360,119 @@ class SimApp:
         rid = f"embd-{self._id_prefix}{next(self._ids):x}"
         body = embeddings.response(req, prompts, cfg.embedding_dim, rid, int(time.time()))
         await _send_json(send, 200, body)
+
+    # -- responses ----------------------------------------------------------------------------
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            parsed = responses.parse(await _read_body(receive), self.parser, self.store)
+            injected = self.faults.injected_error()
+            if injected is not None:
+                raise injected
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        resp = responses.Response(parsed)
+        if parsed.req.store:
+            self.store.put(resp)
+        if parsed.req.background:
+            resp.status = "queued"
+            await _send_json(send, 200, resp.body())
+            resp.task = asyncio.create_task(self._background(resp), name=f"sim-{resp.id}")
+            self._background_tasks.add(resp.task)
+            resp.task.add_done_callback(self._background_tasks.discard)
+            return
+        reqs = resp.engine_requests = self._submit(parsed.job)
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, reqs))
+        try:
+            if parsed.job.stream:
+                await self._stream_response(send, resp)
+            elif await self._wait_all(reqs):
+                self._finish_response(resp)
+                await _send_json(send, 200, resp.body())
+        finally:
+            watcher.cancel()
+            self._abort_unfinished(reqs)
+            resp.engine_requests = []
+        self._count_completion(reqs)
+
+    def _finish_response(self, resp: responses.Response) -> None:
+        req = resp.engine_requests[0]
+        resp.finish(req.generated, req.finished_reason, req.cached_tokens)
+
+    async def _stream_response(self, send: Send, resp: responses.Response) -> None:
+        req = resp.engine_requests[0]
+        enc = responses.EventEncoder(resp)
+        await send(_SSE_START)
+        pending = enc.start()
+        sent = 0
+        while True:
+            await self._progress(req, sent)
+            if req.finished_reason == "abort":
+                resp.status = "cancelled"
+                return
+            n = req.generated
+            pending += enc.tokens(sent, n)
+            sent = n
+            if req.finished_reason is not None:
+                self._finish_response(resp)
+                pending += enc.end()
+                await send({"type": "http.response.body", "body": b"".join(pending)})
+                return
+            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+            pending = []
+
+    async def _background(self, resp: responses.Response) -> None:
+        """A `background: true` response runs with no client attached; cancel ends it."""
+        reqs = resp.engine_requests = self._submit(resp.parsed.job)
+        resp.status = "in_progress"
+        try:
+            if await self._wait_all(reqs):
+                self._finish_response(resp)
+            elif resp.status != "cancelled":
+                resp.status = "failed"
+        finally:
+            self._abort_unfinished(reqs)
+            resp.engine_requests = []
+        self._count_completion(reqs)
+
+    async def _response_by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST .../{id}/cancel."""
+        rest = scope["path"][len(_RESPONSES_PREFIX) :]
+        response_id, _, action = rest.partition("/")
+        method = scope["method"]
+        allowed = {"": ("GET", "DELETE"), "cancel": ("POST",)}.get(action)
+        if not response_id or allowed is None:
+            await _send_error(send, ApiError(404, f"no route for {scope['path']}"))
+            return
+        if method not in allowed:
+            msg = f"{method} not allowed; use {', '.join(allowed)}"
+            await _send_error(send, ApiError(405, msg))
+            return
+        resp = self.store.get(response_id)
+        if resp is None:
+            await _send_error(send, responses.not_found(response_id))
+            return
+        if method == "GET":
+            await _send_json(send, 200, resp.body())
+        elif method == "DELETE":
+            self.store.delete(response_id)
+            body = {"id": response_id, "object": "response.deleted", "deleted": True}
+            await _send_json(send, 200, _encode(body))
+        else:
+            await self._cancel_response(send, resp)
+
+    async def _cancel_response(self, send: Send, resp: responses.Response) -> None:
+        if resp.status not in ("queued", "in_progress") or not resp.parsed.req.background:
+            msg = "Cannot cancel a synchronous response."
+            await _send_error(send, ApiError(400, msg, param="response_id"))
+            return
+        resp.status = "cancelled"
+        for req in resp.engine_requests:
+            self.driver.abort(req)
+        await _send_json(send, 200, resp.body())
 
     # -- everything else ----------------------------------------------------------------------
 

@@ -173,7 +173,7 @@ class RequestParser:
 
     def chat(self, body: bytes) -> Job:
         req = decode_body(_chat_decoder, body)
-        self._common(req)
+        self.check_common(req)
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         turns = []
@@ -208,22 +208,22 @@ class RequestParser:
                 "when using `top_logprobs`, `logprobs` must be set to true.",
                 param="top_logprobs",
             )
-        job = self._job("chat", req, prompt, "messages", echo, max_tokens, param, tool)
+        job = self.build("chat", req, prompt, "messages", echo, max_tokens, param, tool)
         job.logprobs = logprobs
         return job
 
     def completion(self, body: bytes) -> Job:
         req = decode_body(_completion_decoder, body)
-        self._common(req)
+        self.check_common(req)
         prompt, echo = _completion_prompt(req.prompt)
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        job = self._job("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
+        job = self.build("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
         if req.logprobs is not None:
             job.logprobs = _non_negative(req.logprobs, "logprobs")
         return job
 
-    def _common(self, req: _Common) -> None:
+    def check_common(self, req: _Common) -> None:
         if req.model is None:
             raise ApiError(400, "you must provide a model parameter", param="model")
         if req.model not in self.limits.served_names:
@@ -240,9 +240,9 @@ class RequestParser:
                 400, "stream_options is only allowed with stream = true", param="stream_options"
             )
 
-    def _job(
+    def build(
         self,
-        kind: Literal["chat", "completion"],
+        kind: Literal["chat", "completion", "responses"],
         req: ChatRequest | CompletionRequest,
         prompt: bytes,
         prompt_param: str,
