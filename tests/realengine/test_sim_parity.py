@@ -60,6 +60,8 @@ KNOWN: dict[str, str] = {
     "--enable-prompt-tokens-details (off by default: null)",
     "tool required:choice 0 tool calls": "with tool_choice=required the model decides how "
     "many calls; the sim always makes one",
+    "embeddings dimensions:*": "vLLM refuses `dimensions` for a model that is not "
+    "Matryoshka; the sim acts as one and truncates",
     "tool auto:*": "with tool_choice=auto the model decides: the sim calls the first tool when "
     "the user spoke last (a random model answers text)",
 }
@@ -481,6 +483,7 @@ EMBEDDING_CASES: list[tuple[str, dict]] = [
     ("embeddings token ids", {"input": [[1, 2, 3]]}),
     ("embeddings base64", {"input": "hello", "encoding_format": "base64"}),
     ("embeddings empty list", {"input": []}),
+    ("embeddings dimensions", {"input": "hello", "dimensions": 8}),
 ]
 
 
