@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from llmgw.simengine import tokens, tools
+from llmgw.simengine import logprobs, tokens, tools
 from llmgw.simengine.protocol import (
     ROLES,
     ApiError,
@@ -67,6 +67,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
 
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -164,6 +166,10 @@ def parse(body: bytes, parser: RequestParser, previous: ResponseStore) -> Parsed
     job = parser.build(
         "responses", shim, prompt, "input", echo, req.max_output_tokens, "max_output_tokens", tool
     )
+    if req.include and "message.output_text.logprobs" in req.include:
+        if req.top_logprobs is not None and req.top_logprobs < 0:
+            raise ApiError(400, "top_logprobs must be non-negative", param="top_logprobs")
+        job.logprobs = req.top_logprobs or 0
     return Parsed(req, job, turns)
 
 
@@ -202,6 +208,14 @@ class Response:
     def text(self) -> str:
         return "".join(self.parsed.job.outputs[0].pieces[: self.generated])
 
+    def logprobs(self, start: int, end: int) -> list | None:
+        """Output-text logprobs of tokens [start, end), or None unless the request
+        `include`s them."""
+        job = self.parsed.job
+        if job.logprobs is None:
+            return None
+        return logprobs.chat_content(job.outputs[0].pieces[:end], start, job.logprobs)["content"]
+
     def finish(self, generated: int, reason: str, cached_tokens: int) -> None:
         self.generated, self.reason, self.cached_tokens = generated, reason, cached_tokens
         self.status = "incomplete" if reason == "length" else "completed"
@@ -221,7 +235,7 @@ class Response:
             }
         return {
             "id": self.item_id,
-            "content": [_part(text, None)] if done else [],
+            "content": [_part(text, self.logprobs(0, self.generated))] if done else [],
             "role": "assistant",
             "status": "completed" if done else "in_progress",
             "type": "message",
@@ -275,7 +289,7 @@ class Response:
             "service_tier": req.service_tier or "auto",
             "status": self.status,
             "text": req.text,
-            "top_logprobs": None,
+            "top_logprobs": job.logprobs,
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
@@ -337,7 +351,7 @@ class EventEncoder:
                         },
                     )
                 )
-        for piece in out.pieces[start:end]:
+        for i, piece in enumerate(out.pieces[start:end], start):
             if out.tool is not None:
                 body = {"delta": piece, "item_id": resp.item_id, "output_index": 0}
                 events.append(self._event("response.function_call_arguments.delta", body))
@@ -346,7 +360,7 @@ class EventEncoder:
                     "content_index": 0,
                     "delta": piece,
                     "item_id": resp.item_id,
-                    "logprobs": [],
+                    "logprobs": resp.logprobs(i, i + 1) or [],
                     "output_index": 0,
                 }
                 events.append(self._event("response.output_text.delta", body))
@@ -369,16 +383,17 @@ class EventEncoder:
                 events.append(self._event("response.function_call_arguments.done", body))
             else:
                 ids = {"content_index": 0, "item_id": resp.item_id}
+                lps = resp.logprobs(0, resp.generated)
                 events.append(
                     self._event(
                         "response.output_text.done",
-                        {**ids, "logprobs": [], "output_index": 0, "text": text},
+                        {**ids, "logprobs": lps or [], "output_index": 0, "text": text},
                     )
                 )
                 events.append(
                     self._event(
                         "response.content_part.done",
-                        {**ids, "output_index": 0, "part": _part(text, None)},
+                        {**ids, "output_index": 0, "part": _part(text, lps)},
                     )
                 )
             events.append(

@@ -460,6 +460,18 @@ GENERATE_CASES: list[tuple[str, str, dict]] = [
             **NO_EOS,
         },
     ),
+    (
+        "responses logprobs stream",
+        "/v1/responses",
+        {
+            "input": "hello world",
+            "max_output_tokens": 3,
+            "stream": True,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2,
+            **NO_EOS,
+        },
+    ),
     ("error: unknown model", "/v1/chat/completions", {"model": "nope", "messages": USER}),
     (
         "error: tool_choice names no tool",
