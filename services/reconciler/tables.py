@@ -203,3 +203,6 @@ class ConsumerPosition(Base):
     stream: Mapped[str] = mapped_column(Text)
     last_seq: Mapped[int]
     updated_at: Mapped[float]
+    # The stream's creation time (ISO 8601, as JetStream reports it): its identity. A
+    # stream deleted and created again restarts at seq 1 under the same name.
+    stream_created: Mapped[str] = mapped_column(Text, server_default="")
