@@ -59,7 +59,13 @@ class Reconciler:
 
     async def run(self) -> int:
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        engine = schema.make_engine(self.cfg.database_url)
+        # A transaction left open by a leader cut off mid-commit holds the position row's
+        # lock: the server ends it, so the next leader's first commit does not wait forever.
+        idle = str(int(max(30.0, 3 * self.cfg.leader.session_timeout_seconds) * 1000))
+        engine = schema.make_engine(
+            self.cfg.database_url,
+            connect_args={"server_settings": {"idle_in_transaction_session_timeout": idle}},
+        )
         server: adminserver.AdminServer | None = None
         try:
             if not await self._wait_for_schema(engine):
@@ -159,6 +165,7 @@ class Reconciler:
                 retry_interval=lcfg.retry_interval_seconds,
                 check_interval=lcfg.check_interval_seconds,
                 holder=self.id,
+                session_timeout=lcfg.session_timeout_seconds,
             )
             if lease is None:
                 return
