@@ -138,6 +138,7 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
         Route("/api/replicas", listing(readapi.replicas)),
         Route("/api/endpoints", listing(readapi.endpoints)),
         Route("/api/tenants", listing(readapi.tenants)),
+        Route("/api/catalog", listing(readapi.catalog)),
         Route("/api/bands", listing(readapi.bands)),
         Route("/api/events", events),
         Route("/api/dead-letters", dead_letters),

@@ -250,6 +250,7 @@ class Reconciler:
             m.EVENTS_FOLDED.inc(result.folded)
             m.EVENTS_SKIPPED.inc(result.skipped)
             m.DEAD_LETTERS.inc(result.dead)
+            m.NEVER_FOLDED.inc(result.never_folded)
             m.FOLDED_SEQ.set(result.last_seq)
             m.FOLD_LAG.set(pending)
             if result.folded or result.dead:
