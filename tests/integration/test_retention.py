@@ -27,7 +27,7 @@ from llmgw.reconciler.folder import Folder
 from . import inproc
 from .test_reconciler_store import registered
 
-SHORT = bus.BusConfig(events_max_age_seconds=1.0, duplicate_window_seconds=1.0)
+SHORT = bus.BusConfig(events_max_age_seconds=1.0)  # the duplicate window follows
 KEY = "sha256:" + "ab" * 32
 
 
