@@ -196,13 +196,14 @@ class Reconciler:
         self.state = state
         m.FOLDED_SEQ.set(state.last_seq)
         await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
-        await streamid.check(engine, js, state.last_seq)
+        stream_identity = await streamid.check(engine, js, state.last_seq)
         self.role.problem = ""
         log.info("leading from seq %d", state.last_seq)
 
         async def subscribe(start_seq: int):
             # Always afresh: what an old consumer delivered but never saw acknowledged
             # would come back after newer events, out of order.
+            await streamid.still_the_same(js, stream_identity)
             return await bus.ensure_pull_consumer(
                 js,
                 subjects.EVENTS_STREAM,

@@ -81,9 +81,10 @@ def judge(*, stored: str, current: str, position: int, stream_last_seq: int) -> 
 
 async def check(
     engine: AsyncEngine, js: JetStreamContext, position: int, name: str = store.POSITION_NAME
-) -> None:
+) -> str:
     """Refuse (StreamMismatch) a stream the position does not belong to; record the
-    identity where it is not recorded yet; warn about events that expired unfolded."""
+    identity where it is not recorded yet; warn about events that expired unfolded.
+    Returns the identity, for `still_the_same` during the term."""
     info = await js.stream_info(subjects.EVENTS_STREAM)
     current = identity(info)
     async with engine.begin() as conn:
@@ -120,4 +121,17 @@ async def check(
             info.state.first_seq - 1,
             subjects.EVENTS_STREAM,
             info.state.first_seq,
+        )
+    return current
+
+
+async def still_the_same(js: JetStreamContext, term_identity: str) -> None:
+    """StreamMismatch if the stream was created again since the term began (checked
+    whenever the fold makes a new consumer: one on a recreated stream would start at the
+    old position and take the new stream's events after it for a first delivery)."""
+    current = identity(await js.stream_info(subjects.EVENTS_STREAM))
+    if term_identity and current and current != term_identity:
+        raise StreamMismatch(
+            f"{subjects.EVENTS_STREAM} was created again during this term (it was created "
+            f"at {term_identity}, now at {current}): stopping the fold. {MISMATCH_HELP}"
         )

@@ -59,6 +59,30 @@ async def test_a_recreated_stream_is_refused_with_what_to_do(nats, database_url,
         assert status["role"] == "standby"
 
 
+async def test_a_stream_recreated_under_a_running_leader_is_refused_too(nats, database_url, engine):
+    js = nats.jetstream()
+    await bus.provision(js)
+    cfg = inproc.config(nats.connected_url.geturl(), database_url, id="rec-1")
+    for i in range(3):
+        await bus.publish(js, registered(f"old-{i}"))
+    async with inproc.running(cfg) as rec:
+        await inproc.until("the old stream folded", lambda: _at(engine, 3))
+        await js.delete_stream(s.EVENTS_STREAM)
+        await bus.provision(js)
+        for i in range(6):
+            await bus.publish(js, registered(f"new-{i}"))
+        # The leader's consumer went with the old stream: its fetches fail until the
+        # fold gives up (consumer.FETCH_ERROR_GRACE) and the next term checks the stream.
+        status = await inproc.until(
+            "the leader to refuse the new stream (or fold it)",
+            lambda: _refused_or_moved(rec),
+            deadline=90,
+        )
+        assert await position(engine) == 3
+        assert await folded_nodes(engine) == {"old-0", "old-1", "old-2"}
+        assert "created again" in status["problem"]
+
+
 async def test_the_same_stream_is_folded_on_across_terms_and_restarts(nats, database_url, engine):
     js = nats.jetstream()
     await bus.provision(js)
