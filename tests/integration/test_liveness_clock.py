@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import pytest
 
 from llmgw import bus
@@ -31,6 +32,10 @@ from llmgw.reconciler.actor import Actor
 from llmgw.reconciler.state import ClusterState, Liveness
 
 from .test_control_loop import FAST, Leader, SimAgent
+
+# FAST's timings with more room: "the live node never went unreachable" must not hinge
+# on a loaded box delivering every heartbeat within a second.
+ROOMY = msgspec.structs.replace(FAST, unreachable_after=2.0, lost_after=3.0)
 
 
 class SteppableClock:
@@ -48,7 +53,7 @@ async def test_a_wall_clock_step_neither_loses_the_fleet_nor_keeps_a_dead_node(n
     js = nats.jetstream()
     await bus.provision(js)
     wall = SteppableClock()
-    leader = Leader(nats, js, Actor(FAST, clock=wall))
+    leader = Leader(nats, js, Actor(ROOMY, clock=wall))
     agents = [SimAgent(js, nats, "live"), SimAgent(js, nats, "dies")]
     await leader.start()
     try:
@@ -56,7 +61,7 @@ async def test_a_wall_clock_step_neither_loses_the_fleet_nor_keeps_a_dead_node(n
             await agent.start()
         await leader.until("two nodes", lambda st: len(st.nodes) == 2)
         wall.offset = step
-        await asyncio.sleep(3 * FAST.liveness_tick)  # a few ticks on the stepped clock
+        await asyncio.sleep(3 * ROOMY.liveness_tick)  # a few ticks on the stepped clock
         agents[1].kill()
         await leader.until("the silent node lost", lambda st: _lost(st, "dies"))
         # Only the silent node moved; the one heartbeating all along never did.
@@ -95,7 +100,7 @@ async def test_a_stored_heartbeat_from_a_clock_ahead_does_not_recover_a_lost_nod
     watch = await nats.subscribe(s.EVENTS_ALL, cb=on_event)
     # The new leader's wall clock is a minute behind the NATS server's: the stored
     # heartbeat looks a minute younger than now.
-    actor = Actor(FAST, clock=SteppableClock(-60.0))
+    actor = Actor(ROOMY, clock=SteppableClock(-60.0))
     back = SimAgent(js, nats, "b-back")
     await actor.start(nats, js, state)
     try:
@@ -119,7 +124,7 @@ async def test_a_lost_command_is_reissued_after_the_wall_clock_steps_back(nats):
     js = nats.jetstream()
     await bus.provision(js)
     wall = SteppableClock()
-    leader = Leader(nats, js, Actor(FAST, clock=wall))
+    leader = Leader(nats, js, Actor(ROOMY, clock=wall))
     agent = SimAgent(js, nats, "node", drop_first_start=True)  # the first StartShard is lost
     await leader.start()
     try:
