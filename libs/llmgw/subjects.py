@@ -24,6 +24,7 @@ EVENTS_ALL = f"{ROOT}.evt.>"
 HEARTBEATS_ALL = f"{ROOT}.hb.*"
 COMMANDS_ALL = f"{ROOT}.cmd.*"
 LOAD_ALL = f"{ROOT}.load.*"
+KV_EVENTS_ALL = f"{ROOT}.kv.>"
 
 # A token is one dot-free, wildcard-free piece of a subject.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -78,11 +79,24 @@ def load(node: str) -> str:
     return f"{ROOT}.load.{token(node, 'node id')}"
 
 
+# KV cache events and snapshots: llmgw.kv.<node>.<shard>, llmgw.kvsnap.<node>.<shard>
+def kv_events(node: str, shard_id: str) -> str:
+    return f"{ROOT}.kv.{token(node, 'node id')}.{safe_token(shard_id)}"
+
+
+def kv_snapshot(node: str, shard_id: str) -> str:
+    return f"{ROOT}.kvsnap.{token(node, 'node id')}.{safe_token(shard_id)}"
+
+
+def kv_snapshots_of(node: str) -> str:
+    return f"{ROOT}.kvsnap.{token(node, 'node id')}.*"
+
+
 def node_of_subject(subject: str) -> str | None:
     """The node id a per-node subject belongs to, or None."""
     parts = subject.split(".")
     if len(parts) >= 3 and parts[0] == ROOT:
-        if parts[1] in ("hb", "cmd", "load"):
+        if parts[1] in ("hb", "cmd", "load", "kv", "kvsnap"):
             return parts[2]
         if parts[1] == "evt" and len(parts) >= 4 and parts[2] == "agent":
             return parts[3]
@@ -112,6 +126,10 @@ def subject_for(msg: c.Message) -> str:
             return commands(msg.node)
         case c.LoadSample():
             return load(msg.node)
+        case c.KvEvents():
+            return kv_events(msg.node, msg.shard_id)
+        case c.KvSnapshotRequest():
+            return kv_snapshot(msg.node, msg.shard_id)
     raise SubjectError(f"{type(msg).__name__} is not published on a subject")
 
 
@@ -166,6 +184,13 @@ CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
         (c.StartShard, c.StopShard, c.DrainShard),
     ),
     ("loadSamples", f"{ROOT}.load.{{node}}", None, (c.LoadSample,)),
+    ("kvEvents", f"{ROOT}.kv.{{node}}.{{shard}}", None, (c.KvEvents,)),
+    (
+        "kvSnapshots",
+        f"{ROOT}.kvsnap.{{node}}.{{shard}}",
+        None,
+        (c.KvSnapshotRequest, c.KvSnapshot),
+    ),
     (
         "endpointProjection",
         f"$KV.{ENDPOINTS_BUCKET}.{{model}}",

@@ -34,6 +34,7 @@ from llmgw.router import requests as rq
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
 from llmgw.router.config import RouterConfig, projection, resolve_router_id
 from llmgw.router.errors import error_body
+from llmgw.router.kvindex import BlockIndex
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.scraper import Scraper
 from llmgw.router.view import EndpointSource, EndpointView, StaticSource, ViewSettings
@@ -62,7 +63,14 @@ class RouterService:
                 circuit_failures=config.circuit.failures,
                 circuit_cooldown=config.circuit.cooldown_seconds,
                 prefix_capacity=config.prefix.capacity_blocks,
-                scheduling=scheduling.Settings(stale_after=config.scrape.stale_after_seconds),
+                scheduling=scheduling.Settings(
+                    stale_after=config.scrape.stale_after_seconds,
+                    # Engines' KV events arrive over the bus, so only with a control plane.
+                    kv_index=BlockIndex(config.prefix.index_max_blocks)
+                    if config.nats_url
+                    else None,
+                    affinity_max_pending=config.prefix.affinity_max_pending,
+                ),
             ),
             observer=self.metrics,
         )

@@ -22,7 +22,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import tokens, wire
+from llmgw.simengine import kvevents, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -82,6 +82,7 @@ class SimApp:
         names = cfg.served_names
         self.engine = Engine(engine_params(cfg))
         self.driver = Driver(self.engine)
+        self.kv_events = kvevents.attach(self.engine, cfg.kv_events_config)
         self.faults = Faults(cfg.faults, seed=cfg.seed)
         self.parser = RequestParser(
             Limits(frozenset(names), cfg.max_model_len, cfg.mode, cfg.default_output_tokens),
@@ -145,6 +146,8 @@ class SimApp:
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await self.driver.stop()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -178,6 +181,7 @@ class SimApp:
             block_hashes=tokens.block_hashes(job.prompt, cfg.block_size)
             if cfg.enable_prefix_caching
             else (),
+            prompt=job.prompt,
             hang_after=faults.hang_after_tokens,
             first_token_delay=faults.slow_first_token_ms / 1000,
         )
