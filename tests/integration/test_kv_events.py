@@ -14,6 +14,7 @@ import time
 
 import httpx
 import msgspec
+
 from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
@@ -227,6 +228,6 @@ async def test_a_router_that_misses_events_recovers_with_a_snapshot(nats):
             ),
             what="shard-0's blocks dropped",
         )
-        assert not (set(index_of(r1).blocks) & engine_blocks - set(
-            relays.relays["shard-1"].blocks.hashes()
-        ))
+        assert not (
+            set(index_of(r1).blocks) & engine_blocks - set(relays.relays["shard-1"].blocks.hashes())
+        )

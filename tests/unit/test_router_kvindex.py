@@ -121,7 +121,9 @@ def endpoint(name, engine="sim", waiting=0, max_running=None):
 
 def chat(*contents: str) -> bytes:
     roles = ["system"] + ["user", "assistant"] * len(contents)
-    return msgspec.json.encode([{"role": r, "content": t} for r, t in zip(roles, contents, strict=False)])
+    return msgspec.json.encode(
+        [{"role": r, "content": t} for r, t in zip(roles, contents, strict=False)]
+    )
 
 
 def context(messages: bytes, key=0):
