@@ -185,7 +185,7 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
 
     filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
     scorers: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
+        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "kv_prefix": 6.0}
     )
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"

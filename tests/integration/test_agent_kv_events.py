@@ -11,7 +11,10 @@ from llmgw import bus, kvblocks, subjects
 from llmgw import contracts as c
 from llmgw.kvblocks import byte_tokens
 
-from .test_agent_lifecycle import S, agent_config, running_agent, start_cmd, status, watch  # noqa: F401
+from . import test_agent_lifecycle as life
+from .test_agent_lifecycle import S, agent_config, running_agent, start_cmd, status
+
+watch = life.watch  # the fixture
 
 PROMPT = "The same long prompt, block after block, for the prefix cache. " * 8
 
