@@ -29,34 +29,54 @@ def root_for(lora_name: str | None) -> int:
     return int.from_bytes(blake2b(b"lora:" + lora_name.encode(), digest_size=8).digest()) & _MASK
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as what is hashed: little-endian uint32s."""
     a = array("I", tokens)
     if sys.byteorder == "big":
         a.byteswap()
     return a.tobytes()
 
 
-def chain(parent: int, tokens: Sequence[int]) -> int:
-    """The canonical hash of one block whose predecessor's canonical hash is `parent`."""
-    h = blake2b(parent.to_bytes(8, "little") + _token_bytes(tokens), digest_size=8)
+def chain_bytes(parent: int, block: bytes) -> int:
+    """The canonical hash of one block (its token_bytes) after the block hashed `parent`."""
+    h = blake2b(parent.to_bytes(8, "little") + block, digest_size=8)
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
+def chain(parent: int, tokens: Sequence[int]) -> int:
+    return chain_bytes(parent, token_bytes(tokens))
+
+
 def prompt_hashes(
-    tokens: Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+    tokens: bytes | Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
 ) -> list[int]:
-    """Canonical hashes of the full blocks of a prompt (at most max_blocks).
+    """Canonical hashes of the full blocks of a prompt (at most max_blocks); `tokens` are
+    token ids or their token_bytes (cheaper: the hot path hashes byte slices).
 
     Only full blocks count, as in vLLM, and the block holding the last prompt token is
     recomputed anyway, but an engine can still hold it from an earlier, longer prompt.
     """
-    n = min(len(tokens) // block_size, max_blocks)
+    data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
+    span = 4 * block_size
+    n = min(len(data) // span, max_blocks)
     out = []
     h = root
-    for i in range(0, n * block_size, block_size):
-        h = chain(h, tokens[i : i + block_size])
+    for i in range(0, n * span, span):
+        h = chain_bytes(h, data[i : i + span])
         out.append(h)
     return out
+
+
+def token_count(tokens: bytes | Sequence[int]) -> int:
+    return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+
+
+def sim_token_bytes(prompt: bytes) -> bytes:
+    """token_bytes(byte_tokens(prompt)), without making the ints."""
+    pad = -len(prompt) % 4
+    if sys.byteorder == "little":
+        return prompt + b"\0" * pad
+    return token_bytes(byte_tokens(prompt))
 
 
 def byte_tokens(prompt: bytes) -> list[int]:

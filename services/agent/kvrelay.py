@@ -65,13 +65,18 @@ class BlockSet:
                         self.orphans += len(ev.block_hashes)
                         continue
                     h = parent
-                bs = ev.block_size
+                span = 4 * ev.block_size
+                try:
+                    data = kvblocks.token_bytes(ev.token_ids)
+                except (OverflowError, TypeError):
+                    self.orphans += len(ev.block_hashes)  # token ids outside uint32
+                    continue
                 out = []
                 for i, eh in enumerate(ev.block_hashes):
-                    tokens = ev.token_ids[i * bs : (i + 1) * bs]
-                    if len(tokens) < bs:
+                    block = data[i * span : (i + 1) * span]
+                    if len(block) < span:
                         break
-                    h = kvblocks.chain(h, tokens)
+                    h = kvblocks.chain_bytes(h, block)
                     canon[eh] = h
                     out.append(h)
                 if out:

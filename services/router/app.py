@@ -162,7 +162,14 @@ class RouterService:
     def describe_endpoints(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         stale = self.config.scrape.stale_after_seconds
-        return [ep.describe(now, stale) for ep in self.view.endpoints.values()]
+        out = [ep.describe(now, stale) for ep in self.view.endpoints.values()]
+        index = self.view.settings.scheduling.kv_index
+        if index is not None:
+            for ep in out:
+                st = index.endpoints.get(ep["id"])
+                # Blocks the engine holds per its KV events; null: no events (approximate).
+                ep["kv_events_blocks"] = st.count if st is not None and st.synced else None
+        return out
 
     def snapshot(self) -> snapshots.Snapshot:
         self.metrics.refresh_endpoints(self.view.endpoints.values(), time.monotonic())

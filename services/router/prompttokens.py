@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from llmgw.kvblocks import byte_tokens
+from llmgw.kvblocks import sim_token_bytes
 from llmgw.simengine.tokens import pack_token_ids, render_chat
 
 log = logging.getLogger(__name__)
@@ -78,18 +78,19 @@ def _completion(raw: bytes) -> str | list[int] | None:
     return None
 
 
-def sim_tokens(raw: bytes) -> list[int] | None:
+def sim_tokens(raw: bytes) -> bytes | None:
+    """The simulator's tokens of this prompt, as kvblocks.token_bytes."""
     msgs = _messages(raw)
     if msgs is not None:
         turns = [(str(m.get("role", "")), _content_text(m.get("content"))) for m in msgs]
-        return byte_tokens(render_chat(turns))
+        return sim_token_bytes(render_chat(turns))
     prompt = _completion(raw)
     if isinstance(prompt, str):
-        return byte_tokens(prompt.encode())
+        return sim_token_bytes(prompt.encode())
     if isinstance(prompt, list):
         if not all(0 <= t < 2**32 for t in prompt):
             return None
-        return byte_tokens(pack_token_ids(prompt))
+        return sim_token_bytes(pack_token_ids(prompt))
     return None
 
 
@@ -152,7 +153,7 @@ def hf_tokens(path: str) -> HfTokens | None:
         return None
 
 
-def tokens_for(engine: str, tokenizer: str, raw: bytes) -> list[int] | None:
+def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | None:
     """The prompt's token ids as an endpoint of this engine kind would see them, or None."""
     if engine == "sim":
         return sim_tokens(raw)

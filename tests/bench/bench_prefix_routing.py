@@ -24,6 +24,16 @@ Also the router index's memory per million blocks.
 
 PASS when the kv_events hit rate is within 5 points of its oracle and its mean TTFT is
 at least 30% below cache_aware's (without vllm-router, the second target is skipped).
+
+    .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
+        --vllm-model DIR [--seconds 20] [--clients 4]
+
+runs the same comparison once on two real vLLM CPU engines (a small load, no targets:
+it shows the events path works there): the tiny random Llama in DIR (see FIELD-NOTES'
+recipe or llmgw.tinymodel), completions requests (a chat would need jinja2 in the
+router's environment to render the template), the routers hashing prompts with the
+model's own tokenizer (`scheduling.tokenizer`), the prefix cache reset between policies
+(vLLM's dev-mode /reset_prefix_cache, which also exercises AllBlocksCleared).
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from llmgw import bus, localservers, subjects
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
-from llmgw.kvblocks import prompt_hashes
+from llmgw.kvblocks import prompt_hashes, token_count
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.prompttokens import sim_tokens
 from llmgw.router.testing import start_router
@@ -59,6 +69,7 @@ MODEL = "m"
 NODE = "bench"
 BLOCK = 16
 VLLM_ROUTER = os.environ.get("VLLM_ROUTER", "/root/.cache/llmgw/vllm-router-venv/bin/vllm-router")
+HAVE_VLLM_ROUTER = os.path.exists(VLLM_ROUTER)
 SIM = dict(
     model=MODEL,
     block_size=BLOCK,
@@ -73,6 +84,7 @@ SIM = dict(
 )
 TENANTS = 10
 SYSTEM_WORDS = 1100  # ~1,500 simulator tokens each
+QUESTION_WORDS = 40
 TURNS = (3, 7)
 TARGET_ORACLE_GAP = 0.05
 TARGET_TTFT_CUT = 0.30
@@ -130,15 +142,19 @@ def engine_counters(sims) -> tuple[float, float]:
 class Oracle:
     """The best hit any engine could give each request, from the relays' block sets."""
 
-    def __init__(self, relays: KvRelays):
+    def __init__(self, relays: KvRelays, tokenize=sim_tokens, completions: bool = False):
         self.relays = relays
+        self.tokenize = tokenize
+        self.completions = completions
         self.best = 0
         self.total = 0
 
-    def observe(self, messages_json: bytes) -> None:
-        tokens = sim_tokens(messages_json) or []
-        usable = (len(tokens) - 1) // BLOCK
-        hashes = prompt_hashes(tokens, BLOCK, usable)
+    def observe(self, prompt_json: bytes) -> None:
+        tokens = self.tokenize(prompt_json) or []
+        count = token_count(tokens)
+        bs = next((r.blocks.block_size for r in self.relays.relays.values()), 0) or BLOCK
+        usable = (count - 1) // bs
+        hashes = prompt_hashes(tokens, bs, usable)
         best = 0
         for relay in self.relays.relays.values():
             held = set(relay.blocks.canon.values())
@@ -148,8 +164,8 @@ class Oracle:
                     break
                 n += 1
             best = max(best, n)
-        self.best += best * BLOCK
-        self.total += len(tokens)
+        self.best += best * bs
+        self.total += count
 
 
 async def client(
@@ -170,18 +186,25 @@ async def client(
             if time.monotonic() >= stop_at:
                 return
             question = f"Question {turn} from user {rng.randrange(10**9)}: " + " ".join(
-                f"q{rng.randrange(1000)}" for _ in range(40)
+                f"q{rng.randrange(1000)}" for _ in range(QUESTION_WORDS)
             )
             messages.append({"role": "user", "content": question})
             url = urls[counter[0] % len(urls)]
             counter[0] += 1
-            body = {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": True}
-            oracle.observe(msgspec.json.encode(messages))
+            if oracle.completions:
+                prompt = "\n".join(m["content"] for m in messages)
+                path = "/v1/completions"
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True}
+                oracle.observe(msgspec.json.encode(prompt))
+            else:
+                path = "/v1/chat/completions"
+                body = {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": True}
+                oracle.observe(msgspec.json.encode(messages))
             began = time.monotonic()
             first = None
             text = []
             try:
-                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                async with session.post(url + path, json=body) as resp:
                     if resp.status != 200:
                         result.errors += 1
                         await resp.read()
@@ -191,7 +214,7 @@ async def client(
                             continue
                         chunk = msgspec.json.decode(line[6:])
                         for ch in chunk.get("choices", []):
-                            piece = (ch.get("delta") or {}).get("content")
+                            piece = (ch.get("delta") or {}).get("content") or ch.get("text")
                             if piece:
                                 if first is None:
                                     first = time.monotonic() - began
@@ -204,9 +227,9 @@ async def client(
             messages.append({"role": "assistant", "content": "".join(text)})
 
 
-async def drive(urls, seconds, clients, relays, name) -> Result:
+async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
     result = Result(name)
-    oracle = Oracle(relays)
+    oracle = oracle or Oracle(relays)
     counter = [0]
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -381,7 +404,7 @@ async def main_async(args) -> int:
         js = nc.jetstream()
         await bus.provision(js)
         policies = args.policies.split(",")
-        have_vllm_router = Path(VLLM_ROUTER).exists()
+        have_vllm_router = HAVE_VLLM_ROUTER
         for name in policies:
             if name in ("round_robin", "cache_aware") and not have_vllm_router:
                 print(f"{name}: skipped, no vllm-router at {VLLM_ROUTER}", flush=True)
@@ -437,6 +460,155 @@ async def main_async(args) -> int:
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------ real vLLM
+
+
+def engine_counters_text(texts: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def start_vllm(python: str, model: str, endpoint: str, directory: Path):
+    port = localservers.free_port()
+    log = open(directory / f"vllm-{port}.log", "wb")  # noqa: SIM115
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+        "--kv-events-config", relay_flag(endpoint),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    proc.log_path = directory / f"vllm-{port}.log"  # type: ignore[attr-defined]
+    return proc
+
+
+async def run_vllm(args) -> int:
+    from llmgw.router.prompttokens import hf_tokens
+
+    # Prompts that fit the tiny model's 1,024 tokens, whole conversations included.
+    global SYSTEM_WORDS, QUESTION_WORDS, TURNS
+    SYSTEM_WORDS, QUESTION_WORDS, TURNS = 80, 10, (2, 4)
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-prefix-vllm-"))
+    server = localservers.NatsServer(directory / "nats").start()
+    nc = await bus.connect(server.url, name=f"agent-{NODE}")
+    relays = KvRelays(NODE)
+    await relays.attach(nc)
+    js = nc.jetstream()
+    await bus.provision(js)
+    tok = hf_tokens(args.vllm_model)
+    assert tok is not None, "cannot load the model's tokenizer"
+    procs = []
+    results = []
+    try:
+        for i in range(2):
+            relay = relays.open(f"v{i}")
+            procs.append(start_vllm(args.vllm_python, args.vllm_model, relay.endpoint, directory))
+            relay.url = procs[-1].url
+        began = time.monotonic()
+        async with httpx.AsyncClient(timeout=5) as http:
+            for p in procs:
+                while True:
+                    if p.poll() is not None:
+                        raise RuntimeError(f"vLLM exited: see {p.log_path}")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(p.url + "/health")).status_code == 200:
+                            break
+                    if time.monotonic() - began > 300:
+                        raise RuntimeError("vLLM did not become healthy in 300s")
+                    await asyncio.sleep(0.5)
+        print(f"2 vLLM engines healthy after {time.monotonic() - began:.0f}s", flush=True)
+        have_vllm_router = HAVE_VLLM_ROUTER
+        for name in ("round_robin", "approximate", "kv_events", "cache_aware"):
+            if name in ("round_robin", "cache_aware") and not have_vllm_router:
+                continue
+            async with httpx.AsyncClient(timeout=10) as http:
+                for p in procs:
+                    (await http.post(p.url + "/reset_prefix_cache")).raise_for_status()
+            stop = []
+            try:
+                if name in ("round_robin", "cache_aware"):
+                    routers = vllm_routers(name, procs, directory)
+                    stop = [r.terminate for r in routers]
+                    urls = [r.url for r in routers]  # type: ignore[attr-defined]
+                else:
+                    scorers = {"queue": 2.0, "kv": 2.0, "inflight": 1.0}
+                    scorers["prefix" if name == "approximate" else "kv_prefix"] = args.kv_weight
+                    rec = c.ModelEndpoints(
+                        model=MODEL,
+                        endpoints=[
+                            c.Endpoint(id=f"v{i}", url=p.url, node=NODE, engine="vllm")
+                            for i, p in enumerate(procs)
+                        ],
+                        scheduling=c.SchedulingSpec(scorers=scorers, tokenizer=args.vllm_model),
+                    )
+                    kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
+                    await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                    routers = []
+                    for _ in range(2):
+                        routers.append(
+                            await asyncio.to_thread(
+                                start_router,
+                                directory,
+                                f"nats_url: {server.url}\nlog_level: warning\n",
+                            )
+                        )
+                    stop = [r.stop for r in routers]
+                    urls = [r.url for r in routers]
+                    await wait_routed(urls)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    texts = [(await http.get(p.url + "/metrics")).text for p in procs]
+                before = engine_counters_text(texts)
+                published = sum(r.published for r in relays.relays.values())
+                oracle = Oracle(relays, tok.tokens, completions=True)
+                result = await drive(urls, args.seconds, args.clients, relays, name, oracle)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    texts = [(await http.get(p.url + "/metrics")).text for p in procs]
+                after = engine_counters_text(texts)
+                hits, queries = after[0] - before[0], after[1] - before[1]
+                result.hit_rate = hits / queries if queries else 0.0
+                batches = sum(r.published for r in relays.relays.values()) - published
+                held = [len(r.blocks.canon) for r in relays.relays.values()]
+                result.note = f"{batches} event batches relayed; blocks held {held}"
+                results.append(result)
+            finally:
+                for s in stop:
+                    with contextlib.suppress(Exception):
+                        s()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.wait(30)
+        await relays.stop()
+        await bus.close_quietly(nc)
+        server.stop()
+    block = next((r.blocks.block_size for r in relays.relays.values()), 0)
+    print(f"\nreal vLLM: 2 CPU engines, {args.clients} clients, completions, block size {block}\n")
+    print(f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
+          f"{'oracle':>7} {'errors':>6}  events")  # fmt: skip
+    for r in results:
+        print(
+            f"{r.name:<12} {r.mean * 1000:>8.0f}ms {r.p90 * 1000:>8.0f}ms {r.throughput:>7.1f} "
+            f"{r.hit_rate:>8.1%} {r.oracle:>7.1%} {r.errors:>6}  {r.note}"
+        )
+    ok = all(not r.errors for r in results) and any(
+        r.name == "kv_events" and "0 event batches" not in r.note for r in results
+    )
+    print("PASS: events flow from real vLLM" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -445,7 +617,13 @@ def main() -> int:
         "--policies", default="round_robin,approximate,kv_events,cache_aware", help="a subset"
     )
     parser.add_argument("--kv-weight", type=float, default=6.0, help="the kv_prefix weight")
+    parser.add_argument("--vllm-python", help="a vLLM environment's python: run on real vLLM")
+    parser.add_argument("--vllm-model", help="the model directory vLLM serves (with a tokenizer)")
     args = parser.parse_args()
+    if args.vllm_python:
+        if not args.vllm_model:
+            parser.error("--vllm-python needs --vllm-model")
+        return asyncio.run(run_vllm(args))
     return asyncio.run(main_async(args))
 
 

@@ -6,7 +6,7 @@ import msgspec
 
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
-from llmgw.kvblocks import byte_tokens, prompt_hashes
+from llmgw.kvblocks import byte_tokens, prompt_hashes, token_bytes
 from llmgw.router import scheduling as sc
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.load import Load
@@ -138,9 +138,12 @@ def test_the_router_tokenizes_a_chat_exactly_as_the_simulator_does():
     messages = chat("You are terse. " * 10, "hello", "hi", "and again")
     body = b'{"model":"m","messages":' + messages + b"}"
     job = RequestParser(Limits(frozenset({"m"}), 100_000, "lorem", 16)).chat(body)
-    assert sim_tokens(messages) == byte_tokens(job.prompt)
-    assert sim_tokens(b'"plain prompt"') == byte_tokens(b"plain prompt")
-    assert sim_tokens(b"[1, 2, 3]") == [1, 2, 3]
+    assert sim_tokens(messages) == token_bytes(byte_tokens(job.prompt))
+    assert sim_tokens(b'"plain prompt"') == token_bytes(byte_tokens(b"plain prompt"))
+    assert sim_tokens(b"[1, 2, 3]") == token_bytes([1, 2, 3])
+    # Hashing the bytes or the ids is the same.
+    ids = byte_tokens(job.prompt)
+    assert prompt_hashes(ids, BS, 99) == prompt_hashes(token_bytes(ids), BS, 99)
     assert sim_tokens(b"[{bad json") is None
 
 
