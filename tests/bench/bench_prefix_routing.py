@@ -509,6 +509,7 @@ async def run_vllm(args) -> int:
     assert tok is not None, "cannot load the model's tokenizer"
     procs = []
     results = []
+    block_size = 0
     try:
         for i in range(2):
             relay = relays.open(f"v{i}")
@@ -579,6 +580,14 @@ async def run_vllm(args) -> int:
                 batches = sum(r.published for r in relays.relays.values()) - published
                 held = [len(r.blocks.canon) for r in relays.relays.values()]
                 result.note = f"{batches} event batches relayed; blocks held {held}"
+                block_size = next(iter(relays.relays.values())).blocks.block_size
+                if name == "kv_events":
+                    # What the routers' indexes hold, per engine: the events reached them.
+                    async with httpx.AsyncClient(timeout=10) as http:
+                        for r in routers:
+                            eps = (await http.get(r.admin_url + "/debug/endpoints")).json()
+                            seen = [e.get("kv_events_blocks") for e in eps["endpoints"]]
+                            result.note += f"; router index {seen}"
                 results.append(result)
             finally:
                 for s in stop:
@@ -593,8 +602,10 @@ async def run_vllm(args) -> int:
         await relays.stop()
         await bus.close_quietly(nc)
         server.stop()
-    block = next((r.blocks.block_size for r in relays.relays.values()), 0)
-    print(f"\nreal vLLM: 2 CPU engines, {args.clients} clients, completions, block size {block}\n")
+    print(
+        f"\nreal vLLM: 2 CPU engines, {args.clients} clients, completions, "
+        f"block size {block_size}\n"
+    )
     print(f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
           f"{'oracle':>7} {'errors':>6}  events")  # fmt: skip
     for r in results:
