@@ -77,3 +77,56 @@ async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
             await asyncio.sleep(0.05)
         assert "kv" not in agent.kv_relays.relays
     await sub.unsubscribe()
+
+
+async def test_a_restarted_agent_rebinds_the_relay_and_the_adopted_engine_reconnects(
+    nats, nats_url, watch, tmp_path
+):
+    from pathlib import Path
+
+    from llmgw.agent import engines
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.inventory import discover
+    from llmgw.agent.state import StateDir
+
+    js = nats.jetstream()
+    cfg = agent_config("n-kv2", nats_url, tmp_path / "state")
+
+    def new_agent():
+        sd = StateDir(Path(cfg.state_dir)).open()
+        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
+        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
+
+    first, sd1 = new_agent()
+    task = asyncio.create_task(first.run())
+    await asyncio.wait_for(first.registered.wait(), 20)
+    await bus.publish(js, start_cmd("n-kv2", "kv2"))
+    ready = await watch.wait_for(status("kv2", S.READY))
+    port = first.shards["kv2"].rec.kv_events_port
+    assert port
+    first.stop()  # engines keep running
+    await asyncio.wait_for(task, 20)
+    sd1.close()
+
+    second, sd2 = new_agent()
+    task = asyncio.create_task(second.run())
+    try:
+        await asyncio.wait_for(second.registered.wait(), 20)
+        relay = second.kv_relays.relays["kv2"]
+        assert relay.port == port and relay.url == ready.url
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(100):  # the engine's ZMQ publisher reconnects on its own
+                r = await client.post(
+                    f"{ready.url}/v1/completions",
+                    json={"model": "model-kv2", "prompt": PROMPT + str(_), "max_tokens": 1},
+                )
+                r.raise_for_status()
+                if relay.blocks.hashes():
+                    break
+                await asyncio.sleep(0.1)
+        assert relay.blocks.hashes(), "no KV events reached the re-bound relay"
+    finally:
+        second.stop()
+        await asyncio.wait_for(task, 20)
+        sd2.close()
+        life.kill_engines(second)
