@@ -53,6 +53,7 @@ class KvEventFeed:
         self._failed_at: dict[str, float] = {}
         self._by_url: dict[str, str] = {}
         self._sub = None
+        self._sweeper: asyncio.Task | None = None
         self._stopped = False
 
     async def start(self) -> None:
@@ -66,6 +67,8 @@ class KvEventFeed:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         tasks = list(self._tasks.values())
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -83,6 +86,7 @@ class KvEventFeed:
                 task.cancel()
         if self._stopped:
             return
+        self._maybe_sweep()
         for ep in endpoints.values():
             if (
                 ep.spec.engine in _RELAYED_ENGINES
@@ -120,7 +124,17 @@ class KvEventFeed:
         if self.index.offer(ep.id, batch):
             self._fetch(batch.node, ep.id)
             return "resync"
+        self._maybe_sweep()  # a batch may have cleared the engine's blocks
         return "applied"
+
+    def _maybe_sweep(self) -> None:
+        if self.index.needs_sweep and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Forgotten blocks out of the index, a chunk per turn of the event loop."""
+        while not self.index.sweep(20_000):
+            await asyncio.sleep(0)
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -155,6 +169,7 @@ class KvEventFeed:
                 log.debug("no KV snapshot for %s on %s: %s", endpoint_id, node, exc)
                 self._failed_at[endpoint_id] = self.clock()
                 self.index.snapshot_failed(endpoint_id)
+                self._maybe_sweep()
                 return
             if ep is None or endpoint_id not in self.view.endpoints:
                 return
@@ -164,6 +179,7 @@ class KvEventFeed:
                     "KV snapshot of %s was truncated to %d blocks", endpoint_id, len(snap.hashes)
                 )
             again = self.index.snapshot(endpoint_id, snap)
+            self._maybe_sweep()
         finally:
             if self._tasks.get(endpoint_id) is asyncio.current_task():
                 del self._tasks[endpoint_id]

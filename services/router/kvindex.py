@@ -8,8 +8,15 @@ stream into the same index, so every router sees the same caches. Pure: the feed
 One dict maps a block hash to a bit mask of the endpoints holding it (a slot per
 endpoint), so matching a prompt costs one lookup per prompt block whatever the
 number of endpoints. Memory is bounded by `max_blocks` distinct hashes (stores
-beyond it are dropped and counted); measured at about 100 bytes per block
+beyond it are dropped and counted); measured at about 90 bytes per block
 (tests/bench/bench_prefix_routing.py prints it).
+
+Forgetting all of one endpoint's blocks (a snapshot, a clear, a removed endpoint)
+would be a scan of the whole index, seconds per million blocks on a busy machine,
+stalling the router. Instead the endpoint moves to a fresh slot at once and its old
+slot is retired: matching only ever looks at live slots, and `sweep` clears retired
+bits in bounded chunks that the feed runs between other work; a retired slot is
+reused only once swept.
 
 Per endpoint the index follows the relay's numbering: a batch must continue where
 the last one ended, in the same epoch. Anything else (a first batch, a restarted
@@ -47,6 +54,10 @@ class BlockIndex:
         self.endpoints: dict[str, EndpointBlocks] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._retired = 0  # bit mask of slots whose blocks are still to be swept
+        self._sweeping = 0  # the part of it the sweep under way clears
+        self._sweep_keys: list[int] = []
+        self._sweep_at = 0
         self.dropped_stores = 0
         self.gaps = 0
         self.snapshots = 0
@@ -94,15 +105,17 @@ class BlockIndex:
 
     # -- events --------------------------------------------------------------------------
 
+    def _new_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
     def _state(self, endpoint_id: str) -> EndpointBlocks:
         st = self.endpoints.get(endpoint_id)
         if st is None:
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                slot = self._next_slot
-                self._next_slot += 1
-            st = self.endpoints[endpoint_id] = EndpointBlocks(slot=slot)
+            st = self.endpoints[endpoint_id] = EndpointBlocks(slot=self._new_slot())
         return st
 
     def offer(self, endpoint_id: str, batch: c.KvEvents) -> bool:
@@ -176,15 +189,17 @@ class BlockIndex:
         """The endpoint left the projection: its blocks go, its slot is reused."""
         st = self.endpoints.pop(endpoint_id, None)
         if st is not None:
-            self._clear(st)
-            self._free_slots.append(st.slot)
+            if st.count:
+                self._retired |= 1 << st.slot
+            else:
+                self._free_slots.append(st.slot)
 
     def _apply(self, st: EndpointBlocks, batch: c.KvEvents) -> None:
-        bit = 1 << st.slot
         blocks = self.blocks
         if batch.block_size:
             st.block_size = batch.block_size
         for op in batch.ops:
+            bit = 1 << st.slot  # a clear moves the endpoint to a new slot
             if op.op is c.KvOp.STORED:
                 for h in op.hashes:
                     self._store(blocks, st, bit, h)
@@ -215,19 +230,43 @@ class BlockIndex:
             st.count += 1
 
     def _clear(self, st: EndpointBlocks) -> None:
-        """Every block of one endpoint out: a scan of the whole index, which only snapshots,
-        clears and removed endpoints need."""
+        """Every block of one endpoint out, at once: it moves to a fresh slot."""
         if not st.count:
             return
-        bit = 1 << st.slot
-        blocks = self.blocks
-        gone = []
-        for h, m in blocks.items():
-            if m & bit:
-                if m == bit:
-                    gone.append(h)
-                else:
-                    blocks[h] = m & ~bit
-        for h in gone:
-            del blocks[h]
+        self._retired |= 1 << st.slot
+        st.slot = self._new_slot()
         st.count = 0
+
+    @property
+    def needs_sweep(self) -> bool:
+        return bool(self._retired or self._sweeping)
+
+    def sweep(self, budget: int = 50_000) -> bool:
+        """Clear retired slots' bits from up to `budget` entries; True when none are left."""
+        if not self._sweeping:
+            if not self._retired:
+                return True
+            self._sweeping, self._retired = self._retired, 0
+            self._sweep_keys = list(self.blocks)
+            self._sweep_at = 0
+        keep = ~self._sweeping
+        blocks = self.blocks
+        end = min(self._sweep_at + budget, len(self._sweep_keys))
+        for h in self._sweep_keys[self._sweep_at : end]:
+            m = blocks.get(h)
+            if m is not None and m & self._sweeping:
+                m &= keep
+                if m:
+                    blocks[h] = m
+                else:
+                    del blocks[h]
+        self._sweep_at = end
+        if end < len(self._sweep_keys):
+            return False
+        # Slots retired meanwhile were never given out again, so the keys made since the
+        # list was taken cannot hold the swept slots' bits.
+        sweeping = self._sweeping
+        self._free_slots.extend(i for i in range(self._next_slot) if sweeping >> i & 1)
+        self._sweeping = 0
+        self._sweep_keys = []
+        return not self._retired

@@ -223,7 +223,7 @@ async def test_a_router_that_misses_events_recovers_with_a_snapshot(nats):
         await put_model(js, rec)
         await wait_for(
             lambda: all(
-                "shard-0" not in index_of(r).endpoints and not blocks_of(index_of(r), "shard-0")
+                "shard-0" not in index_of(r).endpoints and not index_of(r).needs_sweep
                 for r in (r1, r2)
             ),
             what="shard-0's blocks dropped",

@@ -92,12 +92,34 @@ def test_dropping_an_endpoint_removes_its_blocks_and_reuses_its_slot():
     synced(index, "a", 1, 2)
     synced(index, "b", 2, 3)
     index.drop("a")
-    assert 1 not in index.blocks and index.match([2], ["b"]) == {"b": 1}
+    assert index.match([2], ["b"]) == {"b": 1}
+    # a's slot is retired at once; its bits go in bounded sweeps, then the slot is reused.
+    assert index.needs_sweep
+    swept = [index.sweep(budget=1) for _ in range(3)]
+    assert swept == [False, False, True] and not index.needs_sweep
+    assert 1 not in index.blocks and index.blocks[2] == 1 << index.endpoints["b"].slot
     synced(index, "c", 9)
     assert index.endpoints["c"].slot == 0  # a's slot, with none of a's blocks
     assert index.match([1, 2], ["c"]) == {"c": 0}
     index.snapshot_failed("b")
     assert not index.has_events("b") and index.match([2], ["b"]) == {}
+
+
+def test_a_snapshot_replaces_blocks_at_once_and_the_sweep_catches_up():
+    index = BlockIndex()
+    synced(index, "a", 1, 2, 3)
+    synced(index, "b", 2)
+    assert index.offer("a", batch(5))  # a gap
+    assert not index.snapshot("a", snap(5, 3, 4))
+    assert index.match([1], ["a"]) == {"a": 0} and index.match([3], ["a"]) == {"a": 1}
+    assert index.match([2], ["a", "b"]) == {"a": 0, "b": 1}
+    # A clear inside a batch takes effect for the rest of the batch too.
+    cleared = c.KvBlockOp(op=c.KvOp.CLEARED)
+    assert not index.offer("a", batch(6, 6, stored(7), cleared, stored(8)))
+    assert index.match([7], ["a"]) == {"a": 0} and index.match([8], ["a"]) == {"a": 1}
+    while not index.sweep(budget=2):
+        pass
+    assert set(index.blocks) == {2, 8}
 
 
 def test_memory_is_bounded_by_max_blocks():
