@@ -120,7 +120,7 @@ class Agent:
         self._resync_task: asyncio.Task | None = None
         self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
         self.metrics = AgentMetrics(self.live)
-        self.kv_relays = KvRelays(node)
+        self.kv_relays = KvRelays(node, metrics=self.metrics)
 
     # ------------------------------------------------------------ lifecycle
 

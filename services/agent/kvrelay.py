@@ -107,11 +107,13 @@ class EngineRelay:
         host: str = "127.0.0.1",
         flush_seconds: float = 0.01,
         max_ops: int = 512,
+        metrics=None,
     ):
         self.node = node
         self.shard_id = shard_id
         self.url = ""
         self.publish = publish
+        self.metrics = metrics
         self.flush_seconds = flush_seconds
         self.max_ops = max_ops
         self.subject = subjects.kv_events(node, shard_id)
@@ -157,6 +159,8 @@ class EngineRelay:
             self._new_epoch()
         elif self.last_seq >= 0 and seq != self.last_seq + 1:
             self.engine_gaps += 1
+            if self.metrics is not None:
+                self.metrics.kv_engine_gaps.inc()
             log.warning(
                 "shard %s: engine KV events %d..%d were lost before the relay",
                 self.shard_id,
@@ -216,8 +220,12 @@ class EngineRelay:
         try:
             await self.publish(self.subject, c.encode(msg))
             self.published += 1
+            if self.metrics is not None:
+                self.metrics.kv_batches.inc()
         except Exception as exc:  # the bus is down: routers will see the gap and resync
             log.debug("shard %s: KV events not published: %s", self.shard_id, exc)
+            if self.metrics is not None:
+                self.metrics.publish_failures.labels("kv_events").inc()
 
     async def snapshot(self, max_payload: int) -> c.KvSnapshot:
         await self.flush()
@@ -250,9 +258,10 @@ class EngineRelay:
 class KvRelays:
     """The agent's relays, by shard id, and the node's snapshot service."""
 
-    def __init__(self, node: str, host: str = "127.0.0.1"):
+    def __init__(self, node: str, host: str = "127.0.0.1", metrics=None):
         self.node = node
         self.host = host
+        self.metrics = metrics  # telemetry.AgentMetrics, or None
         self.relays: dict[str, EngineRelay] = {}
         self._nc = None
         self._sub = None
@@ -268,7 +277,10 @@ class KvRelays:
         old = self.relays.pop(shard_id, None)
         if old is not None:
             asyncio.ensure_future(old.close())
-        relay = EngineRelay(self.node, shard_id, publish=self._publish, port=port, host=self.host)
+        relay = EngineRelay(
+            self.node, shard_id, publish=self._publish, port=port, host=self.host,
+            metrics=self.metrics,
+        )  # fmt: skip
         relay.start()
         self.relays[shard_id] = relay
         return relay

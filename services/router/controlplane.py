@@ -130,7 +130,7 @@ class ControlPlaneSource:
             self._samples_sub = await nc.subscribe(subjects.LOAD_ALL, cb=self._sample)
         index = self.view.settings.scheduling.kv_index if self.view is not None else None
         if self.kv_events is None and index is not None:
-            self.kv_events = KvEventFeed(self.view, index, nc)
+            self.kv_events = KvEventFeed(self.view, index, nc, metrics=self.metrics)
             await self.kv_events.start()
         if self.presence is None:
             self.presence = Presence(nc, cfg.router_id, self._routers)

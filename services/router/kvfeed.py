@@ -40,6 +40,7 @@ class KvEventFeed:
         request_timeout: float = 2.0,
         retry_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics=None,
     ):
         self.view = view
         self.index = index
@@ -47,6 +48,7 @@ class KvEventFeed:
         self.request_timeout = request_timeout
         self.retry_seconds = retry_seconds
         self.clock = clock
+        self.metrics = metrics  # RouterMetrics, or None
         self.malformed = 0
         self.unknown = 0
         self._tasks: dict[str, asyncio.Task] = {}
@@ -106,7 +108,10 @@ class KvEventFeed:
         return ep
 
     async def _on_msg(self, msg) -> None:
-        self.handle(msg.data)
+        result = self.handle(msg.data)
+        if self.metrics is not None:
+            self.metrics.kv_events.inc((result,))
+            self.metrics.kv_index_blocks.set((), float(len(self.index)))
 
     def handle(self, raw: bytes) -> str:
         """One `KvEvents` message: "applied", "resync", "unknown" or "malformed"."""
@@ -168,12 +173,16 @@ class KvEventFeed:
                 # No relay for it (an engine without events), or the agent is away.
                 log.debug("no KV snapshot for %s on %s: %s", endpoint_id, node, exc)
                 self._failed_at[endpoint_id] = self.clock()
+                if self.metrics is not None:
+                    self.metrics.kv_snapshots.inc(("failed",))
                 self.index.snapshot_failed(endpoint_id)
                 self._maybe_sweep()
                 return
             if ep is None or endpoint_id not in self.view.endpoints:
                 return
             self._failed_at.pop(endpoint_id, None)
+            if self.metrics is not None:
+                self.metrics.kv_snapshots.inc(("ok",))
             if snap.truncated:
                 log.warning(
                     "KV snapshot of %s was truncated to %d blocks", endpoint_id, len(snap.hashes)

@@ -58,6 +58,12 @@ async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
             await nats.flush()
             await asyncio.sleep(0.05)
         assert relayed[: len(expected)] == expected
+        line = next(
+            ln
+            for ln in agent.metrics.text().decode().splitlines()
+            if ln.startswith("llmgw_agent_kv_event_batches_published_total ")
+        )
+        assert float(line.split()[1]) >= 1
         batch = c.decode(events[0].data, c.KvEvents)
         assert (batch.node, batch.shard_id, batch.url) == ("n-kv", "kv", ready.url)
         reply = await nats.request(

@@ -178,6 +178,9 @@ async def test_two_routers_fold_the_same_events_and_pick_the_engine_holding_the_
             resp = await send(http, r.url, messages(1, 2))
             assert resp.headers["x-llmgw-endpoint"] == "shard-1"
         assert sims[1].state()["prefix_cache_hits"] > before
+        text = (await http.get(r1.admin_url + "/metrics")).text
+        assert 'llmgw_router_kv_events_total{result="applied"}' in text
+        assert "llmgw_router_kv_index_blocks" in text
 
 
 async def test_a_router_that_misses_events_recovers_with_a_snapshot(nats):
