@@ -24,6 +24,7 @@ EVENTS_ALL = f"{ROOT}.evt.>"
 HEARTBEATS_ALL = f"{ROOT}.hb.*"
 COMMANDS_ALL = f"{ROOT}.cmd.*"
 LOAD_ALL = f"{ROOT}.load.*"
+DEMAND_ALL = f"{ROOT}.demand.*"
 
 # A token is one dot-free, wildcard-free piece of a subject.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -78,6 +79,10 @@ def load(node: str) -> str:
     return f"{ROOT}.load.{token(node, 'node id')}"
 
 
+def demand(router_id: str) -> str:
+    return f"{ROOT}.demand.{safe_token(router_id)}"
+
+
 def node_of_subject(subject: str) -> str | None:
     """The node id a per-node subject belongs to, or None."""
     parts = subject.split(".")
@@ -106,12 +111,16 @@ def subject_for(msg: c.Message) -> str:
             return catalog_event("bands", "all")
         case c.PlacementDecided() | c.PlacementFailed() | c.ReplicaRetired():
             return control_event("placement", msg.replica_id)
+        case c.ModelScaled():
+            return control_event("scale", msg.model)
         case c.NodeUnreachable() | c.NodeLost() | c.NodeRecovered():
             return control_event("node", msg.node)
         case c.StartShard() | c.StopShard() | c.DrainShard():
             return commands(msg.node)
         case c.LoadSample():
             return load(msg.node)
+        case c.DemandSummary():
+            return demand(msg.router_id)
     raise SubjectError(f"{type(msg).__name__} is not published on a subject")
 
 
@@ -153,6 +162,7 @@ CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
             c.PlacementDecided,
             c.PlacementFailed,
             c.ReplicaRetired,
+            c.ModelScaled,
             c.NodeUnreachable,
             c.NodeLost,
             c.NodeRecovered,
@@ -166,6 +176,7 @@ CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
         (c.StartShard, c.StopShard, c.DrainShard),
     ),
     ("loadSamples", f"{ROOT}.load.{{node}}", None, (c.LoadSample,)),
+    ("demandSummaries", f"{ROOT}.demand.{{router}}", None, (c.DemandSummary,)),
     (
         "endpointProjection",
         f"$KV.{ENDPOINTS_BUCKET}.{{model}}",

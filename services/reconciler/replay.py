@@ -290,7 +290,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         lines.append(
             f"profile: engine {p.engine}, {p.gpus_per_shard} GPU(s) per shard x "
             f"{p.shards_per_replica} shard(s), min GPU memory {placement.gib(p.min_gpu_memory_bytes)}, "
-            f"selector {_labels(p.selector) or '-'}; {decl.replicas} replica(s) wanted"
+            f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model)} replica(s) wanted"
         )
     lines.append("nodes at that point:")
     usage = placement.Usage(st, rec.model)
