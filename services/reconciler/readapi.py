@@ -14,6 +14,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw import contracts as c
+from llmgw import subjects
 
 from . import store
 from . import tables as t
@@ -273,15 +274,49 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
     replicas_now = await _replicas_with_shards(conn, model)
     if declared is None and not decisions and not replicas_now:
         return None
+    autoscaled = declared[0].get("autoscale") if declared else None
+    history = await scaling_history(conn, model)
+    desired = declared[0]["replicas"] if declared else 0
+    if autoscaled is not None:
+        spec = msgspec.convert(autoscaled, c.AutoscaleSpec)
+        # The folded rule (ClusterState.desired_replicas): the latest decision within bounds.
+        latest = history[-1]["to_replicas"] if history else spec.min
+        desired = min(spec.max, max(spec.min, latest))
     return {
         "model": model,
         "declared": declared is not None,
-        "desired_replicas": declared[0]["replicas"] if declared else 0,
+        "desired_replicas": desired,
+        "autoscale": autoscaled,
+        "scaling": history,
         "profile": declared[0]["profile"] if declared else None,
         "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
     }
+
+
+async def scaling_history(
+    conn: AsyncConnection, model: str, limit: int = 50
+) -> list[dict[str, Any]]:
+    """The autoscaler's latest decisions for `model`, oldest first, from the archive."""
+    q = (
+        select(t.ArchivedEvent.seq, t.ArchivedEvent.payload)
+        .where(t.ArchivedEvent.subject == subjects.control_event("scale", model))
+        .order_by(t.ArchivedEvent.seq.desc())
+        .limit(limit)
+    )
+    out = []
+    for row in reversed(await _rows(conn, q)):
+        try:
+            ev = c.decode(row["payload"], c.ModelScaled)
+        except c.ContractError:
+            continue
+        if ev.model != model:  # another name mapped to the same subject token
+            continue
+        item = msgspec.to_builtins(ev)
+        item["seq"] = row["seq"]
+        out.append(item)
+    return out
 
 
 async def status(conn: AsyncConnection) -> dict[str, Any]:

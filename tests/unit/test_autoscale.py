@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from llmgw import contracts as c
-from llmgw.reconciler import autoscale, fold
+from llmgw.opcli import explain
+from llmgw.reconciler import autoscale, fold, replay
 from llmgw.reconciler.autoscale import FROM_ZERO, SCALE_DOWN, SCALE_UP
 from llmgw.reconciler.state import ClusterState
 
@@ -209,3 +211,41 @@ def test_replay_check_catches_a_decision_the_rule_would_not_make():
         **{**{f: getattr(ev, f) for f in ev.__struct_fields__}, "sustained_seconds": 2.0}
     )
     assert any("needs 10 s" in d for d in autoscale.check(before, hasty))
+
+
+def test_audit_replay_rederives_scaling_decisions_from_the_log():
+    m = Model()
+    m.run(11, demand=16)  # 1 -> 3
+    m.run(40, demand=4)  # load 4/24: down to ceil(3 * 0.1667 / 0.64) = 1
+    assert [e.to_replicas for e in m.fired] == [3, 1]
+    log = [(1, c.ModelDeclared(name="m", replicas=1, autoscale=SPEC))]
+    log += [(i + 2, ev) for i, ev in enumerate(m.fired)]
+    result = replay.replay(log)
+    assert len(result.scaling) == 2 and result.differing() == []
+    assert result.state.desired_replicas("m") == 1
+    # A decision taken before the cool-down had passed is caught.
+    early = msgspec.structs.replace(m.fired[1], ts=m.fired[0].ts + 5)
+    result = replay.replay([*log[:2], (3, early)])
+    (bad,) = result.differing()
+    assert any("cool-down: 5.0 s" in d for d in bad.differences)
+    assert any("DIFFERS" in line for line in replay.render(result))
+
+
+def test_explain_shows_the_scaling_history():
+    m = Model()
+    m.run(11, demand=16)
+    data = {
+        "model": "m",
+        "declared": True,
+        "desired_replicas": 3,
+        "profile": {"engine": "sim"},
+        "autoscale": msgspec.to_builtins(SPEC),
+        "scaling": [dict(msgspec.to_builtins(m.fired[0]), seq=7)],
+        "decisions": [],
+        "replicas": [],
+    }
+    text = "\n".join(explain.render(data))
+    assert "m: 3 replica(s) wanted" in text
+    assert "autoscaled: 1 to 6 replica(s), target load 0.8" in text
+    assert "seq 7: scaled 1 → 3 at " in text
+    assert "load 2.00 over target 0.8 for 10 s" in text
