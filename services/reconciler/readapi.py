@@ -132,6 +132,10 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
         n = counts.setdefault(rep["model"], {"active": 0, "ready": 0})
         n["active"] += 1
         n["ready"] += rep["state"] == "ready"
+    scaled = {
+        r["model"]: r["to_replicas"]
+        for r in await _rows(conn, select(t.ModelScaling.model, t.ModelScaling.to_replicas))
+    }
     out = []
     for row in await _rows(conn, select(t.Model.__table__).order_by(t.Model.name)):
         n = counts.get(row["name"], {"active": 0, "ready": 0})
@@ -140,7 +144,8 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "name": row["name"],
                 "aliases": row["aliases"],
                 "fallbacks": row["fallbacks"],
-                "replicas": row["replicas"],
+                "replicas": _desired(row, scaled.get(row["name"])),
+                "autoscale": row["autoscale"],
                 "active_replicas": n["active"],
                 "ready_replicas": n["ready"],
                 "engine": row["profile"].get("engine", ""),
@@ -151,6 +156,15 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _desired(model_row: dict[str, Any], scaled_to: int | None) -> int:
+    """The desired count as the fold has it (ClusterState.desired_replicas)."""
+    if model_row.get("autoscale") is None:
+        return model_row["replicas"]
+    spec = msgspec.convert(model_row["autoscale"], c.AutoscaleSpec)
+    n = scaled_to if scaled_to is not None else spec.min
+    return min(spec.max, max(spec.min, n))
 
 
 async def replicas(conn: AsyncConnection) -> list[dict[str, Any]]:
@@ -276,12 +290,8 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         return None
     autoscaled = declared[0].get("autoscale") if declared else None
     history = await scaling_history(conn, model)
-    desired = declared[0]["replicas"] if declared else 0
-    if autoscaled is not None:
-        spec = msgspec.convert(autoscaled, c.AutoscaleSpec)
-        # The folded rule (ClusterState.desired_replicas): the latest decision within bounds.
-        latest = history[-1]["to_replicas"] if history else spec.min
-        desired = min(spec.max, max(spec.min, latest))
+    latest = history[-1]["to_replicas"] if history else None
+    desired = _desired(declared[0], latest) if declared else 0
     return {
         "model": model,
         "declared": declared is not None,

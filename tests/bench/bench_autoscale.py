@@ -114,7 +114,12 @@ async def sample(api: str, timeline: list, stop: asyncio.Event) -> None:
                 await asyncio.sleep(1)
                 continue
             rows = ck._list(replicas)
-            holding = sum(r.get("model") == "auto" and r.get("state") in HOLDING for r in rows)
+            # A replica holds its GPU until its shard stops: retired and draining counts too.
+            holding = sum(
+                r.get("model") == "auto"
+                and any(sh.get("state") in HOLDING for sh in r.get("shards", []))
+                for r in rows
+            )
             ready = 0
             for row in ck._list(endpoints):
                 if row.get("model") == "auto":
