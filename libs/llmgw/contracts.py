@@ -50,6 +50,8 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fie
     # Set on each concrete class: who publishes it and what it is for (AsyncAPI).
     publisher: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # Events only: the kind token of their subject (llmgw.evt.<channel>.<kind>...).
+    subject_kind: ClassVar[str] = ""
 
 
 # ---------------------------------------------------------------- inventory
@@ -131,6 +133,7 @@ class ShardInfo(msgspec.Struct, kw_only=True):
 
 class NodeRegistered(Message, kw_only=True, tag="node.registered"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "registered"
     summary: ClassVar[str] = (
         "An agent (re)connected: its full inventory, labels and running shards."
     )
@@ -157,6 +160,7 @@ class Heartbeat(Message, kw_only=True, tag="node.heartbeat"):
 
 class ShardStatus(Message, kw_only=True, tag="shard.status"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "shard"
     summary: ClassVar[str] = (
         "A shard moved to a new state (with exit code and output tail on failure)."
     )
@@ -221,6 +225,7 @@ class AutoscaleSpec(msgspec.Struct, kw_only=True):
 
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model is (re)declared in the catalog with its serving profile."
 
     name: str
@@ -237,6 +242,7 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model left the catalog: its shards drain and stop."
 
     name: str
@@ -250,6 +256,7 @@ class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant is (re)declared: band, quotas and API key hashes."
 
     name: str
@@ -260,6 +267,7 @@ class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
 
 class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant left the catalog; its keys stop working."
 
     name: str
@@ -276,6 +284,7 @@ class Band(msgspec.Struct, kw_only=True):
 
 class BandsDeclared(Message, kw_only=True, tag="catalog.bands.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "bands"
     summary: ClassVar[str] = "The priority bands, highest priority first."
 
     bands: list[Band]
@@ -313,6 +322,7 @@ class ShardAssignment(msgspec.Struct, kw_only=True):
 
 class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica was placed; the explanation covers every candidate node."
 
     model: str
@@ -330,6 +340,7 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
 
 class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica could not be placed; each node's reason is recorded."
 
     model: str
@@ -343,6 +354,7 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
 
 class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = (
         "A replica is no longer wanted (scale down, model removed): drain then stop."
     )
@@ -368,6 +380,7 @@ class ScaleSignals(msgspec.Struct, kw_only=True):
 
 class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "scale"
     summary: ClassVar[str] = (
         "The autoscaler changed a model's replica count; the signals and the rule are recorded."
     )
@@ -385,6 +398,7 @@ class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
 
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for unreachable_after seconds."
 
     node: str
@@ -394,6 +408,7 @@ class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
 
 class NodeLost(Message, kw_only=True, tag="control.node.lost"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for lost_after seconds: its shards count as gone."
 
     node: str
@@ -403,6 +418,7 @@ class NodeLost(Message, kw_only=True, tag="control.node.lost"):
 
 class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "Heartbeats returned from an unreachable or lost node."
 
     node: str
@@ -565,45 +581,42 @@ class RouterPresence(Message, kw_only=True, tag="presence.router"):
 
 # ---------------------------------------------------------------- codec
 
-AgentEvent = Union[NodeRegistered, ShardStatus]
-CatalogEvent = Union[ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared]
-ControlEvent = Union[
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    ModelScaled,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-]
-Command = Union[StartShard, StopShard, DrainShard]
+# Which messages travel together, by channel: the one table that the unions below,
+# ALL_MESSAGES, subjects.subject_for and the AsyncAPI channels are derived from. A new
+# message goes here (and its channel's address into llmgw.subjects), nowhere else.
+CHANNELS: dict[str, tuple[type[Message], ...]] = {
+    "agentEvents": (NodeRegistered, ShardStatus),
+    "catalogEvents": (ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared),
+    "controlEvents": (
+        PlacementDecided,
+        PlacementFailed,
+        ReplicaRetired,
+        ModelScaled,
+        NodeUnreachable,
+        NodeLost,
+        NodeRecovered,
+    ),
+    "heartbeats": (Heartbeat,),
+    "commands": (StartShard, StopShard, DrainShard),
+    "loadSamples": (LoadSample,),
+    "endpointProjection": (ModelEndpoints,),
+    "tenantProjection": (TenantRecord, BandsRecord),
+    "routerPresence": (RouterPresence,),
+    "demandSummaries": (DemandSummary,),
+}
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    NodeRegistered,
-    Heartbeat,
-    ShardStatus,
-    ModelDeclared,
-    ModelRemoved,
-    TenantDeclared,
-    TenantRemoved,
-    BandsDeclared,
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    ModelScaled,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-    StartShard,
-    StopShard,
-    DrainShard,
-    LoadSample,
-    ModelEndpoints,
-    TenantRecord,
-    BandsRecord,
-    RouterPresence,
-    DemandSummary,
-)
+
+def _union(channel: str) -> Any:
+    return Union[CHANNELS[channel]]  # type: ignore[valid-type]
+
+
+AgentEvent = _union("agentEvents")
+CatalogEvent = _union("catalogEvents")
+ControlEvent = _union("controlEvents")
+Command = _union("commands")
+
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(m for ms in CHANNELS.values() for m in ms)
+CHANNEL_OF: dict[type[Message], str] = {m: ch for ch, ms in CHANNELS.items() for m in ms}
 
 AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]
 EventMessage = Union[AgentEvent, CatalogEvent, ControlEvent]

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
+from llmgw.verdicttext import group_line
 
 from . import autoscale, fold, placement, reconcile, verdicts
 from .state import ClusterState
@@ -146,15 +147,13 @@ def _compare_groups(
         b, a = before.get(first), after.get(first)
         if b is None or a is None:
             side = "recorded" if a is None else "now"
-            diffs.append(f"group {side} only: {verdicts.group_line(b or a)}")
+            diffs.append(f"group {side} only: {group_line(b or a)}")
         elif (b.fits, b.count, b.nodes) != (a.fits, a.count, a.nodes):
-            diffs.append(f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}")
+            diffs.append(f"group: recorded {group_line(b)}, now {group_line(a)}")
         elif b.digest != a.digest:
-            diffs.append(f"group: same size, other members now: {verdicts.group_line(a)}")
+            diffs.append(f"group: same size, other members now: {group_line(a)}")
         elif (b.kind, b.reason, b.same) != (a.kind, a.reason, a.same):
-            wording.append(
-                f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}"
-            )
+            wording.append(f"group: recorded {group_line(b)}, now {group_line(a)}")
     return diffs, wording
 
 
@@ -345,7 +344,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         )
     lines.append("recorded verdicts:")
     lines += [f"  {v.node}: {v.reason}" for v in rec.verdicts]
-    lines += [f"  {verdicts.group_line(g)}" for g in rec.verdict_groups]
+    lines += [f"  {group_line(g)}" for g in rec.verdict_groups]
     lines.append(f"recorded:   {outcome(rec)}")
     if inp.derived is not None:
         lines.append(f"re-derived: {outcome(inp.derived)}")

@@ -19,7 +19,7 @@ import msgspec
 
 from llmgw import contracts as c
 from llmgw.opcli import apiclient
-from llmgw.reconciler.verdicts import group_line
+from llmgw.verdicttext import group_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
