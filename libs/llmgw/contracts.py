@@ -566,6 +566,9 @@ class DemandSummary(Message, kw_only=True, tag="demand.summary"):
     )
 
     router_id: str
+    # The worker process (pid): the workers of one router share its id but each sees
+    # its own requests, so the leader keeps a summary per (router_id, process).
+    process: int = 0
     models: dict[str, ModelDemand] = msgspec.field(default_factory=dict)
 
 

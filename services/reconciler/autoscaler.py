@@ -55,7 +55,8 @@ class AutoscaleController:
     ):
         self.cfg = cfg or AutoscaleConfig()
         self.clock = clock  # wall clock: event times are wall times, cool-downs compare them
-        self.summaries: dict[str, tuple[float, c.DemandSummary]] = {}  # router -> (arrived, s)
+        # (router id, worker process) -> (arrival, latest summary)
+        self.summaries: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
         self.tracks: dict[str, autoscale.Track] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
 
@@ -91,12 +92,12 @@ class AutoscaleController:
             log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
             return
         SUMMARIES.labels("ok").inc()
-        self.summaries[summary.router_id] = (self.clock(), summary)
+        self.summaries[(summary.router_id, summary.process)] = (self.clock(), summary)
 
     def signals(self, state: ClusterState, now: float) -> dict[str, c.ScaleSignals]:
         """Combined signals per autoscaled model, from the summaries still fresh."""
-        for rid in [r for r, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
-            del self.summaries[rid]
+        for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
+            del self.summaries[key]
         live = [summary for _, summary in self.summaries.values()]
         if not live:
             return {}  # no router speaks: nothing is known, nothing is decided

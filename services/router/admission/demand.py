@@ -18,6 +18,7 @@ Each router sees only its share of the requests; the leader adds them up.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from llmgw import contracts as c
@@ -61,4 +62,4 @@ def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummar
         route = view.route(name)
         if route is not None:
             models[name] = model_demand(controller, name, route.endpoints, now)
-    return c.DemandSummary(router_id=router_id, models=models)
+    return c.DemandSummary(router_id=router_id, process=os.getpid(), models=models)

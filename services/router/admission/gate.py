@@ -95,6 +95,9 @@ class AdmissionGate:
         )
         cold = self.settings.enabled and _cold(route)
         if cold and route.unplaceable:
+            c = self.controller
+            band = c.bands[min(tenant.band, len(c.bands) - 1)].name
+            c.metrics.rejected(band, tenant.name, "no_replica")
             raise no_replica(route.name, route.unplaceable, UNPLACEABLE_RETRY_AFTER)
         ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens, cold=cold)
         if ticket.state == QUEUED:
