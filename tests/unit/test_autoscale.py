@@ -249,3 +249,29 @@ def test_explain_shows_the_scaling_history():
     assert "autoscaled: 1 to 6 replica(s), target load 0.8" in text
     assert "seq 7: scaled 1 → 3 at " in text
     assert "load 2.00 over target 0.8 for 10 s" in text
+
+
+def test_explain_says_when_placement_cannot_meet_a_scale_up():
+    data = {
+        "model": "m",
+        "declared": True,
+        "desired_replicas": 4,
+        "profile": {"engine": "sim"},
+        "autoscale": msgspec.to_builtins(SPEC),
+        "scaling": [],
+        "decisions": [
+            {
+                "seq": 9,
+                "replica_id": "m-r3",
+                "based_on_seq": 8,
+                "outcome": "failed",
+                "explanation": "m-r3 cannot be placed: no node fits (0 of 1 node fit)",
+            }
+        ],
+        "replicas": [
+            {"replica_id": "m-r1", "state": "ready", "retired": False},
+            {"replica_id": "m-r2", "state": "ready", "retired": False},
+        ],
+    }
+    text = "\n".join(explain.render(data))
+    assert "only 2 of 4 placed: m-r3 cannot be placed: no node fits" in text

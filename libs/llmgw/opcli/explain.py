@@ -88,6 +88,13 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
         lines.append("  no scaling decision yet: at min until demand says otherwise")
     for ev in history[-SCALING_SHOWN:]:
         lines.append(f"  seq {ev['seq']}: {ev.get('explanation') or ev['rule']}")
+    # A scale-up placement could not meet: say so here, next to the decision.
+    active = sum(1 for r in data.get("replicas") or [] if not r.get("retired"))
+    wanted = data.get("desired_replicas", 0)
+    failed = [d for d in data.get("decisions") or [] if d.get("outcome") == "failed"]
+    if active < wanted and failed:
+        last = max(failed, key=lambda d: d["seq"])
+        lines.append(f"  only {active} of {wanted} placed: {last.get('explanation', '')}")
     return lines
 
 
