@@ -376,6 +376,8 @@ class ScaleSignals(msgspec.Struct, kw_only=True):
     capacity: int = 0  # batch slots of the ready replicas (learned or declared)
     ready: int = 0  # ready replicas the routers route to
     routers: int = 0  # routers whose summaries were combined
+    capacity_declared: bool = True  # every router saw a declared batch size on every replica
+    waiting: int = 0  # waiting in the engines' own queues (their load samples)
 
 
 class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
@@ -557,6 +559,10 @@ class ModelDemand(msgspec.Struct, kw_only=True):
     saturation: float = 0.0  # as admission computes it, before clamping to 1
     capacity: int = 0  # batch slots of the ready endpoints (whole engines, not a share)
     ready: int = 0  # ready endpoints
+    # Every ready endpoint declares its batch size (max_running); False: some capacity is
+    # only learned, the most the engine has run so far, which says nothing of what it could.
+    capacity_declared: bool = True
+    waiting: int = 0  # requests the engines' latest fresh load samples show waiting
 
 
 class DemandSummary(Message, kw_only=True, tag="demand.summary"):

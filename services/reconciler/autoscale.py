@@ -12,7 +12,10 @@ queues, so a fleet at 95% of its batch capacity would look idle and shrink
 until it queued again (flapping).
 
 - load > target: scale up to ceil(ready * load / target), at least one more,
-  at most max, once it held for `scale_up_after_seconds`. Not while an earlier
+  at most max, once it held for `scale_up_after_seconds`. With a capacity only
+  learned (no declared max_num_seqs), only while something waits (in admission
+  or in the engines' queues): the most an engine has run is not all it could
+  run. Not while an earlier
   scale-up is still arriving (fewer replicas ready than desired): the load of
   the ready ones says nothing yet, and a scale-up that placement cannot meet
   (no free GPU: PlacementFailed says why) is not asked for again.
@@ -83,6 +86,10 @@ def propose(spec: c.AutoscaleSpec, desired: int, sig: c.ScaleSignals) -> Proposa
     if sig.load > spec.target:
         if sig.ready < desired:
             return None  # the last scale-up is still arriving (or cannot be placed)
+        if not sig.capacity_declared and sig.queued + sig.waiting == 0:
+            # A learned capacity is the most the engines have run so far: at that level
+            # they may have room to spare. Only a queue says they are full.
+            return None
         to = min(spec.max, max(desired + 1, _ceil(sig.ready * sig.load / spec.target)))
         return Proposal(SCALE_UP, to, spec.scale_up_after_seconds) if to > desired else None
     low = spec.target * (1 - spec.tolerance)
@@ -122,16 +129,19 @@ def step(
 def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
     """One model's demand over the live routers' latest summaries.
 
-    Counts add up (each router sees its share of the requests); capacity and
-    ready replicas are the same engines seen from every router, so the largest
-    report is taken (a router that has not learned a capacity yet reports less);
+    Counts add up (each router sees its share of the requests); capacity, ready
+    replicas and the engines' own waiting counts are the same engines seen from
+    every router, so the largest report is taken (a router that has not learned
+    a capacity yet reports less); capacity is declared only if every router
+    that sees a ready replica says so;
     saturation is the mean over all routers, a router without the model at 0
     (each router judges its share of the capacity against its share of the work).
     """
     routers = 0
-    in_flight = queued = capacity = ready = 0
+    in_flight = queued = capacity = ready = waiting = 0
     oldest = 0.0
     saturation = 0.0
+    declared = True
     for summary in summaries:
         routers += 1
         d = summary.models.get(model)
@@ -143,6 +153,9 @@ def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
             oldest = max(oldest, band.oldest_wait_seconds)
         capacity = max(capacity, d.capacity)
         ready = max(ready, d.ready)
+        waiting = max(waiting, d.waiting)
+        if d.ready:
+            declared = declared and d.capacity_declared
         saturation += d.saturation
     demand = in_flight + queued
     return c.ScaleSignals(
@@ -154,6 +167,8 @@ def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
         capacity=capacity,
         ready=ready,
         routers=routers,
+        capacity_declared=declared,
+        waiting=waiting,
     )
 
 
@@ -168,9 +183,11 @@ def explanation(ev: c.ModelScaled, spec: c.AutoscaleSpec) -> str:
     else:
         low = spec.target * (1 - spec.tolerance)
         why = f"load {s.load:.2f} under {low:.2f} (target {spec.target:g} less {spec.tolerance:.0%}) {held}"
+    learned = "" if s.capacity_declared else " learned"
     detail = (
         f" (saturation {s.saturation:.2f}, {s.in_flight} in flight, {s.queued} queued, "
-        f"{s.ready} ready of capacity {s.capacity}, {s.routers} router(s))"
+        f"{s.waiting} waiting in engines, {s.ready} ready of{learned} capacity {s.capacity}, "
+        f"{s.routers} router(s))"
     )
     return head + why + detail
 

@@ -13,6 +13,7 @@ from llmgw.contracts import EndpointState
 from llmgw.router.admission import AdmissionGate, AdmissionRejected, AdmissionSettings
 from llmgw.router.admission.controller import GRANTED
 from llmgw.router.admission.demand import model_demand
+from llmgw.router.load import Load
 
 
 class Clock:
@@ -133,5 +134,13 @@ async def test_demand_counts_in_flight_and_capacity_of_ready_endpoints():
     draining = Ep("e3")
     draining.state = EndpointState.DRAINING
     d = model_demand(g.controller, "m", (*eps, draining), clock())
-    assert (d.in_flight, d.ready, d.capacity) == (3, 2, 8)
-    assert d.queued == {}
+    assert (d.in_flight, d.ready, d.capacity, d.capacity_declared) == (3, 2, 8, True)
+    assert d.queued == {} and d.waiting == 0
+    # An engine without a declared batch size, whose fresh sample shows a queue.
+    learned = Ep("e4")
+    learned.spec = contracts.Endpoint(id="e4", url="http://e4")
+    learned.load = Load(waiting=5, running=2, kv_usage=0.1, at=clock())
+    d = model_demand(g.controller, "m", (*eps, learned), clock())
+    assert (d.capacity_declared, d.waiting) == (False, 5)
+    learned.load = Load(waiting=5, running=2, kv_usage=0.1, at=clock() - 60)  # stale
+    assert model_demand(g.controller, "m", (*eps, learned), clock()).waiting == 0

@@ -275,3 +275,26 @@ def test_explain_says_when_placement_cannot_meet_a_scale_up():
     }
     text = "\n".join(explain.render(data))
     assert "only 2 of 4 placed: m-r3 cannot be placed: no node fits" in text
+
+
+def test_a_learned_capacity_scales_up_only_while_requests_wait():
+    full = sig(1, 8)  # 8 in flight on 8 slots: load 1.0
+    learned = msgspec.structs.replace(full, capacity_declared=False)
+    assert autoscale.propose(SPEC, 1, full).rule == SCALE_UP
+    # The engine has run 8 at most so far: that may be all it was asked, not all it can.
+    assert autoscale.propose(SPEC, 1, learned) is None
+    queueing = msgspec.structs.replace(learned, waiting=3, load=11 / 8)
+    assert autoscale.propose(SPEC, 1, queueing).rule == SCALE_UP
+
+
+def test_combine_takes_the_engines_waiting_once_and_declared_only_if_all_say_so():
+    def summary(router, declared, waiting):
+        d = c.ModelDemand(
+            in_flight=2, capacity=8, ready=1, capacity_declared=declared, waiting=waiting
+        )
+        return c.DemandSummary(router_id=router, models={"m": d})
+
+    got = autoscale.combine([summary("r1", True, 3), summary("r2", False, 2)], "m")
+    assert (got.waiting, got.capacity_declared) == (3, False)
+    got = autoscale.combine([summary("r1", True, 0), c.DemandSummary(router_id="r2")], "m")
+    assert got.capacity_declared

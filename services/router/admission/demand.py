@@ -11,7 +11,9 @@ about once a second on core NATS (presence.py). Per model:
 - saturation: the pool's saturation as admission computes it, unclamped;
 - capacity and ready: the ready endpoints and their batch slots, as learned
   from load samples or declared (whole engines: the leader takes them once,
-  not once per router).
+  not once per router), and whether every one was declared;
+- waiting: what the engines' fresh load samples show waiting in their own
+  queues (whole engines too).
 
 Each router sees only its share of the requests; the leader adds them up.
 """
@@ -43,12 +45,17 @@ def model_demand(controller: Controller, model: str, endpoints: Any, now: float)
             oldest = queue.oldest()
             wait = now - oldest.created if oldest is not None else 0.0
             queued[band.name] = c.BandDemand(queued=queue.depth, oldest_wait_seconds=round(wait, 3))
+    fresh = now - detector.stale_after
     return c.ModelDemand(
         in_flight=in_flight,
         queued=queued,
         saturation=round(detector.unclamped(pool, now), 4),
         capacity=sum(detector.capacity(ep) for ep in ready),
         ready=len(ready),
+        capacity_declared=all(ep.spec.max_running for ep in ready),
+        waiting=sum(
+            int(ep.load.waiting) for ep in ready if ep.load is not None and ep.load.at >= fresh
+        ),
     )
 
 
