@@ -305,6 +305,20 @@ def _part(text: str, logprobs: list | None) -> dict:
     return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
 
 
+def _stream_logprobs(entries: list | None) -> list:
+    """A delta's logprobs are the delta event's type: no `bytes`, as vLLM sends them."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]
+            ],
+        }
+        for e in entries or ()
+    ]
+
+
 class EventEncoder:
     """The typed events of one streamed response, numbered in order."""
 
@@ -360,7 +374,7 @@ class EventEncoder:
                     "content_index": 0,
                     "delta": piece,
                     "item_id": resp.item_id,
-                    "logprobs": resp.logprobs(i, i + 1) or [],
+                    "logprobs": _stream_logprobs(resp.logprobs(i, i + 1)),
                     "output_index": 0,
                 }
                 events.append(self._event("response.output_text.delta", body))
@@ -387,7 +401,8 @@ class EventEncoder:
                 events.append(
                     self._event(
                         "response.output_text.done",
-                        {**ids, "logprobs": lps or [], "output_index": 0, "text": text},
+                        # vLLM leaves these empty; the part below carries them.
+                        {**ids, "logprobs": [], "output_index": 0, "text": text},
                     )
                 )
                 events.append(
