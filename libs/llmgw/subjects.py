@@ -92,7 +92,12 @@ def node_of_subject(subject: str) -> str | None:
 
 
 def _control_event(msg: c.Message) -> str:
-    ident = msg.node if msg.subject_kind == "node" else msg.replica_id  # type: ignore[attr-defined]
+    if msg.subject_kind == "term":
+        ident = str(msg.term)  # type: ignore[attr-defined]
+    elif msg.subject_kind == "node":
+        ident = msg.node  # type: ignore[attr-defined]
+    else:
+        ident = msg.replica_id  # type: ignore[attr-defined]
     return control_event(msg.subject_kind, ident)
 
 

@@ -32,7 +32,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from llmgw import contracts as c
 from llmgw import subjects as s
 
-from .fold import Change
+from .changes import Change
 from .state import ClusterState
 
 log = logging.getLogger(__name__)

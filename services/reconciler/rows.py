@@ -21,7 +21,7 @@ from sqlalchemy import Table
 from llmgw import contracts as c
 
 from . import tables as t
-from .fold import Change
+from .changes import Change
 from .state import ClusterState, NodeView, ReplicaView, ShardView
 
 Row = dict[str, Any]
@@ -166,6 +166,8 @@ def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
         if kind == "bands":
             bands = True
             continue
+        if kind == "term":
+            continue  # stored with the position (store.write_batch), not in a table
         if kind not in PROJECTIONS:
             raise ValueError(f"change kind {kind!r} has no projection table (see rows.py)")
         keys.setdefault(kind, set()).add(key)
