@@ -23,9 +23,7 @@ BANDS: Kind = "bands"  # key "": the bands are one declaration
 FAILURE: Kind = "failure"  # key: a replica id not placed yet
 TERM: Kind = "term"  # key: the leader term, as text
 
-KINDS: frozenset[Kind] = frozenset(
-    (NODE, SHARD, REPLICA, MODEL, TENANT, BANDS, FAILURE, TERM)
-)
+KINDS: frozenset[Kind] = frozenset((NODE, SHARD, REPLICA, MODEL, TENANT, BANDS, FAILURE, TERM))
 
 
 class Change(NamedTuple):

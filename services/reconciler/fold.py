@@ -58,8 +58,7 @@ def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set
     owned = [
         sh
         for sh in ev.shards
-        if (known := state.shards.get(sh.shard_id)) is None
-        or known.node in ("", ev.node)
+        if (known := state.shards.get(sh.shard_id)) is None or known.node in ("", ev.node)
     ]
     reported = {sh.shard_id: sh for sh in owned}
     for info in owned:

@@ -16,7 +16,6 @@ import msgspec
 
 from llmgw import contracts as c
 
-
 # The reason a shard of a lost node carries: its replica is replaced, but the shard
 # itself said nothing about its profile (replacement back-off ignores it).
 NODE_LOST = "node lost"
