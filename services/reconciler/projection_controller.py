@@ -31,7 +31,7 @@ class ProjectionController(Controller):
     def __init__(self, ctx: Context, cfg):
         super().__init__(ctx)
         self.resync = cfg.projection_resync_interval
-        self.projection = KvProjection(ctx.js)
+        self.projection = KvProjection(ctx.js, term=ctx.term)
         self._full_due = 0.0  # monotonic: the first pass is a full resync
 
     async def start(self) -> None:

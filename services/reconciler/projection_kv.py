@@ -155,11 +155,16 @@ def comparable(record: c.Message) -> bytes:
     return c.encode(msgspec.structs.replace(record, **fields))
 
 
+class Superseded(RuntimeError):
+    """A newer leader wrote the key: this one must not overwrite it."""
+
+
 class KvProjection:
     """Writes the projection to KV; remembers what it wrote to skip unchanged keys."""
 
-    def __init__(self, js: JetStreamContext):
+    def __init__(self, js: JetStreamContext, term: int = 0):
         self.js = js
+        self.term = term  # the leader term writing: a key of a newer term is not ours
         self._kv: dict[str, object] = {}
         self._written: dict[tuple[str, str], bytes] = {}  # (bucket, kv key) -> comparable
         self._rev: dict[tuple[str, str], int] = {}  # (bucket, kv key) -> revision we saw
@@ -182,22 +187,23 @@ class KvProjection:
             except NoKeysError:
                 continue
             for key in keys:
-                body, rev = await self._read(kv, key)
+                body, rev, _ = await self._read(kv, key)
                 if rev is not None:
                     written[(bucket, key)] = body
                     revs[(bucket, key)] = rev
         self._written, self._rev = written, revs
 
-    async def _read(self, kv, key: str) -> tuple[bytes, int | None]:
-        """(comparable, revision) of what a key holds; revision None: it holds nothing."""
+    async def _read(self, kv, key: str) -> tuple[bytes, int | None, int]:
+        """(comparable, revision, leader term) of what a key holds; revision None: nothing."""
         try:
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):
-            return b"", None
+            return b"", None, 0
         try:
-            return comparable(c.decode(entry.value or b"")), entry.revision
+            record = c.decode(entry.value or b"")
         except c.ContractError:
-            return b"?", entry.revision  # unreadable: rewrite or delete it
+            return b"?", entry.revision, 0  # unreadable: rewrite or delete it
+        return comparable(record), entry.revision, getattr(record, "term", 0)
 
     def full_plan(self, state: ClusterState) -> list[tuple[tuple[str, str], c.Message | None]]:
         """Every key the state projects, and a delete of every other key we know of. Pure."""
@@ -248,7 +254,8 @@ class KvProjection:
                 # Someone else wrote it (an old leader's late put, an operator): look again.
                 self.conflicts += 1
                 log.warning("KV key %s/%s changed behind us: re-reading it", *target)
-                found, seen = await self._read(kv, target[1])
+                found, seen, term = await self._read(kv, target[1])
+                self._check_not_superseded(target, term)
                 if seen is None:
                     self._rev.pop(target, None)
                 else:
@@ -263,6 +270,13 @@ class KvProjection:
             return
         raise RuntimeError(f"KV key {target[0]}/{target[1]} keeps changing behind us")
 
+    def _check_not_superseded(self, target: tuple[str, str], term: int) -> None:
+        if term > self.term:
+            raise Superseded(
+                f"KV key {target[0]}/{target[1]} was written by leader term {term}; "
+                f"this leader's term is {self.term}: not overwriting it"
+            )
+
     async def _delete(self, target: tuple[str, str]) -> None:
         if target not in self._written:
             return
@@ -271,7 +285,10 @@ class KvProjection:
             await kv.delete(target[1], last=self._rev.get(target))
         except KeyWrongLastSequenceError:
             self.conflicts += 1
-            await kv.delete(target[1])  # whatever is there now must go as well
+            _, seen, term = await self._read(kv, target[1])
+            self._check_not_superseded(target, term)
+            if seen is not None:
+                await kv.delete(target[1], last=seen)  # what is there now must go as well
         del self._written[target]
         self._rev.pop(target, None)
         self.writes += 1
