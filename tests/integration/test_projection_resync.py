@@ -10,7 +10,6 @@ from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler.actor import Actor
-from llmgw.reconciler.projection_kv import KvProjection, Superseded, model_record
 from llmgw.reconciler.state import ClusterState
 from tests.integration.test_control_loop import FAST, Cluster, Leader, ready_urls, wait_kv
 
@@ -53,6 +52,8 @@ async def test_a_late_foreign_write_and_a_deleted_key_are_repaired(cluster):
 
 
 async def test_a_deposed_leader_never_overwrites_a_newer_leaders_record(nats):
+    from llmgw.reconciler.projection_kv import KvProjection, Superseded, model_record
+
     js = nats.jetstream()
     await bus.provision(js)
     state = ClusterState(last_seq=10, term=1)
