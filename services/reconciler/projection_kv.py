@@ -32,6 +32,7 @@ recreated empty).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import msgspec
 from nats.js import JetStreamContext
@@ -45,6 +46,7 @@ from nats.js.errors import (
 from llmgw import contracts as c
 from llmgw import subjects as s
 
+from . import changes as ch
 from .changes import Change
 from .state import ClusterState
 
@@ -120,20 +122,21 @@ def all_keys(state: ClusterState) -> dict[tuple[str, str], Key]:
     return out
 
 
-def affected(state: ClusterState, changes: set[Change]) -> set[Key]:
+def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
     """The records a batch of fold changes can touch."""
     out: set[Key] = set()
-    for kind, key in changes:  # a Change, or a plain pair from older callers
+    for change in changes:
+        kind, key = change
         model = None
-        if kind == "model":
+        if kind == ch.MODEL:
             model = key
-        elif kind == "shard" and key in state.shards:
+        elif kind == ch.SHARD and key in state.shards:
             model = state.shards[key].model
-        elif kind == "replica" and key in state.replicas:
+        elif kind == ch.REPLICA and key in state.replicas:
             model = state.replicas[key].model
-        elif kind == "tenant":
+        elif kind == ch.TENANT:
             out.add((s.TENANTS_BUCKET, key))
-        elif kind == "bands":
+        elif kind == ch.BANDS:
             out.add((s.TENANTS_BUCKET, s.BANDS_KEY))
         if model is not None:
             out.add((s.ENDPOINTS_BUCKET, model))
