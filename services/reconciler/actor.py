@@ -105,10 +105,12 @@ class Actor:
         cfg: ActorConfig | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         controllers: tuple[ControllerFactory, ...] | None = None,
     ):
         self.cfg = cfg or ActorConfig()
-        self.clock = clock
+        self.clock = clock  # wall clock: stamps events and commands, never measures time
+        self.monotonic = monotonic  # measures: silence, retries, back-off, waits
         self.factories = CONTROLLERS if controllers is None else controllers
         self.ctx: Context | None = None
         self.controllers: list[Controller] = []
@@ -150,6 +152,7 @@ class Actor:
             term=term,
             gate=gate or CommitGate(),
             clock=self.clock,
+            monotonic=self.monotonic,
             synced_seq=synced_seq,
             state=state,
         )

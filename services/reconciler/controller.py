@@ -75,7 +75,8 @@ class Context:
     js: JetStreamContext
     term: int
     gate: CommitGate
-    clock: Callable[[], float]
+    clock: Callable[[], float]  # wall clock: stamps events and commands, never measures
+    monotonic: Callable[[], float] = time.monotonic  # measures: silence, retries, waits
     synced_seq: int = 0  # the fold must reach this seq before anyone acts
     state: ClusterState = field(default_factory=ClusterState)
     # node -> its latest heartbeat (written by the liveness controller, read by others).

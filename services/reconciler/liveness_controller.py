@@ -48,11 +48,12 @@ class LivenessController(Controller):
         super().__init__(ctx)
         self.cfg = cfg
         self.resync = cfg.liveness_tick
-        self.clock = ctx.clock  # wall clock: stored heartbeat times are wall times
+        self.clock = ctx.clock  # wall: stamps the events, says when a node was last heard
+        self.monotonic = ctx.monotonic  # measures silence: a wall-clock step must not
         self.tracker = LivenessTracker(
             cfg.unreachable_after,
             cfg.lost_after,
-            started_at=self.clock(),
+            started_at=self.monotonic(),
             pending_timeout=cfg.fold_wait_timeout,
         )
         self._registered = {n: v.registered_seq for n, v in ctx.state.nodes.items()}
@@ -74,8 +75,8 @@ class LivenessController(Controller):
         node = s.node_of_subject(msg.subject)
         if not node:
             return
-        now = self.clock()
-        self.tracker.seen(node, now)
+        now = self.monotonic()
+        self.tracker.seen(node, now, self.clock())
         try:
             hb = _heartbeat.decode(msg.data)
         except msgspec.DecodeError:
@@ -84,7 +85,7 @@ class LivenessController(Controller):
             self.ctx.heard[node] = Heard(boot_id=hb.boot_id, shards=dict(hb.shards), at=now)
 
     async def _rebuild_last_seen(self) -> None:
-        """Seed last-seen from the newest stored heartbeat of each node."""
+        """Read the newest stored heartbeat of each node: when it was last heard, for reports."""
         js = self.ctx.js
         try:
             info = await js.stream_info(s.HEARTBEATS_STREAM)
@@ -109,7 +110,8 @@ class LivenessController(Controller):
                     break
                 node = s.node_of_subject(msg.subject)
                 if node:
-                    self.tracker.seen(node, msg.metadata.timestamp.timestamp())
+                    # The server's clock: reported, never taken as proof of life.
+                    self.tracker.remember(node, msg.metadata.timestamp.timestamp())
                     count += 1
                 if msg.metadata.num_pending == 0:
                     break
@@ -119,13 +121,13 @@ class LivenessController(Controller):
         log.info("rebuilt last-seen of %d nodes from stored heartbeats", count)
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
-        now = self.clock()
+        now, wall = self.monotonic(), self.clock()
         for name in changes.keys(ch.NODE):
             view = state.nodes.get(name)
             if view is not None and view.registered_seq > self._registered.get(name, 0):
                 # A registration is a sign of life as good as a heartbeat.
                 self._registered[name] = view.registered_seq
-                self.tracker.seen(name, now)
+                self.tracker.seen(name, now, wall)
         mono = time.monotonic()
         if self._last_pass is not None:
             late = mono - self._last_pass - self.resync
@@ -141,7 +143,7 @@ class LivenessController(Controller):
             return Result()
         if was_deaf:
             log.info("NATS connection back: counting node silence from now")
-        for ev in self.tracker.check(state, now):
+        for ev in self.tracker.check(state, now, wall):
             await self.ctx.publish(ev)
             LIVENESS_EVENTS.labels(type(ev).__name__.removeprefix("Node").lower()).inc()
             log.warning("node %s: %s", ev.node, type(ev).__name__)

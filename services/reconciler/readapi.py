@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw import contracts as c
 
-from . import store
+from . import rows, store
 from . import tables as t
 from .state import is_outdated, profile_digest
 
@@ -212,6 +212,22 @@ async def tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+async def catalog(conn: AsyncConnection) -> dict[str, Any]:
+    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band): what
+    `llmgw apply` diffs against where the stream no longer holds every declaration."""
+    tables = (t.Model.__table__, t.Tenant.__table__, rows.BANDS_TABLE)
+    folded = rows.state_from_rows(
+        {tbl.name: await _rows(conn, select(tbl)) for tbl in tables},
+        await store.read_position(conn) or 0,
+    )
+    return {
+        "folded_seq": folded.last_seq,
+        "models": [msgspec.to_builtins(m) for _, m in sorted(folded.models.items())],
+        "tenants": [msgspec.to_builtins(x) for _, x in sorted(folded.tenants.items())],
+        "bands": [msgspec.to_builtins(b) for b in folded.bands],
+    }
 
 
 async def bands(conn: AsyncConnection) -> list[dict[str, Any]]:

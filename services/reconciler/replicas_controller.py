@@ -98,6 +98,7 @@ class ReplicaController(Controller):
         self.cfg = cfg
         self.resync = cfg.resync_interval
         self.clock = ctx.clock
+        self.monotonic = ctx.monotonic
         self.commands = CommandTracker(cfg.command_retry_initial, cfg.command_retry_max)
         self.backoff = ReplacementBackoff(cfg.replace_backoff_initial, cfg.replace_backoff_max)
         self.timings = reconcile.CommandTimings(cfg.drain_deadline, cfg.stop_grace)
@@ -111,18 +112,19 @@ class ReplicaController(Controller):
         OUTSTANDING.set(0)
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
-        now = self.clock()
+        # `now` measures (retries, back-off, waits); `ts` only stamps what is published.
+        now, ts = self.monotonic(), self.clock()
         self.backoff.observe(state, {ch.Change(ch.SHARD, k) for k in changes.keys(ch.SHARD)}, now)
         if self._waiting_for_fold(state, now):
             # Nothing new until our events are folded, and nothing re-sent that the
             # committed state no longer calls for.
-            _, again = self.commands.sync(self._desired(state), now, keep_new=False)
+            _, again = self.commands.sync(self._desired(state), now, ts, keep_new=False)
             await self._send(again, reissue=True)
             return self._requeue(now)
         t0 = time.perf_counter()
         plan = reconcile.decide(
             state,
-            ts=now,
+            ts=ts,
             timings=self.timings,
             max_placements=self.cfg.max_placements_per_round,
             hold=self.backoff.held(now),
@@ -133,11 +135,11 @@ class ReplicaController(Controller):
         for ev in events:
             seq = await self.ctx.publish(ev)
             if seq > self._awaiting_seq:
-                self._awaiting_seq, self._awaiting_since = seq, self.clock()
+                self._awaiting_seq, self._awaiting_since = seq, self.monotonic()
             self._count(ev)
         # Commands follow from the state once these events are folded; until then only
         # what is still called for is re-sent (the tracker forgets the rest).
-        new, again = self.commands.sync(desired, now, keep_new=not events)
+        new, again = self.commands.sync(desired, now, ts, keep_new=not events)
         await self._send(new, reissue=False)
         await self._send(again, reissue=True)
         return self._requeue(now)
@@ -185,7 +187,7 @@ class ReplicaController(Controller):
             PLACEMENTS.labels("adopted" if ev.adopted else "decided").inc()
             log.info("%s", ev.explanation)
         elif isinstance(ev, c.PlacementFailed):
-            self._failed_at[ev.replica_id] = self.clock()
+            self._failed_at[ev.replica_id] = self.monotonic()
             PLACEMENTS.labels("failed").inc()
             log.warning("%s", ev.explanation)
         elif isinstance(ev, c.ReplicaRetired):
