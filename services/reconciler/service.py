@@ -4,8 +4,10 @@
                                                       │
           ┌────────────── standby: try the lock every second ◄──────┐
           ▼                                                         │
-        leader: load state from Postgres, recreate the durable      │
-        consumer at stored seq + 1, start the actor, then fold      │
+        leader: load state from Postgres, take the next term and    │
+        log TermStarted, recreate the durable consumer at stored    │
+        seq + 1, start the actor (it acts once the fold reaches     │
+        TermStarted), then fold                                     │
         batch after batch (commit, ack, tell the actor) until the   │
         lock's connection fails, the fold fails, or SIGTERM ────────┘
 
@@ -27,6 +29,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw import adminserver, bus, config, subjects, tlsconfig
+from llmgw import contracts as c
 
 from . import admin, consumer, leader, schema, store, streamid
 from . import metrics as m
@@ -216,15 +219,23 @@ class Reconciler:
                 recreate=True,
             )
 
+        # Fencing: a term only this lock holder has. Its TermStarted event makes the fold
+        # refuse every later control event of an older term (a predecessor's late write),
+        # and marks how far the fold must get before this leader acts on anything
+        # (controller-runtime's WaitForCacheSync: never decide on a half-read log).
+        term = await store.next_term(engine, self.id)
+        started = await bus.publish(
+            js, c.TermStarted(term=term, leader=self.id, based_on_seq=state.last_seq)
+        )
+        log.info("leader term %d; acting once the fold reaches seq %d", term, started.seq)
         psub = await subscribe(state.last_seq + 1)
         actor = self.actor_factory()
+        folder = Folder(engine, state)
         tasks: list[asyncio.Task] = []
         fold: asyncio.Task | None = None
         try:
-            await actor.start(nc, js, state)
-            fold = asyncio.create_task(
-                self._fold_loop(psub, subscribe, Folder(engine, state), actor)
-            )
+            await actor.start(nc, js, state, term=term, gate=folder.gate, synced_seq=started.seq)
+            fold = asyncio.create_task(self._fold_loop(psub, subscribe, folder, actor))
             lost = asyncio.create_task(lease.lost.wait())
             stopping = asyncio.create_task(self.stop.wait())
             tasks = [fold, lost, stopping]

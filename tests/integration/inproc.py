@@ -22,7 +22,7 @@ DEADLINE = 30.0
 class NullActor:
     """The actor seam with nothing behind it."""
 
-    async def start(self, nc, js, state) -> None:
+    async def start(self, nc, js, state, **term) -> None:  # term, gate, synced_seq
         pass
 
     async def on_state_changed(self, state, changes) -> None:
