@@ -189,10 +189,13 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
 
     filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
     scorers: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
+        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "kv_prefix": 6.0}
     )
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"
+    # The model's tokenizer (a tokenizer.json, or a directory with one and its
+    # tokenizer_config.json) for the kv_prefix scorer on vLLM endpoints; "" = none.
+    tokenizer: str = ""
 
 
 class DeadlineSpec(msgspec.Struct, kw_only=True):
@@ -437,6 +440,64 @@ class LoadSample(Message, kw_only=True, tag="load.sample"):
     sampled_at: float = msgspec.field(default_factory=now)
 
 
+class KvOp(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # every block is gone (hashes empty)
+
+
+class KvBlockOp(msgspec.Struct, kw_only=True):
+    """One change to an engine's cached block set, in engine order."""
+
+    op: KvOp
+    hashes: list[int] = msgspec.field(default_factory=list)  # canonical (llmgw.kvblocks)
+
+
+class KvEvents(Message, kw_only=True, tag="kv.events"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "An engine's KV cache events, relayed in order by its agent with canonical block "
+        "hashes (core NATS); seq_first..seq_last are the engine's own batch numbers."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    # Changes whenever the numbering starts over (a new relay or a new engine process).
+    epoch: str
+    seq_first: int
+    seq_last: int
+    block_size: int = 0
+    ops: list[KvBlockOp] = msgspec.field(default_factory=list)
+
+
+class KvSnapshotRequest(Message, kw_only=True, tag="kv.snapshot.request"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "Request (core NATS request/reply): the engine's whole cached block set, to start "
+        "from or to recover after a gap in its KV events."
+    )
+
+    node: str
+    shard_id: str
+
+
+class KvSnapshot(Message, kw_only=True, tag="kv.snapshot"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "Reply: an engine's cached blocks as of engine batch `seq` (events up to it included)."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    epoch: str
+    seq: int  # -1: no engine batch yet
+    block_size: int = 0
+    hashes: list[int] = msgspec.field(default_factory=list)
+    truncated: bool = False  # more blocks than fit in one message; the rest are left out
+
+
 class EndpointState(str, enum.Enum):
     READY = "ready"
     DRAINING = "draining"
@@ -515,6 +576,8 @@ CHANNELS: dict[str, tuple[type[Message], ...]] = {
     "heartbeats": (Heartbeat,),
     "commands": (StartShard, StopShard, DrainShard),
     "loadSamples": (LoadSample,),
+    "kvEvents": (KvEvents,),
+    "kvSnapshots": (KvSnapshotRequest, KvSnapshot),
     "endpointProjection": (ModelEndpoints,),
     "tenantProjection": (TenantRecord, BandsRecord),
     "routerPresence": (RouterPresence,),

@@ -26,6 +26,7 @@ EVENTS_ALL = f"{ROOT}.evt.>"
 HEARTBEATS_ALL = f"{ROOT}.hb.*"
 COMMANDS_ALL = f"{ROOT}.cmd.*"
 LOAD_ALL = f"{ROOT}.load.*"
+KV_EVENTS_ALL = f"{ROOT}.kv.>"
 
 # A token is one dot-free, wildcard-free piece of a subject.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -80,11 +81,24 @@ def load(node: str) -> str:
     return f"{ROOT}.load.{token(node, 'node id')}"
 
 
+# KV cache events and snapshots: llmgw.kv.<node>.<shard>, llmgw.kvsnap.<node>.<shard>
+def kv_events(node: str, shard_id: str) -> str:
+    return f"{ROOT}.kv.{token(node, 'node id')}.{safe_token(shard_id)}"
+
+
+def kv_snapshot(node: str, shard_id: str) -> str:
+    return f"{ROOT}.kvsnap.{token(node, 'node id')}.{safe_token(shard_id)}"
+
+
+def kv_snapshots_of(node: str) -> str:
+    return f"{ROOT}.kvsnap.{token(node, 'node id')}.*"
+
+
 def node_of_subject(subject: str) -> str | None:
     """The node id a per-node subject belongs to, or None."""
     parts = subject.split(".")
     if len(parts) >= 3 and parts[0] == ROOT:
-        if parts[1] in ("hb", "cmd", "load"):
+        if parts[1] in ("hb", "cmd", "load", "kv", "kvsnap"):
             return parts[2]
         if parts[1] == "evt" and len(parts) >= 4 and parts[2] == "agent":
             return parts[3]
@@ -94,6 +108,12 @@ def node_of_subject(subject: str) -> str | None:
 def _control_event(msg: c.Message) -> str:
     ident = msg.node if msg.subject_kind == "node" else msg.replica_id  # type: ignore[attr-defined]
     return control_event(msg.subject_kind, ident)
+
+
+def _kv_snapshot_request(msg: c.Message) -> str:
+    if not isinstance(msg, c.KvSnapshotRequest):  # a snapshot is a reply, sent to an inbox
+        raise SubjectError(f"{type(msg).__name__} is not published on a subject")
+    return kv_snapshot(msg.node, msg.shard_id)
 
 
 class Route(NamedTuple):
@@ -135,6 +155,12 @@ ROUTES: dict[str, Route] = {
         None,
         lambda m: load(m.node),  # type: ignore[attr-defined]
     ),
+    "kvEvents": Route(
+        f"{ROOT}.kv.{{node}}.{{shard}}",
+        None,
+        lambda m: kv_events(m.node, m.shard_id),  # type: ignore[attr-defined]
+    ),
+    "kvSnapshots": Route(f"{ROOT}.kvsnap.{{node}}.{{shard}}", None, _kv_snapshot_request),
     "endpointProjection": Route(
         f"$KV.{ENDPOINTS_BUCKET}.{{model}}", f"KV_{ENDPOINTS_BUCKET}", None
     ),

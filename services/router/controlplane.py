@@ -34,6 +34,7 @@ from llmgw import bus, subjects, tlsconfig
 from llmgw.router.admission.gate import AdmissionGate
 from llmgw.router.config import RouterConfig
 from llmgw.router.feeds import EndpointFeed, TenantFeed
+from llmgw.router.kvfeed import KvEventFeed
 from llmgw.router.kvwatch import BucketWatcher, Entry
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.presence import Presence
@@ -65,6 +66,7 @@ class ControlPlaneSource:
         self.presence: Presence | None = None
         self.watchers: list[BucketWatcher] = []  # tenants, then endpoints
         self._samples_sub = None
+        self.kv_events = None  # kvfeed.KvEventFeed, when the view has a KV block index
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -84,6 +86,8 @@ class ControlPlaneSource:
             self._task = None
         if self.presence is not None:
             await self.presence.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for watcher in self.watchers:
             await watcher.stop()
         await bus.close_quietly(self.nc)
@@ -124,6 +128,10 @@ class ControlPlaneSource:
         nc = self.nc
         if self._samples_sub is None:
             self._samples_sub = await nc.subscribe(subjects.LOAD_ALL, cb=self._sample)
+        index = self.view.settings.scheduling.kv_index if self.view is not None else None
+        if self.kv_events is None and index is not None:
+            self.kv_events = KvEventFeed(self.view, index, nc, metrics=self.metrics)
+            await self.kv_events.start()
         if self.presence is None:
             self.presence = Presence(nc, cfg.router_id, self._routers)
             self.presence.start()
