@@ -208,6 +208,24 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+class AutoscaleSpec(msgspec.Struct, kw_only=True):
+    """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
+
+    The signal is the pool's load: requests in flight plus queued in admission, over
+    the batch capacity of its ready replicas, summed over every router. `target` is
+    the load to aim for; the count rises when the load stays above it for
+    `scale_up_after_seconds` and falls when it stays below target * (1 - tolerance)
+    for `scale_down_after_seconds` (which is also the cool-down after any change).
+    """
+
+    min: int = 1
+    max: int = 1
+    target: float = 0.8
+    scale_up_after_seconds: float = 30.0
+    scale_down_after_seconds: float = 120.0
+    tolerance: float = 0.2
+
+
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
     subject_kind: ClassVar[str] = "model"
@@ -220,6 +238,9 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     profile: ServingProfile = msgspec.field(default_factory=ServingProfile)
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+    # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
+    # `replicas` is only where it starts (`autoscale.min`).
+    autoscale: AutoscaleSpec | None = None
 
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
@@ -345,6 +366,39 @@ class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     replica_id: str
     based_on_seq: int
     reason: str = ""
+
+
+class ScaleSignals(msgspec.Struct, kw_only=True):
+    """One model's demand, combined over the live routers' summaries (docs/autoscale.md)."""
+
+    load: float = 0.0  # (in_flight + queued) / capacity; 0 with no demand
+    saturation: float = 0.0  # admission's pool saturation, unclamped, mean over routers
+    queued: int = 0  # waiting in admission, all bands, all routers
+    in_flight: int = 0  # granted and not finished, all routers
+    oldest_wait_seconds: float = 0.0
+    capacity: int = 0  # batch slots of the ready replicas (learned or declared)
+    ready: int = 0  # ready replicas the routers route to
+    routers: int = 0  # routers whose summaries were combined
+    capacity_declared: bool = True  # every router saw a declared batch size on every replica
+    waiting: int = 0  # waiting in the engines' own queues (their load samples)
+
+
+class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "scale"
+    summary: ClassVar[str] = (
+        "The autoscaler changed a model's replica count; the signals and the rule are recorded."
+    )
+
+    model: str
+    from_replicas: int
+    to_replicas: int
+    rule: str  # scale_up | scale_down | from_zero
+    signals: ScaleSignals = msgspec.field(default_factory=ScaleSignals)
+    # How long the rule's condition held before it fired (seconds).
+    sustained_seconds: float = 0.0
+    based_on_seq: int = 0
+    explanation: str = ""
 
 
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
@@ -528,6 +582,12 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
     based_on_seq: int = 0
+    # Autoscaled: with no ready endpoint a request waits in admission (up to its band's
+    # queue TTL) while a replica starts, instead of failing at once.
+    scale_from_zero: bool = False
+    # Why the model's next replica cannot be placed now (empty: nothing is failing);
+    # a request that would wait for it gets 503 with Retry-After instead.
+    unplaceable: str = ""
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
@@ -545,6 +605,38 @@ class BandsRecord(Message, kw_only=True, tag="projection.bands"):
     summary: ClassVar[str] = "The priority bands as routers see them."
 
     bands: list[Band] = msgspec.field(default_factory=list)
+
+
+class BandDemand(msgspec.Struct, kw_only=True):
+    queued: int = 0
+    oldest_wait_seconds: float = 0.0
+
+
+class ModelDemand(msgspec.Struct, kw_only=True):
+    """What one router sees of one model's demand right now."""
+
+    in_flight: int = 0  # granted by admission (or dispatched) and not finished
+    queued: dict[str, BandDemand] = msgspec.field(default_factory=dict)  # by band
+    saturation: float = 0.0  # as admission computes it, before clamping to 1
+    capacity: int = 0  # batch slots of the ready endpoints (whole engines, not a share)
+    ready: int = 0  # ready endpoints
+    # Every ready endpoint declares its batch size (max_running); False: some capacity is
+    # only learned, the most the engine has run so far, which says nothing of what it could.
+    capacity_declared: bool = True
+    waiting: int = 0  # requests the engines' latest fresh load samples show waiting
+
+
+class DemandSummary(Message, kw_only=True, tag="demand.summary"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "A router's per-model demand, about once a second (core NATS): the autoscaler's input."
+    )
+
+    router_id: str
+    # The worker process (pid): the workers of one router share its id but each sees
+    # its own requests, so the leader keeps a summary per (router_id, process).
+    process: int = 0
+    models: dict[str, ModelDemand] = msgspec.field(default_factory=dict)
 
 
 class RouterPresence(Message, kw_only=True, tag="presence.router"):
@@ -569,6 +661,7 @@ CHANNELS: dict[str, tuple[type[Message], ...]] = {
         PlacementDecided,
         PlacementFailed,
         ReplicaRetired,
+        ModelScaled,
         NodeUnreachable,
         NodeLost,
         NodeRecovered,
@@ -581,6 +674,7 @@ CHANNELS: dict[str, tuple[type[Message], ...]] = {
     "endpointProjection": (ModelEndpoints,),
     "tenantProjection": (TenantRecord, BandsRecord),
     "routerPresence": (RouterPresence,),
+    "demandSummaries": (DemandSummary,),
 }
 
 

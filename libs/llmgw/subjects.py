@@ -28,6 +28,9 @@ COMMANDS_ALL = f"{ROOT}.cmd.*"
 LOAD_ALL = f"{ROOT}.load.*"
 KV_EVENTS_ALL = f"{ROOT}.kv.>"
 
+
+DEMAND_ALL = f"{ROOT}.demand.*"
+
 # A token is one dot-free, wildcard-free piece of a subject.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
@@ -94,6 +97,10 @@ def kv_snapshots_of(node: str) -> str:
     return f"{ROOT}.kvsnap.{token(node, 'node id')}.*"
 
 
+def demand(router_id: str) -> str:
+    return f"{ROOT}.demand.{safe_token(router_id)}"
+
+
 def node_of_subject(subject: str) -> str | None:
     """The node id a per-node subject belongs to, or None."""
     parts = subject.split(".")
@@ -106,8 +113,10 @@ def node_of_subject(subject: str) -> str | None:
 
 
 def _control_event(msg: c.Message) -> str:
-    ident = msg.node if msg.subject_kind == "node" else msg.replica_id  # type: ignore[attr-defined]
-    return control_event(msg.subject_kind, ident)
+    kind = msg.subject_kind
+    # Node events per node, scaling decisions per model, placement per replica.
+    field = {"node": "node", "scale": "model"}.get(kind, "replica_id")
+    return control_event(kind, getattr(msg, field))
 
 
 def _kv_snapshot_request(msg: c.Message) -> str:
@@ -166,6 +175,11 @@ ROUTES: dict[str, Route] = {
     ),
     "tenantProjection": Route(f"$KV.{TENANTS_BUCKET}.{{key}}", f"KV_{TENANTS_BUCKET}", None),
     "routerPresence": Route(f"$KV.{ROUTERS_BUCKET}.{{router}}", f"KV_{ROUTERS_BUCKET}", None),
+    "demandSummaries": Route(
+        f"{ROOT}.demand.{{router}}",
+        None,
+        lambda m: demand(m.router_id),  # type: ignore[attr-defined]
+    ),
 }
 
 

@@ -49,6 +49,7 @@ from llmgw import contracts as c
 from llmgw import subjects as s
 
 from . import reconcile
+from .autoscaler import AutoscaleController
 from .backoff import ReplacementBackoff
 from .commands import CommandTracker
 from .fold import Change
@@ -133,6 +134,7 @@ class Actor:
         )
         self.projection: KvProjection | None = None
         self.timings = reconcile.CommandTimings(self.cfg.drain_deadline, self.cfg.stop_grace)
+        self.autoscaler = AutoscaleController(clock=clock)
 
     # ------------------------------------------------------------ the seam
 
@@ -162,6 +164,10 @@ class Actor:
         self._tasks = [
             asyncio.create_task(self._reconcile_loop(), name="actor-reconcile"),
             asyncio.create_task(self._liveness_loop(), name="actor-liveness"),
+            asyncio.create_task(
+                self.autoscaler.run(nc, lambda: self._state, self._publish_event),
+                name="actor-autoscale",
+            ),
         ]
 
     async def on_state_changed(self, state: ClusterState, changes: set[Change]) -> None:
@@ -352,12 +358,13 @@ class Actor:
         last = self._failed_at.get(ev.replica_id)
         return last is not None and self.monotonic() - last < self.cfg.failure_restate_interval
 
-    async def _publish_event(self, ev: c.Message) -> None:
+    async def _publish_event(self, ev: c.Message) -> int:
         assert self._js is not None
         ack = await bus.publish(self._js, ev)
         if ack.seq > self._awaiting_seq:
             self._awaiting_seq = ack.seq
             self._awaiting_since = self.monotonic()
+        return ack.seq
 
     async def _send(self, cmds: list[c.Message], *, reissue: bool) -> None:
         assert self._js is not None
