@@ -202,11 +202,11 @@ def _chunk_kind(chunk: dict) -> str:
     delta = choice.get("delta") or {}
     if "role" in delta:
         return "role chunk"
-    if choice.get("finish_reason") is not None:
-        return "finish chunk"
     if delta.get("tool_calls") and delta["tool_calls"][0].get("id"):
         return "tool header chunk"
-    return "token chunk"
+    # Token and finish chunks are one kind: a loaded vLLM coalesces a short answer's tokens
+    # into its finish chunk, so whether separate token chunks appear is down to timing.
+    return "content chunk"
 
 
 def _values_of_body(body: dict) -> dict[str, Any]:
