@@ -134,7 +134,7 @@ class Actor:
         )
         self.projection: KvProjection | None = None
         self.timings = reconcile.CommandTimings(self.cfg.drain_deadline, self.cfg.stop_grace)
-        self.autoscaler = AutoscaleController(clock=clock)
+        self.autoscaler = AutoscaleController(clock=clock, monotonic=monotonic)
 
     # ------------------------------------------------------------ the seam
 

@@ -7,7 +7,14 @@ and asks the pure `autoscale.decide` what to do. Each decision goes into the
 log as a ModelScaled event; the fold turns it into the model's desired count,
 and reconcile places or retires replicas from there (retired ones drain
 first). Summaries are not persisted: the event records the combined values
-it was decided on, which is what `llmgw audit replay` checks.
+it was decided on and the per-router inputs they were combined from (at most
+`autoscale.INPUTS_CAP`), which is what `llmgw audit replay` checks.
+
+Time is measured on the monotonic clock (`monotonic`): a summary's age, how
+long a condition held, the cool-down since the model's last change and the
+wait for the fold. The wall clock (`clock`) only stamps events; a change made
+before this leader took over is placed on the monotonic clock once, from its
+event's wall time, when first seen.
 
 The controller is one task: `run()` subscribes, ticks and unsubscribes when
 cancelled, so the actor owns it like its other tasks. It publishes through the
@@ -42,6 +49,10 @@ SCALED = Counter("llmgw_reconciler_model_scaled_total", "Autoscaling decisions",
 SUMMARIES = Counter(
     "llmgw_reconciler_demand_summaries_total", "Router demand summaries received", ["result"]
 )
+TICKS = Counter(
+    "llmgw_reconciler_autoscale_evaluations_total",
+    "Autoscaler evaluations (ticks not spent waiting for the fold)",
+)
 
 
 class AutoscaleConfig(config.ConfigStruct, kw_only=True):
@@ -51,14 +62,22 @@ class AutoscaleConfig(config.ConfigStruct, kw_only=True):
 
 class AutoscaleController:
     def __init__(
-        self, cfg: AutoscaleConfig | None = None, *, clock: Callable[[], float] = time.time
+        self,
+        cfg: AutoscaleConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg or AutoscaleConfig()
-        self.clock = clock  # wall clock: event times are wall times, cool-downs compare them
-        # (router id, worker process) -> (arrival, latest summary)
+        self.clock = clock  # wall clock: stamps events, never measures time
+        self.monotonic = monotonic  # measures: summary age, conditions held, cool-down, waits
+        # (router id, worker process) -> (arrival (monotonic), latest summary)
         self.summaries: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
         self.tracks: dict[str, autoscale.Track] = {}
+        # model -> (id of its latest ModelScaled, when it happened on the monotonic clock)
+        self.changed: dict[str, tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
+        self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
 
     async def run(
         self,
@@ -69,6 +88,7 @@ class AutoscaleController:
         """Until cancelled: collect summaries, decide every tick, publish decisions."""
         self.summaries.clear()
         self.tracks.clear()
+        self.changed.clear()
         self._awaiting = None
         sub = await nc.subscribe(s.DEMAND_ALL, cb=self._on_summary)
         try:
@@ -92,13 +112,17 @@ class AutoscaleController:
             log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
             return
         SUMMARIES.labels("ok").inc()
-        self.summaries[(summary.router_id, summary.process)] = (self.clock(), summary)
+        self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
+
+    def live(self, now: float) -> list[c.DemandSummary]:
+        """The summaries still fresh at monotonic `now` (older ones are forgotten)."""
+        for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
+            del self.summaries[key]
+        return [summary for _, summary in self.summaries.values()]
 
     def signals(self, state: ClusterState, now: float) -> dict[str, c.ScaleSignals]:
         """Combined signals per autoscaled model, from the summaries still fresh."""
-        for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
-            del self.summaries[key]
-        live = [summary for _, summary in self.summaries.values()]
+        live = self.live(now)
         if not live:
             return {}  # no router speaks: nothing is known, nothing is decided
         return {
@@ -107,18 +131,42 @@ class AutoscaleController:
             if decl.autoscale is not None
         }
 
+    def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
+        """When each model last changed, on the monotonic clock. A change this controller
+        did not see made (an earlier leader's) is placed once from its event's age; a
+        wall-clock step after that moves nothing."""
+        for model, ev in state.scaled.items():
+            known = self.changed.get(model)
+            if known is None or known[0] != ev.id:
+                self.changed[model] = (ev.id, now - max(0.0, wall - ev.ts))
+        return {model: at for model, (_, at) in self.changed.items()}
+
     async def _tick(
         self, state: ClusterState, publish: Callable[[c.Message], Awaitable[int]]
     ) -> None:
-        now = self.clock()
+        now, wall = self.monotonic(), self.clock()
         if self._awaiting is not None:
             seq, since = self._awaiting
             if state.last_seq < seq and now - since < self.cfg.fold_wait_timeout:
                 return
             self._awaiting = None
-        events, self.tracks = autoscale.decide(state, self.signals(state, now), self.tracks, now)
+        signals = self.signals(state, now)
+        live = self.live(now)
+        inputs = {model: autoscale.inputs_of(live, model) for model in signals}
+        events, self.tracks = autoscale.decide(
+            state,
+            signals,
+            self.tracks,
+            now,
+            wall=wall,
+            changed_at=self.changed_at(state, now, wall),
+            inputs=inputs,
+        )
+        self.ticks += 1
+        TICKS.inc()
         for ev in events:
             seq = await publish(ev)
             self._awaiting = (seq, now)
+            self.changed[ev.model] = (ev.id, now)
             SCALED.labels(ev.rule).inc()
             log.info("%s: %s", ev.model, ev.explanation)
