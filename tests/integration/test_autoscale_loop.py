@@ -105,6 +105,8 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         assert (up.rule, up.from_replicas, up.to_replicas) == ("scale_up", 1, 4)
         assert (up.signals.in_flight, up.signals.capacity, up.signals.routers) == (16, 8, 2)
         assert "load 2.00 over target 0.5" in up.explanation
+        # What each router said is recorded with it (the malformed summary is not).
+        assert [(i.router_id, i.demand.in_flight) for i in up.inputs] == [("r0", 8), ("r1", 8)]
 
         # One more replica fits on the second GPU; the third cannot be placed.
         await leader.until(
@@ -138,6 +140,7 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
     rec = await wait_kv(js, "m", lambda r: r is not None and not r.unplaceable, "no reason left")
     assert [e.replica_id for e in rec.endpoints if e.state == c.EndpointState.READY] == ["m-r1"]
 
-    # Audit replay re-derives both decisions from what the log recorded.
+    # Audit replay re-derives both decisions from what the log recorded, the combined
+    # signals from the routers' recorded inputs included.
     result = replay.replay(leader.events)
     assert len(result.scaling) == 2 and result.differing() == []
