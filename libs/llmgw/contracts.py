@@ -208,6 +208,9 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+AUTOSCALE_SIGNALS = ("load", "queue")  # what an autoscale target can be in
+
+
 class AutoscaleSpec(msgspec.Struct, kw_only=True):
     """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
 

@@ -68,7 +68,6 @@ FROM_ZERO = "from_zero"
 
 # A summary is combined while it is younger than this (routers send one a second).
 SUMMARY_TTL = 3.0
-SIGNALS = ("load", "queue")
 # The most per-router inputs a ModelScaled records (the count is in signals.routers):
 # an event stays small with any number of routers; replay re-combines only complete ones.
 INPUTS_CAP = 64

@@ -114,22 +114,21 @@ class AutoscaleController:
         SUMMARIES.labels("ok").inc()
         self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
 
-    def live(self, now: float) -> list[c.DemandSummary]:
-        """The summaries still fresh at monotonic `now` (older ones are forgotten)."""
+    def signals(
+        self, state: ClusterState, now: float
+    ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
+        """Combined signals per autoscaled model from the summaries still fresh at
+        monotonic `now` (older ones are forgotten), and the inputs they came from."""
         for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
             del self.summaries[key]
-        return [summary for _, summary in self.summaries.values()]
-
-    def signals(self, state: ClusterState, now: float) -> dict[str, c.ScaleSignals]:
-        """Combined signals per autoscaled model, from the summaries still fresh."""
-        live = self.live(now)
+        live = [summary for _, summary in self.summaries.values()]
         if not live:
-            return {}  # no router speaks: nothing is known, nothing is decided
-        return {
-            model: autoscale.combine(live, model)
-            for model, decl in state.models.items()
-            if decl.autoscale is not None
-        }
+            return {}, {}  # no router speaks: nothing is known, nothing is decided
+        models = [m for m, decl in state.models.items() if decl.autoscale is not None]
+        return (
+            {m: autoscale.combine(live, m) for m in models},
+            {m: autoscale.inputs_of(live, m) for m in models},
+        )
 
     def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
         """When each model last changed, on the monotonic clock. A change this controller
@@ -150,9 +149,7 @@ class AutoscaleController:
             if state.last_seq < seq and now - since < self.cfg.fold_wait_timeout:
                 return
             self._awaiting = None
-        signals = self.signals(state, now)
-        live = self.live(now)
-        inputs = {model: autoscale.inputs_of(live, model) for model in signals}
+        signals, inputs = self.signals(state, now)
         events, self.tracks = autoscale.decide(
             state,
             signals,
