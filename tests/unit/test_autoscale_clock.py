@@ -16,6 +16,7 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler import autoscale, fold
+from llmgw.reconciler.actor import Actor
 from llmgw.reconciler.autoscaler import AutoscaleController
 from llmgw.reconciler.state import ClusterState
 
@@ -120,3 +121,10 @@ async def test_a_wall_clock_step_does_not_shorten_or_stretch_the_cool_down(step)
     assert (ev.rule, ev.from_replicas, ev.to_replicas) == ("scale_down", 4, 1)
     assert ev.since_last_change_seconds == pytest.approx(41)
     assert autoscale.check(before, ev) == []  # replay agrees, wall step or not
+
+
+def test_the_leader_hands_its_autoscaler_both_of_its_clocks():
+    clocks = Clocks()
+    actor = Actor(clock=clocks.wall, monotonic=clocks.monotonic)
+    assert actor.autoscaler.clock == clocks.wall
+    assert actor.autoscaler.monotonic == clocks.monotonic
