@@ -17,6 +17,8 @@ from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler import replay
+from llmgw.reconciler.actor import CONTROLLERS
+from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.autoscaler import AutoscaleConfig, AutoscaleController
 from llmgw.reconciler.reconcile import is_ready
 from tests.integration.test_control_loop import Cluster, wait_kv
@@ -32,12 +34,24 @@ SPEC = c.AutoscaleSpec(
 SLOTS = 8  # the simulated agents report max_running=8
 
 
+class FastAutoscaler(Autoscaler):
+    """The leader's autoscaler, evaluating five times a second."""
+
+    def __init__(self, ctx, cfg):
+        super().__init__(ctx, cfg)
+        self.inner.cfg = AutoscaleConfig(tick=0.2)
+        self.resync = self.inner.cfg.tick
+
+
 @pytest.fixture
 async def cluster(nats):
     js = nats.jetstream()
     await bus.provision(js)
     cl = Cluster(nats, js)
-    cl.leader.actor.autoscaler = AutoscaleController(AutoscaleConfig(tick=0.2))
+    cl.leader.actor.factories = (
+        *(f for f in CONTROLLERS if f is not Autoscaler),
+        FastAutoscaler,
+    )
     await cl.leader.start()
     try:
         yield cl
@@ -119,7 +133,9 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         assert rec.unplaceable == failed.explanation
         # Demand stays high, but with 2 of 4 replicas ready the autoscaler does not ask again:
         # ten evaluations (each on live summaries, each past scale_up_after) decide nothing.
-        await evaluations(leader.actor.autoscaler, 10)
+        autoscaler = leader.actor.controller("autoscale")
+        assert isinstance(autoscaler, FastAutoscaler)
+        await evaluations(autoscaler.inner, 10)
         assert len(leader.of(c.ModelScaled)) == 1
 
         routers.in_flight = 2  # 2 of 16 slots: under the low mark of 0.4

@@ -16,8 +16,9 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler import autoscale, fold
-from llmgw.reconciler.actor import Actor
+from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.autoscaler import AutoscaleController
+from llmgw.reconciler.controller import Context
 from llmgw.reconciler.state import ClusterState
 
 SPEC = c.AutoscaleSpec(
@@ -125,6 +126,9 @@ async def test_a_wall_clock_step_does_not_shorten_or_stretch_the_cool_down(step)
 
 def test_the_leader_hands_its_autoscaler_both_of_its_clocks():
     clocks = Clocks()
-    actor = Actor(clock=clocks.wall, monotonic=clocks.monotonic)
-    assert actor.autoscaler.clock == clocks.wall
-    assert actor.autoscaler.monotonic == clocks.monotonic
+    ctx = Context(
+        nc=None, js=None, term=1, gate=None, clock=clocks.wall, monotonic=clocks.monotonic
+    )
+    inner = Autoscaler(ctx, None).inner
+    assert inner.clock == clocks.wall
+    assert inner.monotonic == clocks.monotonic

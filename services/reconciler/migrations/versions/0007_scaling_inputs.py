@@ -1,8 +1,9 @@
-"""Scaling decisions keep the signal their target was in, the per-router inputs and the
-cool-down measured on the leader's monotonic clock.
+"""Scaling decisions keep the signal their target was in, the per-router inputs, the
+cool-down measured on the leader's monotonic clock, and the leader term that decided
+them (ModelScaled carries it like every control event; 0006 gave it to failures only).
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-12-03
 """
 
@@ -12,8 +13,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
@@ -30,8 +31,11 @@ def upgrade() -> None:
     op.add_column(
         "model_scaling", sa.Column("since_last_change_seconds", sa.Double(), nullable=True)
     )
+    op.add_column(
+        "model_scaling", sa.Column("term", sa.BigInteger(), nullable=False, server_default="0")
+    )
 
 
 def downgrade() -> None:
-    for column in ("since_last_change_seconds", "inputs", "signal"):
+    for column in ("term", "since_last_change_seconds", "inputs", "signal"):
         op.drop_column("model_scaling", column)
