@@ -16,29 +16,24 @@ wait for the fold. The wall clock (`clock`) only stamps events; a change made
 before this leader took over is placed on the monotonic clock once, from its
 event's wall time, when first seen.
 
-The controller is one task: `run()` subscribes, ticks and unsubscribes when
-cancelled, so the actor owns it like its other tasks. It publishes through the
-actor's publisher, so the actor's reconcile loop waits for the fold to catch
-up with a scaling decision as it does with its own. It does not decide again
-until the fold has seen its last event (the desired count it reads must be
-the one its decision made).
+The leader runs it as one of its controllers (autoscale_controller.py), which
+subscribes `_on_summary` to the summaries and calls `_tick` every `tick`
+seconds with the committed state and the term-stamping publisher. It does not
+decide again until the fold has seen its last event (the desired count it
+reads must be the one its decision made).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from llmgw import config
 from llmgw import contracts as c
-from llmgw import subjects as s
 
 from . import autoscale
 from .state import ClusterState
@@ -78,31 +73,6 @@ class AutoscaleController:
         self.changed: dict[str, tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
         self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
-
-    async def run(
-        self,
-        nc: NATS,
-        state_of: Callable[[], ClusterState],
-        publish: Callable[[c.Message], Awaitable[int]],
-    ) -> None:
-        """Until cancelled: collect summaries, decide every tick, publish decisions."""
-        self.summaries.clear()
-        self.tracks.clear()
-        self.changed.clear()
-        self._awaiting = None
-        sub = await nc.subscribe(s.DEMAND_ALL, cb=self._on_summary)
-        try:
-            while True:
-                await asyncio.sleep(self.cfg.tick)
-                try:
-                    await self._tick(state_of(), publish)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("autoscale tick failed; retrying next tick")
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
 
     async def _on_summary(self, msg: Msg) -> None:
         try:
