@@ -50,6 +50,10 @@ TICKS = Counter(
 )
 
 
+def _order(summary: c.DemandSummary) -> tuple[str, int]:
+    return (summary.router_id, summary.process)
+
+
 class AutoscaleConfig(config.ConfigStruct, kw_only=True):
     tick: float = 1.0  # seconds between evaluations
     fold_wait_timeout: float = 30.0  # give up waiting for our own event to be folded
@@ -91,7 +95,9 @@ class AutoscaleController:
         monotonic `now` (older ones are forgotten), and the inputs they came from."""
         for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
             del self.summaries[key]
-        live = [summary for _, summary in self.summaries.values()]
+        # In router order, the order replay re-combines the recorded inputs in: the
+        # saturation is a float sum, and float sums depend on their order.
+        live = [sm for _, sm in sorted(self.summaries.values(), key=lambda x: _order(x[1]))]
         if not live:
             return {}, {}  # no router speaks: nothing is known, nothing is decided
         models = [m for m, decl in state.models.items() if decl.autoscale is not None]
