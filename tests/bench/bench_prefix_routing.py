@@ -524,8 +524,8 @@ async def run_vllm(args) -> int:
                     with contextlib.suppress(httpx.HTTPError):
                         if (await http.get(p.url + "/health")).status_code == 200:
                             break
-                    if time.monotonic() - began > 300:
-                        raise RuntimeError("vLLM did not become healthy in 300s")
+                    if time.monotonic() - began > 600:
+                        raise RuntimeError("vLLM did not become healthy in 600s")
                     await asyncio.sleep(0.5)
         print(f"2 vLLM engines healthy after {time.monotonic() - began:.0f}s", flush=True)
         have_vllm_router = HAVE_VLLM_ROUTER
