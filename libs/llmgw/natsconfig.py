@@ -8,8 +8,8 @@ subject layout instead of being typed twice:
 - an agent publishes only its own node's events, heartbeat and load samples,
   and reaches exactly one consumer on LLMGW_COMMANDS: its own durable
   `agent-<node>`, filtered on its own command subject;
-- a router reads the projection buckets, subscribes to load samples and
-  writes its presence;
+- a router reads the projection buckets, subscribes to load samples,
+  writes its presence and publishes its demand summary;
 - the reconciler gets the event log, commands and all buckets;
 - the operator CLI publishes catalog events and reads the log and buckets.
 
@@ -119,6 +119,7 @@ def permissions(ident: Identity) -> dict[str, Any]:
             *_kv_reader(s.ROUTERS_BUCKET),
             f"$KV.{s.ROUTERS_BUCKET}.>",  # its presence record (put, and delete on drain)
             f"{s.ROOT}.kvsnap.>",  # KV block snapshot requests to agents
+            s.DEMAND_ALL,  # its demand summary, the autoscaler's input (core NATS)
         ]
         subscribe = [
             inbox,

@@ -88,6 +88,7 @@ class RouterService:
             gate = self.admission = from_router_config(config, self.metrics.admission)
         self.source = source or StaticSource(projection(config))
         if self.admission is not None:
+            self.admission.route_of = self.view.route
             self.view.on_load(self.admission.observed)
             self.view.subscribe(self._endpoints_changed)
         self.proxy = px.Proxy(
@@ -146,6 +147,10 @@ class RouterService:
             return route.endpoints if route is not None else ()
 
         self.admission.endpoints_changed(endpoints_of)
+        cold = any(r.scale_from_zero for m, _ in self.view.models() if (r := self.view.route(m)))
+        if cold != self.admission.scale_from_zero:
+            self.admission.routes_changed(cold)
+            self._install_gate()
 
     def _install_gate(self) -> None:
         """Control-plane mode: admission in the request path only while it can act."""
