@@ -26,12 +26,12 @@ PASS when the kv_events hit rate is within 5 points of its oracle and its mean T
 at least 30% below cache_aware's (without vllm-router, the second target is skipped).
 
     .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
-        --vllm-model DIR [--seconds 20] [--clients 4]
+        [--vllm-model DIR] [--seconds 20] [--clients 4]
 
 runs the same comparison once on two real vLLM CPU engines (a small load, no targets:
-it shows the events path works there): the tiny random Llama in DIR (see FIELD-NOTES'
-recipe or llmgw.tinymodel), completions requests (a chat would need jinja2 in the
-router's environment to render the template), the routers hashing prompts with the
+it shows the events path works there): the tiny random Llama in DIR (default: built by
+llmgw.tinymodel under ~/.cache/llmgw/models), completions requests (a chat would need
+jinja2 in the router's environment to render the template), the routers hashing prompts with the
 model's own tokenizer (`scheduling.tokenizer`), the prefix cache reset between policies
 (vLLM's dev-mode /reset_prefix_cache, which also exercises AllBlocksCleared).
 """
@@ -633,7 +633,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.vllm_python:
         if not args.vllm_model:
-            parser.error("--vllm-python needs --vllm-model")
+            from llmgw import tinymodel
+
+            cache = Path.home() / ".cache" / "llmgw" / "models"
+            args.vllm_model = str(tinymodel.ensure(args.vllm_python, cache))
         return asyncio.run(run_vllm(args))
     return asyncio.run(main_async(args))
 
