@@ -417,7 +417,9 @@ async def main_async(args) -> int:
     print(
         f"\n{len(results)} policies, 4 sim engines ({SIM['kv_blocks']} blocks of {BLOCK} tokens, "
         f"max_num_seqs {SIM['max_num_seqs']}), {TENANTS} tenants, {args.clients} clients, "
-        "2 routers round-robin\n"
+        f"2 routers round-robin; machine load average {os.getloadavg()[1]:.1f} "
+        f"on {os.cpu_count()} CPUs (TTFT includes the routers' CPU time: on a saturated "
+        "machine the Python routers' queueing hides the engines' prefill)\n"
     )
     print(
         f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
