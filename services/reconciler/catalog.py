@@ -3,7 +3,8 @@
 A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
-    models:  [{name, aliases, fallbacks, replicas, profile, scheduling, deadlines}]
+    models:  [{name, aliases, fallbacks, replicas, profile, scheduling, deadlines,
+              upstream, owned_by, api_kinds}]
     tenants: [{name, band, key_hashes, quotas}]
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
@@ -38,6 +39,9 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     profile: c.ServingProfile = msgspec.field(default_factory=c.ServingProfile)
     scheduling: c.SchedulingSpec = msgspec.field(default_factory=c.SchedulingSpec)
     deadlines: c.DeadlineSpec = msgspec.field(default_factory=c.DeadlineSpec)
+    upstream: c.UpstreamSpec = msgspec.field(default_factory=c.UpstreamSpec)
+    owned_by: str = ""
+    api_kinds: list[str] = msgspec.field(default_factory=list)
 
     def event(self) -> c.ModelDeclared:
         return msgspec.convert(msgspec.to_builtins(self), c.ModelDeclared)

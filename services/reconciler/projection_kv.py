@@ -75,6 +75,10 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         scheduling=decl.scheduling,
         deadlines=decl.deadlines,
         based_on_seq=state.last_seq,
+        upstream=decl.upstream,
+        owned_by=decl.owned_by,
+        api_kinds=list(decl.api_kinds),
+        max_model_len=decl.profile.max_model_len,
     )
 
 
