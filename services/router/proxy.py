@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 DISCONNECT_WATCH_AFTER = 0.02
 # Stored Responses API answers this router process remembers the endpoint of.
 RESPONSE_IDS_KEPT = 100_000
+STORED_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,24 +322,19 @@ class Proxy:
                 known = self.response_endpoints.get(response_id)
                 candidates = list(self.view.endpoints.values())
                 candidates.sort(key=lambda ep: ep.id != known)
+                answered = None
                 for ep in candidates:
-                    url = ep.target(path)
-                    if query:
-                        url = url.with_query(query.decode("latin-1"))
-                    headers = ep.request_headers(None, None, ex.rid)
-                    async with self.upstream.session.request(  # type: ignore[union-attr]
-                        scope["method"],
-                        url,
-                        data=body or None,
-                        headers=ex.upstream_headers(headers),
-                        timeout=aiohttp.ClientTimeout(total=30, sock_connect=2),
-                    ) as resp:
-                        data = await resp.read()
-                        if resp.status == 404 and ep is not candidates[-1]:
-                            continue
-                        ctype = resp.headers.get("Content-Type", "application/json").encode()
-                        await ex.answer(resp.status, ctype, data, ep.id)
-                        return
+                    got = await self._ask_stored(ex, ep, scope["method"], path, query, body)
+                    if got is not None:
+                        answered = (ep, got)
+                        if got[0] != 404:
+                            break
+                if answered is not None:
+                    ep, (status, ctype, data) = answered
+                    await ex.answer(status, ctype, data, ep.id)
+                    return
+                if candidates:
+                    raise RouterError(502, "upstream_broken", "no engine answered")
                 raise RouterError(
                     404, "response_not_found", "no stored response with that id", param="id"
                 )
@@ -346,12 +342,33 @@ class Proxy:
             await ex.fail(err)
         except ClientGone:
             ex.status = 499
-        except (aiohttp.ClientError, TimeoutError, DeadlinePassed):
-            log.warning("stored response lookup failed", exc_info=True)
-            await ex.fail(RouterError(502, "upstream_broken", "the engine did not answer"))
+        except DeadlinePassed as passed:
+            await ex.fail(RouterError(TIMEOUT_STATUS, f"{passed.phase}_timeout", "deadline passed"))
         finally:
             ex.guard.close()
             self._record(ex)
+
+    async def _ask_stored(
+        self, ex: Exchange, ep, method: str, path: str, query: bytes, body: bytes
+    ) -> tuple[int, bytes, bytes] | None:
+        """One endpoint's answer about a stored response, or None if it did not give one."""
+        url = ep.target(path)
+        if query:
+            url = url.with_query(query.decode("latin-1"))
+        try:
+            async with self.upstream.session.request(  # type: ignore[union-attr]
+                method,
+                url,
+                data=body or None,
+                headers=ex.upstream_headers(ep.request_headers(None, None, ex.rid)),
+                timeout=STORED_TIMEOUT,
+            ) as resp:
+                data = await resp.read()
+                ctype = resp.headers.get("Content-Type", "application/json").encode()
+                return resp.status, ctype, data
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("endpoint %s did not answer about a stored response: %r", ep.id, exc)
+            return None
 
 
 class _KindEndpoint:
