@@ -21,6 +21,17 @@ from llmgw.router.admission.config import AdmissionSettings, TenantConfig
 from llmgw.router.testing import config_for, fake_engines, response_events, running_router
 
 HI = [{"role": "user", "content": "hello"}]
+# Nothing here tests a deadline: generous ones keep a busy machine from failing a test.
+PATIENT = rc.ModelDefaults(
+    deadlines=contracts.DeadlineSpec(connect=10, headers=60, first_token=60, idle=60, total=120)
+)
+
+
+def relaxed(engines, **kw):
+    kw.setdefault("model_defaults", PATIENT)
+    return config_for(engines, **kw)
+
+
 KEY = "sk-clients"
 
 
@@ -39,7 +50,7 @@ def async_sdk(url: str, key: str = "none", **kw) -> openai.AsyncOpenAI:
 
 async def test_responses_create_stream_retrieve_and_delete_with_the_sdk():
     async with fake_engines("a", "b") as engines:
-        async with running_router(config_for(engines)) as r:
+        async with running_router(relaxed(engines)) as r:
             client = async_sdk(r.url)
             made = await client.responses.create(model="m", input="hi")
             assert made.output_text.startswith("from ") and made.usage.output_tokens == 3
@@ -65,7 +76,7 @@ async def test_responses_create_stream_retrieve_and_delete_with_the_sdk():
 async def test_a_stored_response_made_through_another_router_is_found_by_asking_around():
     async with fake_engines("a", "b") as (a, b):
         b.stored["resp_elsewhere"] = {"id": "resp_elsewhere", "object": "response"}
-        async with running_router(config_for([a, b])) as r:
+        async with running_router(relaxed([a, b])) as r:
             got = await async_sdk(r.url).responses.retrieve("resp_elsewhere")
             with pytest.raises(openai.NotFoundError) as err:
                 await async_sdk(r.url).responses.retrieve("resp_nowhere")
@@ -78,7 +89,7 @@ async def test_a_responses_stream_cut_short_raises_in_the_sdk_instead_of_ending_
     answer = {"id": "resp_1", "output": [{"content": [{"text": "x"}]}]}
     kw = {"events": response_events(answer)[:2]} if cut.startswith("closed") else {"drop_after": 2}
     async with fake_engines("a", **kw) as (a,):
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             seen = []
             with pytest.raises(openai.APIError) as err:
                 async for event in await async_sdk(r.url).responses.create(
@@ -95,7 +106,7 @@ async def test_langchain_chat_and_responses_api_and_embeddings():
     from langchain_openai import ChatOpenAI, OpenAIEmbeddings
 
     async with fake_engines("a") as (a,):
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             kw = {"model": "m", "base_url": r.url + "/v1", "api_key": "none", "max_retries": 0}
             chat = await ChatOpenAI(**kw).ainvoke("hi")
             chunks = [c.content async for c in ChatOpenAI(**kw, streaming=True).astream("hi")]
@@ -124,7 +135,7 @@ def litellm():
 
 async def test_litellm_as_a_client_chat_responses_and_embeddings(litellm):
     async with fake_engines("a") as (a,):
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             kw = {"api_base": r.url + "/v1", "api_key": "none"}
             chat = await litellm.acompletion(model="openai/m", messages=HI, **kw)
             resp = await litellm.aresponses(model="openai/m", input="hi", **kw)
@@ -139,7 +150,7 @@ async def test_litellm_as_a_client_chat_responses_and_embeddings(litellm):
 
 async def test_models_list_and_retrieve_with_max_model_len_stable_created_and_owner():
     async with fake_engines("a", max_model_len=2048) as (a,):
-        cfg = config_for(
+        cfg = relaxed(
             [a], models=[rc.ModelConfig(name="m", aliases=["m-latest"], owned_by="acme-labs")]
         )
         async with running_router(cfg) as r:
@@ -168,7 +179,7 @@ async def test_models_list_and_retrieve_with_max_model_len_stable_created_and_ow
 async def test_an_engines_429_or_408_reaches_the_sdk_with_the_soonest_retry_after(status):
     async with fake_engines("a", "b", status=status) as (a, b):
         a.retry_after, b.retry_after = "7", "3"
-        async with running_router(config_for([a, b])) as r:
+        async with running_router(relaxed([a, b])) as r:
             error = openai.RateLimitError if status == 429 else openai.APIStatusError
             with pytest.raises(error) as err:
                 await async_sdk(r.url).chat.completions.create(model="m", messages=HI)
@@ -184,7 +195,7 @@ async def test_an_engines_429_or_408_reaches_the_sdk_with_the_soonest_retry_afte
 async def test_the_sdk_retries_an_engines_429_and_succeeds_when_the_engine_recovers():
     async with fake_engines("a", status=429) as (a,):
         a.retry_after = "0"
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             client = async_sdk(r.url, max_retries=2)
 
             async def recover():
@@ -205,7 +216,7 @@ async def test_the_sdk_retries_an_engines_429_and_succeeds_when_the_engine_recov
 
 async def test_vllm_endpoints_are_routed_by_the_model_in_the_body():
     async with fake_engines("a") as (a,):
-        cfg = config_for([a], models=[rc.ModelConfig(name="m", aliases=["alias"])])
+        cfg = relaxed([a], models=[rc.ModelConfig(name="m", aliases=["alias"])])
         async with running_router(cfg) as r, aiohttp.ClientSession() as http:
             answers = {}
             for path in ("/tokenize", "/detokenize", "/v1/rerank", "/rerank", "/v1/score"):
@@ -233,7 +244,7 @@ async def test_vllm_endpoints_are_routed_by_the_model_in_the_body():
 
 async def test_a_catalog_can_say_which_kinds_a_model_serves():
     async with fake_engines("a") as (a,):
-        cfg = config_for([a], models=[rc.ModelConfig(name="m", api_kinds=["embeddings"])])
+        cfg = relaxed([a], models=[rc.ModelConfig(name="m", api_kinds=["embeddings"])])
         async with running_router(cfg) as r:
             client = async_sdk(r.url)
             emb = await client.embeddings.create(model="m", input="hi")
@@ -248,7 +259,7 @@ async def test_a_catalog_can_say_which_kinds_a_model_serves():
 
 async def test_values_only_the_engine_judges_reach_it_through_the_sdk():
     async with fake_engines("a") as (a,):
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             client = async_sdk(r.url)
             await client.chat.completions.create(
                 model="m", messages=HI, temperature=2.5, top_logprobs=21, logprobs=True
@@ -274,7 +285,7 @@ async def test_upstream_headers_secrets_and_trace_context_reach_the_engine(monke
         model = rc.ModelConfig(
             name="m", upstream=contracts.UpstreamSpec(headers={"x-tier": "gold"})
         )
-        cfg = config_for([a], models=[model])
+        cfg = relaxed([a], models=[model])
         cfg.endpoints[0].upstream = contracts.UpstreamSpec(
             secret_headers={"Authorization": "LLMGW_TEST_ENGINE_KEY"}
         )
@@ -292,7 +303,7 @@ async def test_upstream_headers_secrets_and_trace_context_reach_the_engine(monke
 
 
 async def test_a_missing_secret_is_a_config_problem():
-    cfg = config_for([], models=[rc.ModelConfig(name="m")])
+    cfg = relaxed([], models=[rc.ModelConfig(name="m")])
     cfg.models[0].upstream = contracts.UpstreamSpec(secret_headers={"Authorization": "NOPE_X"})
     problems = rc.validate(cfg)
     assert any("NOPE_X" in p for p in problems)
@@ -305,10 +316,10 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_on():
             "access-control-request-method": "POST",
             "access-control-request-headers": "authorization, content-type",
         }
-        async with running_router(config_for([a])) as r:
+        async with running_router(relaxed([a])) as r:
             async with http.options(r.url + "/v1/chat/completions", headers=preflight) as resp:
                 off = (resp.status, resp.headers.get("access-control-allow-origin"))
-        cfg = config_for([a], cors=rc.CorsConfig(allow_origins=["https://app.example"]))
+        cfg = relaxed([a], cors=rc.CorsConfig(allow_origins=["https://app.example"]))
         async with running_router(cfg) as r:
             async with http.options(r.url + "/v1/chat/completions", headers=preflight) as resp:
                 on = resp.status, resp.headers.copy()
@@ -336,7 +347,7 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_on():
 
 async def test_an_alias_with_a_number_no_decoder_takes_is_relayed_byte_for_byte():
     async with fake_engines("a") as (a,):
-        cfg = config_for([a], models=[rc.ModelConfig(name="m", aliases=["alias"])])
+        cfg = relaxed([a], models=[rc.ModelConfig(name="m", aliases=["alias"])])
         async with running_router(cfg) as r, aiohttp.ClientSession() as http:
             body = b'{"model":"alias","messages":[{"role":"user","content":"x"}],"x":1e999}'
             async with http.post(r.url + "/v1/chat/completions", data=body) as resp:
@@ -348,7 +359,7 @@ async def test_an_alias_with_a_number_no_decoder_takes_is_relayed_byte_for_byte(
 @pytest.mark.parametrize(("method", "path"), [("GET", "/nowhere"), ("DELETE", "/v1/models")])
 async def test_every_answer_carries_a_request_id(method, path):
     async with fake_engines("a") as (a,):
-        async with running_router(config_for([a])) as r, aiohttp.ClientSession() as http:
+        async with running_router(relaxed([a])) as r, aiohttp.ClientSession() as http:
             async with http.request(method, r.url + path) as resp:
                 status, rid = resp.status, resp.headers.get("x-request-id")
                 body = json.loads(await resp.read())
@@ -361,7 +372,7 @@ async def test_every_answer_carries_a_request_id(method, path):
 
 async def test_admitted_responses_carry_openais_rate_limit_headers():
     async with fake_engines("a") as (a,):
-        cfg = config_for(
+        cfg = relaxed(
             [a],
             admission=AdmissionSettings(),
             tenants=[
