@@ -201,6 +201,22 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+# The API kinds a router relays (llmgw.router.kinds), which a model's `api_kinds` may name.
+API_KINDS = (
+    "chat",
+    "completions",
+    "embeddings",
+    "responses",
+    "transcriptions",
+    "tokenize",
+    "detokenize",
+    "rerank",
+    "score",
+    "pooling",
+    "classify",
+)
+
+
 class UpstreamSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Headers a router adds to every request it sends an engine (an engine API key for
     vLLM's --api-key, a routing tag). `secret_headers` name the router's environment

@@ -220,6 +220,11 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
+    for kind in m.api_kinds:
+        if kind not in c.API_KINDS:
+            out.append(
+                f"{label}: api_kinds: unknown kind {kind!r} (known: {', '.join(c.API_KINDS)})"
+            )
     return out
 
 

@@ -28,3 +28,9 @@ def test_each_kind_ends_a_broken_stream_in_its_own_error_shape():
     resp = kinds.RESPONSES.stream.error_event("upstream_broken", "broke", 502)
     assert resp.startswith(b"event: error\ndata: {") and b"[DONE]" not in resp
     assert kinds.RESPONSES.stream.ended(resp)
+
+
+def test_the_contract_names_every_kind_the_router_relays():
+    from llmgw.contracts import API_KINDS
+
+    assert API_KINDS == tuple(k.name for k in kinds.ALL)
