@@ -50,6 +50,8 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fie
     # Set on each concrete class: who publishes it and what it is for (AsyncAPI).
     publisher: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # Events only: the kind token of their subject (llmgw.evt.<channel>.<kind>...).
+    subject_kind: ClassVar[str] = ""
 
 
 # ---------------------------------------------------------------- inventory
@@ -131,6 +133,7 @@ class ShardInfo(msgspec.Struct, kw_only=True):
 
 class NodeRegistered(Message, kw_only=True, tag="node.registered"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "registered"
     summary: ClassVar[str] = (
         "An agent (re)connected: its full inventory, labels and running shards."
     )
@@ -157,6 +160,7 @@ class Heartbeat(Message, kw_only=True, tag="node.heartbeat"):
 
 class ShardStatus(Message, kw_only=True, tag="shard.status"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "shard"
     summary: ClassVar[str] = (
         "A shard moved to a new state (with exit code and output tail on failure)."
     )
@@ -185,10 +189,13 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
 
     filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
     scorers: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
+        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "kv_prefix": 6.0}
     )
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"
+    # The model's tokenizer (a tokenizer.json, or a directory with one and its
+    # tokenizer_config.json) for the kv_prefix scorer on vLLM endpoints; "" = none.
+    tokenizer: str = ""
 
 
 class DeadlineSpec(msgspec.Struct, kw_only=True):
@@ -226,8 +233,27 @@ class UpstreamSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     secret_headers: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env var
 
 
+class AutoscaleSpec(msgspec.Struct, kw_only=True):
+    """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
+
+    The signal is the pool's load: requests in flight plus queued in admission, over
+    the batch capacity of its ready replicas, summed over every router. `target` is
+    the load to aim for; the count rises when the load stays above it for
+    `scale_up_after_seconds` and falls when it stays below target * (1 - tolerance)
+    for `scale_down_after_seconds` (which is also the cool-down after any change).
+    """
+
+    min: int = 1
+    max: int = 1
+    target: float = 0.8
+    scale_up_after_seconds: float = 30.0
+    scale_down_after_seconds: float = 120.0
+    tolerance: float = 0.2
+
+
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model is (re)declared in the catalog with its serving profile."
 
     name: str
@@ -242,10 +268,14 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     # The API kinds the model serves (chat, completions, embeddings, responses, rerank,
     # score, tokenize, detokenize, pooling, classify, transcriptions); empty: all.
     api_kinds: list[str] = msgspec.field(default_factory=list)
+    # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
+    # `replicas` is only where it starts (`autoscale.min`).
+    autoscale: AutoscaleSpec | None = None
 
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model left the catalog: its shards drain and stop."
 
     name: str
@@ -259,6 +289,7 @@ class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant is (re)declared: band, quotas and API key hashes."
 
     name: str
@@ -269,6 +300,7 @@ class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
 
 class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant left the catalog; its keys stop working."
 
     name: str
@@ -285,6 +317,7 @@ class Band(msgspec.Struct, kw_only=True):
 
 class BandsDeclared(Message, kw_only=True, tag="catalog.bands.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "bands"
     summary: ClassVar[str] = "The priority bands, highest priority first."
 
     bands: list[Band]
@@ -322,6 +355,7 @@ class ShardAssignment(msgspec.Struct, kw_only=True):
 
 class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica was placed; the explanation covers every candidate node."
 
     model: str
@@ -339,6 +373,7 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
 
 class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica could not be placed; each node's reason is recorded."
 
     model: str
@@ -352,6 +387,7 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
 
 class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = (
         "A replica is no longer wanted (scale down, model removed): drain then stop."
     )
@@ -362,8 +398,42 @@ class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     reason: str = ""
 
 
+class ScaleSignals(msgspec.Struct, kw_only=True):
+    """One model's demand, combined over the live routers' summaries (docs/autoscale.md)."""
+
+    load: float = 0.0  # (in_flight + queued) / capacity; 0 with no demand
+    saturation: float = 0.0  # admission's pool saturation, unclamped, mean over routers
+    queued: int = 0  # waiting in admission, all bands, all routers
+    in_flight: int = 0  # granted and not finished, all routers
+    oldest_wait_seconds: float = 0.0
+    capacity: int = 0  # batch slots of the ready replicas (learned or declared)
+    ready: int = 0  # ready replicas the routers route to
+    routers: int = 0  # routers whose summaries were combined
+    capacity_declared: bool = True  # every router saw a declared batch size on every replica
+    waiting: int = 0  # waiting in the engines' own queues (their load samples)
+
+
+class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "scale"
+    summary: ClassVar[str] = (
+        "The autoscaler changed a model's replica count; the signals and the rule are recorded."
+    )
+
+    model: str
+    from_replicas: int
+    to_replicas: int
+    rule: str  # scale_up | scale_down | from_zero
+    signals: ScaleSignals = msgspec.field(default_factory=ScaleSignals)
+    # How long the rule's condition held before it fired (seconds).
+    sustained_seconds: float = 0.0
+    based_on_seq: int = 0
+    explanation: str = ""
+
+
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for unreachable_after seconds."
 
     node: str
@@ -373,6 +443,7 @@ class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
 
 class NodeLost(Message, kw_only=True, tag="control.node.lost"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for lost_after seconds: its shards count as gone."
 
     node: str
@@ -382,6 +453,7 @@ class NodeLost(Message, kw_only=True, tag="control.node.lost"):
 
 class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "Heartbeats returned from an unreachable or lost node."
 
     node: str
@@ -452,6 +524,64 @@ class LoadSample(Message, kw_only=True, tag="load.sample"):
     sampled_at: float = msgspec.field(default_factory=now)
 
 
+class KvOp(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # every block is gone (hashes empty)
+
+
+class KvBlockOp(msgspec.Struct, kw_only=True):
+    """One change to an engine's cached block set, in engine order."""
+
+    op: KvOp
+    hashes: list[int] = msgspec.field(default_factory=list)  # canonical (llmgw.kvblocks)
+
+
+class KvEvents(Message, kw_only=True, tag="kv.events"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "An engine's KV cache events, relayed in order by its agent with canonical block "
+        "hashes (core NATS); seq_first..seq_last are the engine's own batch numbers."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    # Changes whenever the numbering starts over (a new relay or a new engine process).
+    epoch: str
+    seq_first: int
+    seq_last: int
+    block_size: int = 0
+    ops: list[KvBlockOp] = msgspec.field(default_factory=list)
+
+
+class KvSnapshotRequest(Message, kw_only=True, tag="kv.snapshot.request"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "Request (core NATS request/reply): the engine's whole cached block set, to start "
+        "from or to recover after a gap in its KV events."
+    )
+
+    node: str
+    shard_id: str
+
+
+class KvSnapshot(Message, kw_only=True, tag="kv.snapshot"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "Reply: an engine's cached blocks as of engine batch `seq` (events up to it included)."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    epoch: str
+    seq: int  # -1: no engine batch yet
+    block_size: int = 0
+    hashes: list[int] = msgspec.field(default_factory=list)
+    truncated: bool = False  # more blocks than fit in one message; the rest are left out
+
+
 class EndpointState(str, enum.Enum):
     READY = "ready"
     DRAINING = "draining"
@@ -487,6 +617,12 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     owned_by: str = ""
     api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every kind
     max_model_len: int | None = None  # the serving profile's, when it sets one
+    # Autoscaled: with no ready endpoint a request waits in admission (up to its band's
+    # queue TTL) while a replica starts, instead of failing at once.
+    scale_from_zero: bool = False
+    # Why the model's next replica cannot be placed now (empty: nothing is failing);
+    # a request that would wait for it gets 503 with Retry-After instead.
+    unplaceable: str = ""
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
@@ -506,6 +642,38 @@ class BandsRecord(Message, kw_only=True, tag="projection.bands"):
     bands: list[Band] = msgspec.field(default_factory=list)
 
 
+class BandDemand(msgspec.Struct, kw_only=True):
+    queued: int = 0
+    oldest_wait_seconds: float = 0.0
+
+
+class ModelDemand(msgspec.Struct, kw_only=True):
+    """What one router sees of one model's demand right now."""
+
+    in_flight: int = 0  # granted by admission (or dispatched) and not finished
+    queued: dict[str, BandDemand] = msgspec.field(default_factory=dict)  # by band
+    saturation: float = 0.0  # as admission computes it, before clamping to 1
+    capacity: int = 0  # batch slots of the ready endpoints (whole engines, not a share)
+    ready: int = 0  # ready endpoints
+    # Every ready endpoint declares its batch size (max_running); False: some capacity is
+    # only learned, the most the engine has run so far, which says nothing of what it could.
+    capacity_declared: bool = True
+    waiting: int = 0  # requests the engines' latest fresh load samples show waiting
+
+
+class DemandSummary(Message, kw_only=True, tag="demand.summary"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "A router's per-model demand, about once a second (core NATS): the autoscaler's input."
+    )
+
+    router_id: str
+    # The worker process (pid): the workers of one router share its id but each sees
+    # its own requests, so the leader keeps a summary per (router_id, process).
+    process: int = 0
+    models: dict[str, ModelDemand] = msgspec.field(default_factory=dict)
+
+
 class RouterPresence(Message, kw_only=True, tag="presence.router"):
     publisher: ClassVar[str] = "router"
     summary: ClassVar[str] = (
@@ -518,42 +686,44 @@ class RouterPresence(Message, kw_only=True, tag="presence.router"):
 
 # ---------------------------------------------------------------- codec
 
-AgentEvent = Union[NodeRegistered, ShardStatus]
-CatalogEvent = Union[ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared]
-ControlEvent = Union[
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-]
-Command = Union[StartShard, StopShard, DrainShard]
+# Which messages travel together, by channel: the one table that the unions below,
+# ALL_MESSAGES, subjects.subject_for and the AsyncAPI channels are derived from. A new
+# message goes here (and its channel's address into llmgw.subjects), nowhere else.
+CHANNELS: dict[str, tuple[type[Message], ...]] = {
+    "agentEvents": (NodeRegistered, ShardStatus),
+    "catalogEvents": (ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared),
+    "controlEvents": (
+        PlacementDecided,
+        PlacementFailed,
+        ReplicaRetired,
+        ModelScaled,
+        NodeUnreachable,
+        NodeLost,
+        NodeRecovered,
+    ),
+    "heartbeats": (Heartbeat,),
+    "commands": (StartShard, StopShard, DrainShard),
+    "loadSamples": (LoadSample,),
+    "kvEvents": (KvEvents,),
+    "kvSnapshots": (KvSnapshotRequest, KvSnapshot),
+    "endpointProjection": (ModelEndpoints,),
+    "tenantProjection": (TenantRecord, BandsRecord),
+    "routerPresence": (RouterPresence,),
+    "demandSummaries": (DemandSummary,),
+}
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    NodeRegistered,
-    Heartbeat,
-    ShardStatus,
-    ModelDeclared,
-    ModelRemoved,
-    TenantDeclared,
-    TenantRemoved,
-    BandsDeclared,
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-    StartShard,
-    StopShard,
-    DrainShard,
-    LoadSample,
-    ModelEndpoints,
-    TenantRecord,
-    BandsRecord,
-    RouterPresence,
-)
+
+def _union(channel: str) -> Any:
+    return Union[CHANNELS[channel]]  # type: ignore[valid-type]
+
+
+AgentEvent = _union("agentEvents")
+CatalogEvent = _union("catalogEvents")
+ControlEvent = _union("controlEvents")
+Command = _union("commands")
+
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(m for ms in CHANNELS.values() for m in ms)
+CHANNEL_OF: dict[type[Message], str] = {m: ch for ch, ms in CHANNELS.items() for m in ms}
 
 AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]
 EventMessage = Union[AgentEvent, CatalogEvent, ControlEvent]

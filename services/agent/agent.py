@@ -37,6 +37,7 @@ from . import adapters, admin, procs, validate
 from .config import ADMIN_PORT, AgentConfig, parse_port_range
 from .decide import Action, ShardView, answer_state, decide
 from .inventory import Inventory
+from .kvrelay import KvRelays
 from .metrics import Load
 from .shard import EngineShard, Timing
 from .state import ShardRecord, StateDir
@@ -119,6 +120,7 @@ class Agent:
         self._resync_task: asyncio.Task | None = None
         self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
         self.metrics = AgentMetrics(self.live)
+        self.kv_relays = KvRelays(node, metrics=self.metrics)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -159,6 +161,7 @@ class Agent:
             self.js = self.nc.jetstream()
             log.info("connected to NATS as node %s (boot %s)", self.node, self.boot_id)
             self._spawn(self._publisher(), "publisher")
+            await self.kv_relays.attach(self.nc)
             self._resync_task = self._spawn(self._resync(first=True), "resync")
             self._spawn(self._heartbeats(), "heartbeats")
             commands = self._spawn(self._commands(), "commands")
@@ -222,6 +225,7 @@ class Agent:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kv_relays.stop()
         await self._close_nats()
         if self.http is not None:
             await self.http.aclose()
@@ -257,6 +261,9 @@ class Agent:
                 )
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
+            if rec.kv_events_port:
+                # The engine's publisher reconnects to the same port on its own.
+                self.kv_relays.open(rec.shard_id, rec.kv_events_port).url = rec.url
             self._supervise(shard)
 
     def _new_shard(self, rec: ShardRecord, proc: subprocess.Popen | None = None) -> EngineShard:
@@ -283,6 +290,8 @@ class Agent:
 
     def _emit(self, rec: ShardRecord) -> None:
         self._enqueue(status_of(self.node, rec))
+        if rec.terminal and rec.shard_id in self.kv_relays.relays:
+            self._spawn(self.kv_relays.close(rec.shard_id), f"kv-relay-close-{rec.shard_id}")
 
     def _enqueue(self, msg: c.Message) -> None:
         self._outbox.append(msg)
@@ -582,6 +591,9 @@ class Agent:
                 reason = f"no free port in the engine port range {self.cfg.engine_port_range}"
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
+        relay = None
+        if self.cfg.kv_events and cmd.profile.engine in ("vllm", "sim") and port:
+            relay = self.kv_relays.open(cmd.shard_id)
         spec = adapter.build(
             cmd,
             adapters.LaunchContext(
@@ -589,6 +601,7 @@ class Agent:
                 gpu_indices=[self.inventory.gpus[g].index for g in cmd.gpus],
                 bind_host=self.bind_host,
                 command=self._engine_command(cmd.profile.engine),
+                kv_events_endpoint=relay.endpoint if relay else "",
             ),
         )
         rec.port = spec.port
@@ -598,6 +611,9 @@ class Agent:
             if spec.advertised and spec.port
             else ""
         )
+        if relay is not None:
+            relay.url = rec.url
+            rec.kv_events_port = relay.port
         rec.argv = spec.argv
         rec.launched_at = time.time()
         shard.transition(S.LAUNCHING)

@@ -153,6 +153,18 @@ class AgentMetrics:
             [],
             registry=r,
         )
+        self.kv_batches = Counter(
+            "llmgw_agent_kv_event_batches_published_total",
+            "Engines' KV event batches relayed to the bus (core NATS)",
+            [],
+            registry=r,
+        )
+        self.kv_engine_gaps = Counter(
+            "llmgw_agent_kv_engine_gaps_total",
+            "Gaps in an engine's KV event sequence seen by the relay (events lost before it)",
+            [],
+            registry=r,
+        )
         self.publish_failures = Counter(
             "llmgw_agent_publish_failures_total",
             "Failed publishes, by what (status and registration are retried; "

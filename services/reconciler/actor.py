@@ -49,6 +49,7 @@ from llmgw import contracts as c
 from llmgw import subjects as s
 
 from . import reconcile
+from .autoscaler import AutoscaleController
 from .backoff import ReplacementBackoff
 from .commands import CommandTracker
 from .fold import Change
@@ -105,9 +106,16 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
 class Actor:
     """Acts on the folded state while this process is the leader."""
 
-    def __init__(self, cfg: ActorConfig | None = None, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        cfg: ActorConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ):
         self.cfg = cfg or ActorConfig()
-        self.clock = clock  # wall clock: heartbeat times in the stream are wall times
+        self.clock = clock  # wall clock: stamps events and commands, never measures time
+        self.monotonic = monotonic  # measures: silence, retries, back-off, waits
         self._tasks: list[asyncio.Task] = []
         self._sub = None
         self._nc: NATS | None = None
@@ -126,11 +134,12 @@ class Actor:
         )
         self.projection: KvProjection | None = None
         self.timings = reconcile.CommandTimings(self.cfg.drain_deadline, self.cfg.stop_grace)
+        self.autoscaler = AutoscaleController(clock=clock)
 
     # ------------------------------------------------------------ the seam
 
     async def start(self, nc: NATS, js: JetStreamContext, state: ClusterState) -> None:
-        started = self.clock()
+        started = self.monotonic()
         log.info("acting as leader from seq %d", state.last_seq)
         self._nc = nc
         self._js = js
@@ -155,19 +164,23 @@ class Actor:
         self._tasks = [
             asyncio.create_task(self._reconcile_loop(), name="actor-reconcile"),
             asyncio.create_task(self._liveness_loop(), name="actor-liveness"),
+            asyncio.create_task(
+                self.autoscaler.run(nc, lambda: self._state, self._publish_event),
+                name="actor-autoscale",
+            ),
         ]
 
     async def on_state_changed(self, state: ClusterState, changes: set[Change]) -> None:
         self._state = state
         self._changes |= changes
-        now = self.clock()
+        now = self.monotonic()
         self.backoff.observe(state, changes, now)
         for kind, name in changes:
             view = state.nodes.get(name) if kind == "node" else None
             if view is not None and view.registered_seq > self._registered.get(name, 0):
                 # A registration is a sign of life as good as a heartbeat.
                 self._registered[name] = view.registered_seq
-                self.liveness.seen(name, now)
+                self.liveness.seen(name, now, self.clock())
         self._wake.set()
 
     async def stop(self) -> None:
@@ -190,10 +203,10 @@ class Actor:
         # The subject names the node: no need to decode a payload per heartbeat.
         node = s.node_of_subject(msg.subject)
         if node:
-            self.liveness.seen(node, self.clock())
+            self.liveness.seen(node, self.monotonic(), self.clock())
 
     async def _rebuild_last_seen(self, js: JetStreamContext) -> None:
-        """Seed last-seen from the newest stored heartbeat of each node."""
+        """Read the newest stored heartbeat of each node: when it was last heard, for reports."""
         try:
             info = await js.stream_info(s.HEARTBEATS_STREAM)
         except Exception as exc:  # no stream yet: nothing to rebuild from
@@ -217,7 +230,8 @@ class Actor:
                     break
                 node = s.node_of_subject(msg.subject)
                 if node:
-                    self.liveness.seen(node, msg.metadata.timestamp.timestamp())
+                    # The server's clock: reported, never taken as proof of life.
+                    self.liveness.remember(node, msg.metadata.timestamp.timestamp())
                     count += 1
                 if msg.metadata.num_pending == 0:
                     break
@@ -234,10 +248,10 @@ class Actor:
             late = loop.time() - due
             if late > self.cfg.stall_grace_after:
                 log.warning("event loop stalled %.1fs: counting node silence from now", late)
-                self.liveness.grace(self.clock())
+                self.liveness.grace(self.monotonic())
             connected = self._nc is not None and self._nc.is_connected
             was_deaf = self.liveness.deaf
-            if not self.liveness.listening(connected, self.clock()):
+            if not self.liveness.listening(connected, self.monotonic()):
                 if not was_deaf:
                     log.warning("NATS connection down: node silence is not judged until it returns")
                 continue
@@ -245,7 +259,7 @@ class Actor:
                 log.info("NATS connection back: counting node silence from now")
             try:
                 state = self._state
-                events = self.liveness.check(state, self.clock())
+                events = self.liveness.check(state, self.monotonic(), self.clock())
                 for ev in events:
                     await self._publish_event(ev)
                     LIVENESS_EVENTS.labels(type(ev).__name__.removeprefix("Node").lower()).inc()
@@ -262,7 +276,7 @@ class Actor:
     async def _reconcile_loop(self) -> None:
         while True:
             timeout = self.cfg.resync_interval
-            now = self.clock()
+            now = self.monotonic()
             for due in (self.commands.next_due(), self.backoff.next_release(now)):
                 if due is not None:
                     timeout = max(0.01, min(timeout, due - now))
@@ -281,7 +295,7 @@ class Actor:
     def _waiting_for_fold(self, state: ClusterState) -> bool:
         if state.last_seq >= self._awaiting_seq:
             return False
-        if self.clock() - self._awaiting_since > self.cfg.fold_wait_timeout:
+        if self.monotonic() - self._awaiting_since > self.cfg.fold_wait_timeout:
             log.warning(
                 "fold still at seq %d, our events went up to %d: deciding anyway",
                 state.last_seq,
@@ -305,7 +319,7 @@ class Actor:
 
         state = self._state
         if self._waiting_for_fold(state):
-            await self._send(self.commands.due(self.clock()), reissue=True)
+            await self._send(self.commands.due(self.monotonic(), self.clock()), reissue=True)
             return
         t0 = time.perf_counter()
         plan = reconcile.decide(
@@ -313,7 +327,7 @@ class Actor:
             ts=self.clock(),
             timings=self.timings,
             max_placements=self.cfg.max_placements_per_round,
-            hold=self.backoff.held(self.clock()),
+            hold=self.backoff.held(self.monotonic()),
         )
         DECIDE_SECONDS.observe(time.perf_counter() - t0)
         events = [ev for ev in plan.events if not self._too_soon(state, ev)]
@@ -323,7 +337,7 @@ class Actor:
                 PLACEMENTS.labels("adopted" if ev.adopted else "decided").inc()
                 log.info("%s", ev.explanation)
             elif isinstance(ev, c.PlacementFailed):
-                self._failed_at[ev.replica_id] = self.clock()
+                self._failed_at[ev.replica_id] = self.monotonic()
                 PLACEMENTS.labels("failed").inc()
                 log.warning("%s", ev.explanation)
             elif isinstance(ev, c.ReplicaRetired):
@@ -331,9 +345,9 @@ class Actor:
                 log.info("retired %s: %s", ev.replica_id, ev.reason)
         if events:
             # Commands follow from the state once these events are folded.
-            await self._send(self.commands.due(self.clock()), reissue=True)
+            await self._send(self.commands.due(self.monotonic(), self.clock()), reissue=True)
             return
-        new, again = self.commands.sync(plan.commands, self.clock())
+        new, again = self.commands.sync(plan.commands, self.monotonic(), self.clock())
         await self._send(new, reissue=False)
         await self._send(again, reissue=True)
 
@@ -342,14 +356,15 @@ class Actor:
         if not isinstance(ev, c.PlacementFailed) or ev.replica_id not in state.failures:
             return False
         last = self._failed_at.get(ev.replica_id)
-        return last is not None and self.clock() - last < self.cfg.failure_restate_interval
+        return last is not None and self.monotonic() - last < self.cfg.failure_restate_interval
 
-    async def _publish_event(self, ev: c.Message) -> None:
+    async def _publish_event(self, ev: c.Message) -> int:
         assert self._js is not None
         ack = await bus.publish(self._js, ev)
         if ack.seq > self._awaiting_seq:
             self._awaiting_seq = ack.seq
-            self._awaiting_since = self.clock()
+            self._awaiting_since = self.monotonic()
+        return ack.seq
 
     async def _send(self, cmds: list[c.Message], *, reissue: bool) -> None:
         assert self._js is not None

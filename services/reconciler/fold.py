@@ -14,7 +14,7 @@ from .state import ClusterState, Liveness, NodeView, ReplicaView, ShardView, pro
 
 Change = tuple[
     str, str
-]  # ("node" | "shard" | "replica" | "model" | "tenant" | "bands" | "failure", key)
+]  # ("node" | "shard" | "replica" | "model" | "tenant" | "bands" | "failure" | "scaled", key)
 
 
 def apply(state: ClusterState, seq: int, event: c.Message) -> set[Change]:
@@ -86,12 +86,17 @@ def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Chang
 
 def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
     state.models[ev.name] = ev
-    return {("model", ev.name)}
+    changes: set[Change] = {("model", ev.name)}
+    if ev.autoscale is None and state.scaled.pop(ev.name, None) is not None:
+        changes.add(("scaled", ev.name))  # a fixed count again: the autoscaler's is void
+    return changes
 
 
 def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Change]:
     state.models.pop(ev.name, None)
     changes: set[Change] = {("model", ev.name)}
+    if state.scaled.pop(ev.name, None) is not None:
+        changes.add(("scaled", ev.name))
     for rid in [rid for rid, f in state.failures.items() if f.model == ev.name]:
         del state.failures[rid]
         changes.add(("failure", rid))
@@ -166,6 +171,14 @@ def _replica_retired(state: ClusterState, seq: int, ev: c.ReplicaRetired) -> set
     return {("replica", ev.replica_id)}
 
 
+def _model_scaled(state: ClusterState, seq: int, ev: c.ModelScaled) -> set[Change]:
+    decl = state.models.get(ev.model)
+    if decl is None or decl.autoscale is None:
+        return set()  # decided just before the model left or stopped autoscaling
+    state.scaled[ev.model] = ev
+    return {("scaled", ev.model)}
+
+
 def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float) -> set[Change]:
     view = state.nodes.get(node)
     if view is None:
@@ -228,6 +241,7 @@ _HANDLERS = {
     c.PlacementDecided: _placement_decided,
     c.PlacementFailed: _placement_failed,
     c.ReplicaRetired: _replica_retired,
+    c.ModelScaled: _model_scaled,
     c.NodeUnreachable: _node_unreachable,
     c.NodeLost: _node_lost,
     c.NodeRecovered: _node_recovered,

@@ -16,6 +16,13 @@ character in a string, an integer beyond a column's range): the batch's
 commit fails without saying which event did it. The state is reloaded and the
 batch folded again one event per transaction; the event whose commit is
 refused is dead-lettered with the database's reason, and the fold goes on.
+
+The position never passes events without a trace. When the batch starts past
+position + 1 (the consumer lets only a new consumer's real first delivery do
+that: the events in between were gone from the stream, expired by retention or
+deleted), the hole is recorded in the same transaction as one dead letter at
+its first sequence, with no bytes and a reason naming the range: an operator
+sees it in `/api/dead-letters` and in `llmgw_reconciler_events_never_folded_total`.
 """
 
 from __future__ import annotations
@@ -59,11 +66,13 @@ class BatchResult:
     skipped: int = 0  # at or below the stored position (redelivered)
     dead: int = 0
     last_seq: int = 0
+    never_folded: int = 0  # gone from the stream before the fold reached them
     changes: set[Change] = field(default_factory=set)
 
     def add(self, part: BatchResult) -> None:
         self.folded += part.folded
         self.dead += part.dead
+        self.never_folded += part.never_folded
         self.last_seq = max(self.last_seq, part.last_seq)
         self.changes |= part.changes
 
@@ -185,6 +194,10 @@ class Folder:
         archive: list[r.Row] = []
         decisions: list[r.Row] = []
         dead: list[r.Row] = []
+        if entries and entries[0].seq > first_seq + 1:
+            missed = (first_seq + 1, entries[0].seq - 1)
+            result.never_folded = missed[1] - missed[0] + 1
+            dead.append(_gap_row(*missed, now))
         async with self.engine.begin() as conn:
             seen = await store.known_ids(conn, ids)
             for entry, event in decoded:
@@ -214,12 +227,31 @@ class Folder:
                 dead_letters=dead,
             )
             await store.write_batch(conn, batch, self.position_name)
+        if result.never_folded:
+            log.error(
+                "events %d..%d were gone from the stream (expired or deleted) before they were "
+                "folded: recorded as a dead letter; the state lacks whatever they said",
+                first_seq + 1,
+                entries[0].seq - 1,
+            )
         for row in dead:
             log.warning("dead-lettered seq %d on %s: %s", row["seq"], row["subject"], row["reason"])
         result.folded = len(archive)
         result.dead = len(dead)
         result.last_seq = state.last_seq
         return result
+
+
+def _gap_row(first: int, last: int, now: float) -> r.Row:
+    span = f"event {first} was" if first == last else f"events {first}..{last} were"
+    return {
+        "seq": first,
+        "subject": "",
+        "reason": f"never folded: {span} gone from the stream (expired or deleted) "
+        "before the fold reached them",
+        "raw": b"",
+        "received_at": now,
+    }
 
 
 def _dead_row(entry: Entry, reason: str, now: float) -> r.Row:

@@ -33,7 +33,7 @@ from llmgw import contracts as c
 from llmgw import subjects as s
 
 from .fold import Change
-from .state import ClusterState
+from .state import ClusterState, replica_id
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,21 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         owned_by=decl.owned_by,
         api_kinds=list(decl.api_kinds),
         max_model_len=decl.profile.max_model_len,
+        scale_from_zero=decl.autoscale is not None and decl.autoscale.min == 0,
+        unplaceable=_unplaceable(state, model),
     )
+
+
+def _unplaceable(state: ClusterState, model: str) -> str:
+    """Why the replica reconcile tries to place next cannot be placed, while one is missing.
+
+    Only that replica id counts: a failure recorded for a replica that is no longer
+    wanted (scaled down before it could be placed) stays in the state but says nothing.
+    """
+    if len(state.active_replicas(model)) >= state.desired_replicas(model):
+        return ""
+    failed = state.failures.get(replica_id(model, state.replica_counter.get(model, 0) + 1))
+    return failed.explanation if failed is not None else ""
 
 
 def tenant_record(state: ClusterState, name: str) -> c.TenantRecord:
@@ -119,6 +133,12 @@ def affected(state: ClusterState, changes: set[Change]) -> set[Key]:
             model = state.shards[key].model
         elif kind == "replica" and key in state.replicas:
             model = state.replicas[key].model
+        elif kind == "failure":
+            failed = state.failures.get(key)
+            # A failure cleared by a placement changes the replica, which names the model.
+            model = failed.model if failed is not None else None
+        elif kind == "scaled":
+            model = key
         elif kind == "tenant":
             out.add((s.TENANTS_BUCKET, key))
         elif kind == "bands":

@@ -131,6 +131,14 @@ PROJECTIONS: dict[str, Projection] = {
             _load_message("failures", c.PlacementFailed, "replica_id"),
         ),
         Projection(
+            "scaled",
+            t.ModelScaling.__table__,
+            "model",
+            "scaled",
+            lambda k, m: _message_row(m),
+            _load_message("scaled", c.ModelScaled, "model"),
+        ),
+        Projection(
             "counter",
             t.ReplicaCounter.__table__,
             "model",

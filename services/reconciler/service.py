@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw import adminserver, bus, config, subjects, tlsconfig
 
-from . import admin, consumer, leader, schema, store
+from . import admin, consumer, leader, schema, store, streamid
 from . import metrics as m
 from .actor import Actor
 from .config import ReconcilerConfig, resolve_id
@@ -38,10 +38,6 @@ from .state import ClusterState
 log = logging.getLogger(__name__)
 
 DURABLE = "llmgw-reconciler"
-
-
-class StreamBehind(RuntimeError):
-    """The stream ends before the stored position: it was recreated, or is the wrong one."""
 
 
 class Reconciler:
@@ -63,7 +59,13 @@ class Reconciler:
 
     async def run(self) -> int:
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        engine = schema.make_engine(self.cfg.database_url)
+        # A transaction left open by a leader cut off mid-commit holds the position row's
+        # lock: the server ends it, so the next leader's first commit does not wait forever.
+        idle = str(int(max(30.0, 3 * self.cfg.leader.session_timeout_seconds) * 1000))
+        engine = schema.make_engine(
+            self.cfg.database_url,
+            connect_args={"server_settings": {"idle_in_transaction_session_timeout": idle}},
+        )
         server: adminserver.AdminServer | None = None
         try:
             if not await self._wait_for_schema(engine):
@@ -163,6 +165,7 @@ class Reconciler:
                 retry_interval=lcfg.retry_interval_seconds,
                 check_interval=lcfg.check_interval_seconds,
                 holder=self.id,
+                session_timeout=lcfg.session_timeout_seconds,
             )
             if lease is None:
                 return
@@ -171,8 +174,9 @@ class Reconciler:
                 await self._lead(engine, nc, js, lease)
             except store.Fenced as exc:
                 log.error("fenced: %s; stepping down", exc)
-            except StreamBehind as exc:
+            except streamid.StreamMismatch as exc:
                 log.error("%s", exc)
+                self.role.problem = str(exc)
                 backoff = 10.0
             except Exception:
                 log.exception("leader term ended by an error; stepping down")
@@ -192,12 +196,14 @@ class Reconciler:
         self.state = state
         m.FOLDED_SEQ.set(state.last_seq)
         await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
-        await _check_stream(js, state.last_seq)
+        stream_identity = await streamid.check(engine, js, state.last_seq)
+        self.role.problem = ""
         log.info("leading from seq %d", state.last_seq)
 
         async def subscribe(start_seq: int):
             # Always afresh: what an old consumer delivered but never saw acknowledged
             # would come back after newer events, out of order.
+            await streamid.still_the_same(js, stream_identity)
             return await bus.ensure_pull_consumer(
                 js,
                 subjects.EVENTS_STREAM,
@@ -245,6 +251,7 @@ class Reconciler:
             m.EVENTS_FOLDED.inc(result.folded)
             m.EVENTS_SKIPPED.inc(result.skipped)
             m.DEAD_LETTERS.inc(result.dead)
+            m.NEVER_FOLDED.inc(result.never_folded)
             m.FOLDED_SEQ.set(result.last_seq)
             m.FOLD_LAG.set(pending)
             if result.folded or result.dead:
@@ -258,22 +265,4 @@ class Reconciler:
             on_batch=on_batch,
             on_idle=lambda: m.FOLD_LAG.set(0),
             resubscribe=resubscribe,
-        )
-
-
-async def _check_stream(js: JetStreamContext, position: int) -> None:
-    info = await js.stream_info(subjects.EVENTS_STREAM)
-    if info.state.last_seq < position:
-        raise StreamBehind(
-            f"{subjects.EVENTS_STREAM} ends at seq {info.state.last_seq} but the database has "
-            f"folded up to seq {position}: the stream was recreated or is not this database's. "
-            "Restore the stream, or reset the database (llmgw migrate --downgrade base, then "
-            "llmgw migrate) to fold the new log from the start."
-        )
-    if info.state.first_seq > position + 1:
-        log.warning(
-            "events %d..%d expired from the stream before they were folded; continuing from %d",
-            position + 1,
-            info.state.first_seq - 1,
-            info.state.first_seq,
         )

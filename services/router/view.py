@@ -154,6 +154,10 @@ class ModelRoute:
     def serves(self, kind: str) -> bool:
         return not self.api_kinds or kind in self.api_kinds
 
+    # Autoscaled from zero: with no ready endpoint, requests wait in admission for one.
+    scale_from_zero: bool = False
+    unplaceable: str = ""  # why the next replica cannot be placed (the control plane's words)
+
 
 class EndpointView:
     def __init__(
@@ -281,6 +285,8 @@ class EndpointView:
                 headers=resolve_headers(rec.upstream),
                 api_kinds=frozenset(rec.api_kinds),
                 record=rec,
+                scale_from_zero=rec.scale_from_zero,
+                unplaceable=rec.unplaceable,
             )
         self.endpoints = endpoints
         self._routes = new_routes

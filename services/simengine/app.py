@@ -22,7 +22,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import embeddings, responses, tokens, wire
+from llmgw.simengine import embeddings, kvevents, responses, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -84,6 +84,7 @@ class SimApp:
         names = cfg.served_names
         self.engine = Engine(engine_params(cfg))
         self.driver = Driver(self.engine)
+        self.kv_events = kvevents.attach(self.engine, cfg.kv_events_config)
         self.faults = Faults(cfg.faults, seed=cfg.seed)
         self.parser = RequestParser(
             Limits(frozenset(names), cfg.max_model_len, cfg.mode, cfg.default_output_tokens),
@@ -156,6 +157,8 @@ class SimApp:
                 for task in list(self._background_tasks):
                     await cancel_and_wait(task)
                 await self.driver.stop()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -210,6 +213,7 @@ class SimApp:
                 max_output=len(out.pieces),
                 final_reason=out.final_reason,
                 block_hashes=hashes,
+                prompt=job.prompt,
                 hang_after=faults.hang_after_tokens,
                 first_token_delay=faults.slow_first_token_ms / 1000,
             )

@@ -62,6 +62,13 @@ _FLAGS: list[tuple[str, str, type, str]] = [
         "responses kept for GET /v1/responses/{id} (default 1024)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
+    (
+        "--kv-events-config",
+        "kv_events_config",
+        str,
+        "vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557"}\'',
+    ),
 ]
 _FAULT_FLAGS: list[tuple[str, str, type, str]] = [
     (

@@ -63,6 +63,8 @@ class SimConfig(config.ConfigStruct):
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.
     drain_seconds: NonNegFloat = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # vLLM's `--kv-events-config` JSON: publish KV cache events over ZMQ in vLLM's format.
+    kv_events_config: str = ""
     faults: FaultConfig = msgspec.field(default_factory=FaultConfig)
 
     @property
@@ -77,6 +79,9 @@ def validate(cfg: SimConfig) -> SimConfig:
             f"kv_blocks * block_size = {cfg.kv_blocks * cfg.block_size} tokens cannot hold one "
             f"request of max_model_len = {cfg.max_model_len}: raise kv_blocks or lower max_model_len"
         )
+    from llmgw.simengine.kvevents import parse_config
+
+    parse_config(cfg.kv_events_config)  # raises ConfigError naming the field
     if any(not name for name in cfg.served_names):
         raise config.ConfigError("served_model_name: names must not be empty")
     return cfg

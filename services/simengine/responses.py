@@ -65,6 +65,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_tool_calls: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -277,6 +279,8 @@ class Response:
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
+            "presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
         }
 
     def body(self) -> bytes:

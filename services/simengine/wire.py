@@ -14,6 +14,9 @@ from llmgw.simengine.protocol import Job, Output
 _encode = msgspec.json.encode
 
 DONE = b"data: [DONE]\n\n"
+# vLLM names its build here ("vllm-0.32.0-<hash>"); on the last event of a stream, as vLLM.
+FINGERPRINT = "llmgw-sim"
+_FP = b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"'
 
 
 def usage(job: Job, completion_tokens: int, cached_tokens: int) -> dict:
@@ -91,6 +94,7 @@ def full_response(
             "created": created,
             "model": job.model,
             "choices": choices,
+            "system_fingerprint": FINGERPRINT,
             "usage": usage(job, sum(generated), cached_tokens),
         }
     )
@@ -99,7 +103,7 @@ def full_response(
 class ChunkEncoder:
     """The `data: ...` events of one streamed text choice without logprobs (the hot path)."""
 
-    __slots__ = ("job", "pieces", "_head", "_mid", "_tail", "_usage_head")
+    __slots__ = ("job", "pieces", "_head", "_mid", "_tail", "_last_tail", "_usage_head")
 
     def __init__(self, job: Job, rid: str, created: int, index: int = 0):
         self.job = job
@@ -116,6 +120,8 @@ class ChunkEncoder:
         close = b"}" if job.kind == "chat" else b""
         self._mid = close + b',"logprobs":null,"finish_reason":'
         self._tail = b"}]" + (b',"usage":null' if job.include_usage else b"") + b"}\n\n"
+        # The fingerprint rides on the last event: the usage chunk when there is one.
+        self._last_tail = self._tail if job.include_usage else b"}]" + _FP + b"}\n\n"
         self._usage_head = b"data: " + common + b'"choices":[],"usage":'
 
     def role(self) -> bytes:
@@ -131,13 +137,12 @@ class ChunkEncoder:
         last = (pieces.pop() if pieces else "") if reason is not None else None
         out = [head + _encode(p) + mid + b"null" + tail for p in pieces]
         if reason is not None:
-            out.append(head + _encode(last) + mid + b'"' + reason.encode() + b'"' + tail)
+            out.append(head + _encode(last) + mid + b'"' + reason.encode() + b'"' + self._last_tail)
         return out
 
     def usage(self, completion_tokens: int, cached_tokens: int) -> bytes:
-        return (
-            self._usage_head + _encode(usage(self.job, completion_tokens, cached_tokens)) + b"}\n\n"
-        )
+        body = _encode(usage(self.job, completion_tokens, cached_tokens))
+        return self._usage_head + body + _FP + b"}\n\n"
 
 
 class RichChunkEncoder:
@@ -167,6 +172,8 @@ class RichChunkEncoder:
         body = {**self._common, "choices": [choice]}
         if self.job.include_usage:
             body["usage"] = None
+        elif choice["finish_reason"] is not None:
+            body["system_fingerprint"] = FINGERPRINT
         return b"data: " + _encode(body) + b"\n\n"
 
     def role(self) -> bytes:
@@ -177,7 +184,9 @@ class RichChunkEncoder:
         events = []
         if out.tool is not None and not self._header_sent and (end > start or reason):
             self._header_sent = True
+            # vLLM's header names the function and carries no arguments yet.
             call = {"index": 0, **_tool_call(out, "")}
+            del call["function"]["arguments"]
             delta = {"content": None, "tool_calls": [call]}
             events.append(
                 self._event(
@@ -185,6 +194,10 @@ class RichChunkEncoder:
                 )
             )
         stop = max(end, start + 1) if reason is not None else end
+        if out.tool is not None and reason is not None:
+            # The finish rides on a chunk of its own with an empty delta, as vLLM's does
+            # (the parser holds back the closing tokens).
+            stop = end + 1
         for i in range(start, stop):
             piece = out.pieces[i] if i < end else ""
             choice: dict = {"index": self.index}

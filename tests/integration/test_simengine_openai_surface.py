@@ -103,12 +103,14 @@ def test_required_tool_choice_streams_id_and_name_first_then_argument_fragments(
     first, rest = calls[0], calls[1:]
     assert first.id.startswith("chatcmpl-tool-") and first.type == "function"
     assert first.function.name == "get_weather" and first.index == 0
+    assert first.function.arguments is None  # vLLM's header carries no arguments
     assert len(rest) > 1, "arguments arrive in several fragments"
     assert all(c.id is None and c.function.name is None and c.index == 0 for c in rest)
-    args = json.loads("".join(c.function.arguments for c in calls))
+    args = json.loads("".join(c.function.arguments for c in rest))
     assert "city" in args
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finals[-1] == "tool_calls" and all(f is None for f in finals[:-1])
+    finals = [c.choices[0] for c in chunks if c.choices]
+    assert finals[-1].finish_reason == "tool_calls" and finals[-1].delta.tool_calls is None
+    assert all(f.finish_reason is None for f in finals[:-1])
     assert chunks[-1].usage.completion_tokens == len(rest)
 
 

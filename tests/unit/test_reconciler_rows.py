@@ -40,6 +40,16 @@ def events() -> list[c.Message]:
             output_tail=["boom"],
         ),  # fmt: skip
         c.NodeUnreachable(node="a", last_seen=1.0),
+        c.ModelDeclared(name="auto", replicas=1, autoscale=c.AutoscaleSpec(min=1, max=3)),
+        c.ModelScaled(
+            model="auto",
+            from_replicas=1,
+            to_replicas=3,
+            rule="scale_up",
+            signals=c.ScaleSignals(load=2.5, in_flight=20, capacity=8, ready=1, routers=2),
+            sustained_seconds=30.0,
+            explanation="scaled 1 → 3",
+        ),
     ]
 
 
