@@ -36,7 +36,6 @@ from llmgw.router.config import RouterConfig, projection, resolve_router_id
 from llmgw.router.cors import Cors
 from llmgw.router.errors import RouterError, error_body
 from llmgw.router.kinds import RESPONSES_PREFIX
-from llmgw.router.errors import error_body
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.modelinfo import EngineModels
