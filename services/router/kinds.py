@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from llmgw.router.errors import error_body
+from llmgw.router.errors import error_event
 
 _DONE = b"data: [DONE]\n\n"
 _RESPONSE_ENDS = (
@@ -35,12 +35,6 @@ def _ends_with_response_end(out: bytes) -> bool:
     """The last event of `out` (whole events only) is one the Responses API ends with."""
     i = out.rfind(b"\n\n", 0, len(out) - 2)
     return out.startswith(_RESPONSE_ENDS, 0 if i < 0 else i + 2)
-
-
-def _done_error(reason: str, message: str, status: int) -> bytes:
-    # The openai SDK raises on an event with an `error` key; `[DONE]` follows, as vLLM
-    # does, so clients that only look for the terminator still stop reading.
-    return b"data: " + error_body(status, reason, message) + b"\n\n" + _DONE
 
 
 def _response_error(reason: str, message: str, status: int) -> bytes:
@@ -63,7 +57,7 @@ class StreamRule:
     error_event: Callable[[str, str, int], bytes]
 
 
-DONE_RULE = StreamRule(_ends_with_done, _done_error)
+DONE_RULE = StreamRule(_ends_with_done, error_event)
 RESPONSES_RULE = StreamRule(_ends_with_response_end, _response_error)
 
 
