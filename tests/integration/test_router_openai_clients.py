@@ -140,7 +140,15 @@ async def test_litellm_as_a_client_chat_responses_and_embeddings(litellm):
             chat = await litellm.acompletion(model="openai/m", messages=HI, **kw)
             resp = await litellm.aresponses(model="openai/m", input="hi", **kw)
             emb = await litellm.aembedding(model="openai/m", input=["hi"], **kw)
+            sync = await asyncio.to_thread(
+                lambda: (
+                    litellm.completion(model="openai/m", messages=HI, **kw),
+                    litellm.responses(model="openai/m", input="hi", **kw),
+                )
+            )
     assert chat.choices[0].message.content == "from a"
+    assert sync[0].choices[0].message.content == "from a"
+    assert sync[1].output[0].content[0].text == "from a"
     assert resp.output[0].content[0].text == "from a"
     assert emb.data[0]["embedding"] == [0.1, 0.2]
 
