@@ -293,7 +293,9 @@ class HotPaths:
                 if scope["method"] == "OPTIONS":
                     requested = _header(scope, b"access-control-request-method")
                     if requested is not None:
-                        await _preflight(send, cors, origin, scope)
+                        await _preflight(
+                            _with_request_id(scope, send, self.new_rid), cors, origin, scope
+                        )
                         return
                 send = cors.wrap(origin, send)
         path = scope["path"]

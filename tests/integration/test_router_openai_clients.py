@@ -342,7 +342,7 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_on():
             ) as resp:
                 other = resp.headers.get("access-control-allow-origin")
     assert off[1] is None and off[0] in (404, 405)
-    assert on[0] == 204
+    assert on[0] == 204 and on[1]["x-request-id"]
     assert on[1]["access-control-allow-origin"] == "https://app.example"
     assert on[1]["access-control-allow-headers"] == "authorization, content-type"
     assert served[0] == 200 and served[1]["access-control-allow-origin"] == "https://app.example"
