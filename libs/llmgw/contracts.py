@@ -369,6 +369,9 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     # True when the replica takes over shards a node already runs (a node that came
     # back): the shards keep their state, and replay checks them instead of re-placing.
     adopted: bool = False
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
@@ -383,6 +386,9 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     # The nodes `verdicts` leaves out, grouped; empty: `verdicts` names every node.
     verdict_groups: list[VerdictGroup] = msgspec.field(default_factory=list)
     explanation: str = ""
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
@@ -396,6 +402,9 @@ class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     replica_id: str
     based_on_seq: int
     reason: str = ""
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):
@@ -429,6 +438,7 @@ class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
     sustained_seconds: float = 0.0
     based_on_seq: int = 0
     explanation: str = ""
+    term: int = 0
 
 
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
@@ -439,6 +449,9 @@ class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
     node: str
     last_seen: float
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class NodeLost(Message, kw_only=True, tag="control.node.lost"):
@@ -449,6 +462,9 @@ class NodeLost(Message, kw_only=True, tag="control.node.lost"):
     node: str
     last_seen: float
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
@@ -458,6 +474,21 @@ class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
 
     node: str
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
+
+
+class TermStarted(Message, kw_only=True, tag="control.term.started"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "term"
+    summary: ClassVar[str] = (
+        "A reconciler became leader with this term; control events of older terms are refused."
+    )
+
+    term: int
+    leader: str = ""  # the reconciler id that holds the term
+    based_on_seq: int = 0  # the position the new leader loaded
 
 
 # ---------------------------------------------------------------- commands
@@ -481,6 +512,11 @@ class StartShard(Message, kw_only=True, tag="cmd.shard.start"):
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 class StopShard(Message, kw_only=True, tag="cmd.shard.stop"):
@@ -491,6 +527,11 @@ class StopShard(Message, kw_only=True, tag="cmd.shard.stop"):
     node: str
     shard_id: str
     grace_seconds: float = 10.0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
@@ -501,6 +542,11 @@ class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
     node: str
     shard_id: str
     deadline_seconds: float = 60.0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 # ---------------------------------------------------------------- data plane
@@ -623,6 +669,9 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     # Why the model's next replica cannot be placed now (empty: nothing is failing);
     # a request that would wait for it gets 503 with Retry-After instead.
     unplaceable: str = ""
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
@@ -633,6 +682,9 @@ class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)
     quotas: Quotas = msgspec.field(default_factory=Quotas)
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
 
 
 class BandsRecord(Message, kw_only=True, tag="projection.bands"):
@@ -640,6 +692,9 @@ class BandsRecord(Message, kw_only=True, tag="projection.bands"):
     summary: ClassVar[str] = "The priority bands as routers see them."
 
     bands: list[Band] = msgspec.field(default_factory=list)
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
 
 
 class BandDemand(msgspec.Struct, kw_only=True):
@@ -700,6 +755,7 @@ CHANNELS: dict[str, tuple[type[Message], ...]] = {
         NodeUnreachable,
         NodeLost,
         NodeRecovered,
+        TermStarted,
     ),
     "heartbeats": (Heartbeat,),
     "commands": (StartShard, StopShard, DrainShard),

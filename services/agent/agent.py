@@ -96,6 +96,7 @@ class Agent:
         self.state_dir = state_dir
         self.engines = engines  # name -> None if installed, else why not
         self.boot_id = c.new_id()  # changes on every agent process start
+        self.leader_term = 0  # the newest reconciler term a command came from
         self.ports = parse_port_range(cfg.engine_port_range)
         self.bind_host = cfg.engine_bind_host or cfg.advertise_address
         self.probe_host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "") else self.bind_host
@@ -500,6 +501,10 @@ class Agent:
             log.error("command %s is for node %s, not %s: ignored", cmd.key, cmd.node, self.node)
             self.metrics.commands_rejected.labels(kind, "wrong_node").inc()
             return
+        stale = self._stale(cmd)
+        if stale is not None:
+            self.metrics.commands_rejected.labels(kind, stale).inc()
+            return
         shard = self.shards.get(cmd.shard_id)
         view = None
         if shard is not None:
@@ -538,6 +543,30 @@ class Agent:
             shard.note_command(cmd.key)
             self._enqueue(status_of(self.node, shard.rec, cmd.key))
         self.metrics.commands_applied.labels(kind, action.value).inc()
+
+    def _stale(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> str | None:
+        """Why a command is dropped unanswered: meant for an earlier boot of this node
+        (a consumer replaying old commands), or sent by a leader older than one already
+        heard from (a deposed leader's late write). The current leader re-sends what it
+        still wants under its own term and this boot."""
+        if cmd.boot_id and cmd.boot_id != self.boot_id:
+            log.warning(
+                "command %s is for boot %s of this node, this is boot %s: dropped",
+                cmd.key,
+                cmd.boot_id,
+                self.boot_id,
+            )
+            return "stale_boot"
+        if cmd.term < self.leader_term:
+            log.warning(
+                "command %s is from leader term %d, term %d already spoke: dropped",
+                cmd.key,
+                cmd.term,
+                self.leader_term,
+            )
+            return "stale_term"
+        self.leader_term = cmd.term
+        return None
 
     # ------------------------------------------------------------ launching
 

@@ -125,7 +125,7 @@ class AgentMetrics:
         self.commands_rejected = Counter(
             "llmgw_agent_commands_rejected_total",
             "Commands not applied, by kind and reason "
-            "(malformed, wrong_node, invalid, no_free_port, spawn_error, error)",
+            "(malformed, wrong_node, stale_boot, stale_term, invalid, no_free_port, spawn_error, error)",
             ["kind", "reason"],
             registry=r,
         )

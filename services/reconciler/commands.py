@@ -42,15 +42,29 @@ class CommandTracker:
         return min(self.maximum, self.initial * 2 ** (attempts - 1))
 
     def sync(
-        self, desired: list[c.Message], now: float, ts: float | None = None
+        self,
+        desired: list[c.Message],
+        now: float,
+        ts: float | None = None,
+        *,
+        keep_new: bool = True,
     ) -> tuple[list[c.Message], list[c.Message]]:
-        """Close what is no longer wanted; return what to send now: (new, re-issued)."""
+        """Close what is no longer wanted; return what to send now: (new, re-issued).
+
+        A wanted key whose command changed (another term, a new boot of the node)
+        is sent again as new: the agent drops the old one. `keep_new=False`
+        only forgets and re-issues (new commands wait for a later sync).
+        """
         wanted = {cmd.key: cmd for cmd in desired}  # type: ignore[attr-defined]
         for key in [k for k in self.outstanding if k not in wanted]:
             del self.outstanding[key]
         out: list[c.Message] = []
         for key, cmd in wanted.items():
-            if key not in self.outstanding:
+            held = self.outstanding.get(key)
+            if held is not None and _content(held.command) != _content(cmd):
+                del self.outstanding[key]
+                held = None
+            if held is None and keep_new:
                 self.outstanding[key] = Outstanding(cmd, now, now + self._backoff(1))
                 out.append(cmd)
         return out, self.due(now, ts)
@@ -76,3 +90,7 @@ class CommandTracker:
 
     def clear(self) -> None:
         self.outstanding.clear()
+
+
+def _content(cmd: c.Message) -> c.Message:
+    return msgspec.structs.replace(cmd, id="", ts=0.0)

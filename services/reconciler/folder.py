@@ -17,6 +17,14 @@ commit fails without saying which event did it. The state is reloaded and the
 batch folded again one event per transaction; the event whose commit is
 refused is dead-lettered with the database's reason, and the fold goes on.
 
+An event the state refuses (checks.py: an older leader term, a decision that
+books a held GPU, a status for another node's shard) is dead-lettered too.
+
+The state is changed in memory before its transaction commits. `gate` is
+closed from the first change of a batch until its commit (or until the state
+is reloaded after a failed one): readers outside the fold (the controllers)
+wait for it to open, so they only ever see committed state.
+
 The position never passes events without a trace. When the batch starts past
 position + 1 (the consumer lets only a new consumer's real first delivery do
 that: the events in between were gone from the stream, expired by retention or
@@ -41,9 +49,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw import contracts as c
 from llmgw import logs, subjects
 
-from . import fold, store
+from . import checks, fold, store
 from . import rows as r
-from .fold import Change
+from .changes import Change
+from .gate import CommitGate
 from .state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -129,11 +138,13 @@ class Folder:
         *,
         position_name: str = store.POSITION_NAME,
         clock: Callable[[], float] = time.time,
+        gate: CommitGate | None = None,
     ):
         self.engine = engine
         self.state = state
         self.position_name = position_name
         self.clock = clock
+        self.gate = gate or CommitGate()
 
     async def fold_batch(self, entries: Sequence[Entry]) -> BatchResult:
         fresh = [e for e in entries if e.seq > self.state.last_seq]
@@ -162,13 +173,16 @@ class Folder:
         state reloaded) when the database refuses the batch's data."""
         while True:
             try:
-                return await self._fold_and_commit(entries, poison)
+                result = await self._fold_and_commit(entries, poison)
+                self.gate.open()
+                return result
             except _FoldCrash as crash:
                 token = logs.event_seq.set(crash.seq)
                 log.exception("fold failed at seq %d; dead-lettering it", crash.seq)
                 logs.event_seq.reset(token)
                 poison[crash.seq] = crash.reason
                 replace_contents(self.state, await store.load_state(self.engine))
+                self.gate.open()
             except DBAPIError as exc:
                 reason = _refused_reason(exc)
                 if reason is None:
@@ -180,6 +194,7 @@ class Folder:
                     reason,
                 )
                 replace_contents(self.state, await store.load_state(self.engine))
+                self.gate.open()
                 raise _Refused(reason) from None
 
     async def _fold_and_commit(
@@ -200,9 +215,13 @@ class Folder:
             dead.append(_gap_row(*missed, now))
         async with self.engine.begin() as conn:
             seen = await store.known_ids(conn, ids)
+            # Open again only once committed (or reloaded): see the module docstring.
+            self.gate.close()
             for entry, event in decoded:
                 if not isinstance(event, str) and event.id in seen:
                     event = f"duplicate: event id {event.id} was folded at seq {seen[event.id]}"
+                if not isinstance(event, str) and (why := checks.refusal(state, event)):
+                    event = f"refused: {why}"
                 if isinstance(event, str):
                     dead.append(_dead_row(entry, event, now))
                     state.last_seq = entry.seq
@@ -221,6 +240,7 @@ class Folder:
             batch = store.BatchWrites(
                 first_seq=first_seq,
                 last_seq=state.last_seq,
+                term=state.term,
                 state=r.writes_for(state, result.changes),
                 archive=archive,
                 decisions=decisions,

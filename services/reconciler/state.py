@@ -16,6 +16,10 @@ import msgspec
 
 from llmgw import contracts as c
 
+# The reason a shard of a lost node carries: its replica is replaced, but the shard
+# itself said nothing about its profile (replacement back-off ignores it).
+NODE_LOST = "node lost"
+
 
 class Liveness(str, enum.Enum):
     ALIVE = "alive"
@@ -76,6 +80,8 @@ class ReplicaView(msgspec.Struct, kw_only=True):
 
 class ClusterState(msgspec.Struct, kw_only=True):
     last_seq: int = 0
+    # The newest leader term folded: control events of an older term are refused.
+    term: int = 0
     nodes: dict[str, NodeView] = msgspec.field(default_factory=dict)
     models: dict[str, c.ModelDeclared] = msgspec.field(default_factory=dict)
     tenants: dict[str, c.TenantDeclared] = msgspec.field(default_factory=dict)

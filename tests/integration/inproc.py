@@ -20,12 +20,12 @@ DEADLINE = 30.0
 
 
 class NullActor:
-    """The actor seam with nothing behind it."""
+    """The actor seam with nothing behind it (whatever the leader passes it)."""
 
-    async def start(self, nc, js, state) -> None:
+    async def start(self, *args, **kwargs) -> None:
         pass
 
-    async def on_state_changed(self, state, changes) -> None:
+    async def on_state_changed(self, *args, **kwargs) -> None:
         pass
 
     async def stop(self) -> None:

@@ -33,6 +33,17 @@ class FreezableProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.append(writer)
+        me = asyncio.current_task()
+        assert me is not None
+        self._tasks.add(me)
+        try:
+            await self._connect(reader, writer)
+        except asyncio.CancelledError:
+            pass  # the proxy closed: a handler asyncio owns must not end "cancelled"
+        finally:
+            self._tasks.discard(me)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.frozen:
             await self._hang()  # accepted by the kernel, never answered
         up_reader, up_writer = await asyncio.open_connection(*self.target)

@@ -40,7 +40,8 @@ async def test_a_recreated_stream_is_refused_with_what_to_do(nats, database_url,
     for i in range(3):
         await bus.publish(js, registered(f"old-{i}"))
     async with inproc.running(cfg):
-        await inproc.until("the old stream folded", lambda: _at(engine, 3))
+        await inproc.until("the old stream folded", lambda: _folded(engine, OLD))
+    before = await position(engine)
 
     # NATS loses its storage: the stream is created again, the fleet re-registers.
     await js.delete_stream(s.EVENTS_STREAM)
@@ -50,10 +51,11 @@ async def test_a_recreated_stream_is_refused_with_what_to_do(nats, database_url,
 
     async with inproc.running(cfg) as rec:
         status = await inproc.until(
-            "the leader to refuse the new stream (or fold it)", lambda: _refused_or_moved(rec)
+            "the leader to refuse the new stream (or fold it)",
+            lambda: _refused_or_moved(rec, before),
         )
-        assert await position(engine) == 3  # nothing of the new stream was folded ...
-        assert await folded_nodes(engine) == {"old-0", "old-1", "old-2"}  # ... nor skipped
+        assert await position(engine) == before  # nothing of the new stream was folded ...
+        assert await folded_nodes(engine) == OLD  # ... nor skipped
         assert "created again" in status["problem"]
         assert "llmgw migrate --downgrade base" in status["problem"]  # what to do
         assert status["role"] == "standby"
@@ -66,7 +68,8 @@ async def test_a_stream_recreated_under_a_running_leader_is_refused_too(nats, da
     for i in range(3):
         await bus.publish(js, registered(f"old-{i}"))
     async with inproc.running(cfg) as rec:
-        await inproc.until("the old stream folded", lambda: _at(engine, 3))
+        await inproc.until("the old stream folded", lambda: _folded(engine, OLD))
+        before = await position(engine)
         await js.delete_stream(s.EVENTS_STREAM)
         await bus.provision(js)
         for i in range(6):
@@ -75,11 +78,11 @@ async def test_a_stream_recreated_under_a_running_leader_is_refused_too(nats, da
         # fold gives up (consumer.FETCH_ERROR_GRACE) and the next term checks the stream.
         status = await inproc.until(
             "the leader to refuse the new stream (or fold it)",
-            lambda: _refused_or_moved(rec),
+            lambda: _refused_or_moved(rec, before),
             deadline=90,
         )
-        assert await position(engine) == 3
-        assert await folded_nodes(engine) == {"old-0", "old-1", "old-2"}
+        assert await position(engine) == before
+        assert await folded_nodes(engine) == OLD
         assert "created again" in status["problem"]
 
 
@@ -89,24 +92,27 @@ async def test_the_same_stream_is_folded_on_across_terms_and_restarts(nats, data
     cfg = inproc.config(nats.connected_url.geturl(), database_url, id="rec-1")
     await bus.publish(js, registered("a"))
     async with inproc.running(cfg):
-        await inproc.until("a folded", lambda: _at(engine, 1))
+        await inproc.until("a folded", lambda: _folded(engine, {"a"}))
     await bus.provision(js)  # an update of the stream's config keeps its identity
     await bus.publish(js, registered("b"))
     async with inproc.running(cfg) as rec:
-        await inproc.until("b folded", lambda: _at(engine, 2))
+        await inproc.until("b folded", lambda: _folded(engine, {"a", "b"}))
         assert (await inproc.api_get(rec, "/api/status"))["problem"] == ""
     async with engine.connect() as conn:
         stored = (await conn.execute(select(t.ConsumerPosition.stream_created))).scalar_one()
     assert stored == streamid.identity(await js.stream_info(s.EVENTS_STREAM)) != ""
 
 
-async def _at(engine, seq: int) -> bool:
-    return await position(engine) >= seq
+OLD = {"old-0", "old-1", "old-2"}
 
 
-async def _refused_or_moved(rec):
+async def _folded(engine, nodes: set[str]) -> bool:
+    return await folded_nodes(engine) == nodes
+
+
+async def _refused_or_moved(rec, before: int):
     status = await inproc.api_get(rec, "/api/status")
-    if status.get("problem") or status.get("folded_seq", 0) > 3:
+    if status.get("problem") or status.get("folded_seq", 0) > before:
         return status
     return None
 

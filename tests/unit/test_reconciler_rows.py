@@ -112,7 +112,7 @@ def test_decision_rows_keep_every_verdict():
 
 def test_every_part_of_the_state_has_a_table_whose_columns_are_its_fields():
     """A field added to the state or a view without a projection column fails here first."""
-    covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq"}
+    covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq", "term"}
     assert covered == set(ClusterState.__struct_fields__)
     views = {"node": NodeView, "shard": ShardView, "replica": ReplicaView}
     messages = {"model": c.ModelDeclared, "tenant": c.TenantDeclared, "failure": c.PlacementFailed}
