@@ -208,6 +208,31 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+# The API kinds a router relays (llmgw.router.kinds), which a model's `api_kinds` may name.
+API_KINDS = (
+    "chat",
+    "completions",
+    "embeddings",
+    "responses",
+    "transcriptions",
+    "tokenize",
+    "detokenize",
+    "rerank",
+    "score",
+    "pooling",
+    "classify",
+)
+
+
+class UpstreamSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Headers a router adds to every request it sends an engine (an engine API key for
+    vLLM's --api-key, a routing tag). `secret_headers` name the router's environment
+    variable that holds each value, so secrets never travel in events or records."""
+
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    secret_headers: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env var
+
+
 AUTOSCALE_SIGNALS = ("load", "queue")  # what an autoscale target can be in
 
 
@@ -244,6 +269,11 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     profile: ServingProfile = msgspec.field(default_factory=ServingProfile)
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
+    owned_by: str = ""  # what GET /v1/models says owns the model
+    # The API kinds the model serves (chat, completions, embeddings, responses, rerank,
+    # score, tokenize, detokenize, pooling, classify, transcriptions); empty: all.
+    api_kinds: list[str] = msgspec.field(default_factory=list)
     # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
     # `replicas` is only where it starts (`autoscale.min`).
     autoscale: AutoscaleSpec | None = None
@@ -634,6 +664,7 @@ class Endpoint(msgspec.Struct, kw_only=True):
     state: EndpointState = EndpointState.READY
     engine: str = "sim"
     max_running: int | None = None
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
 
 
 class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
@@ -651,6 +682,10 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
     based_on_seq: int = 0
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
+    owned_by: str = ""
+    api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every kind
+    max_model_len: int | None = None  # the serving profile's, when it sets one
     # Autoscaled: with no ready endpoint a request waits in admission (up to its band's
     # queue TTL) while a replica starts, instead of failing at once.
     scale_from_zero: bool = False

@@ -3,7 +3,8 @@
 A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
-    models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines}]
+    models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
+              upstream, owned_by, api_kinds}]
     tenants: [{name, band, key_hashes, quotas}]
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
@@ -41,6 +42,9 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     profile: c.ServingProfile = msgspec.field(default_factory=c.ServingProfile)
     scheduling: c.SchedulingSpec = msgspec.field(default_factory=c.SchedulingSpec)
     deadlines: c.DeadlineSpec = msgspec.field(default_factory=c.DeadlineSpec)
+    upstream: c.UpstreamSpec = msgspec.field(default_factory=c.UpstreamSpec)
+    owned_by: str = ""
+    api_kinds: list[str] = msgspec.field(default_factory=list)
     autoscale: c.AutoscaleSpec | None = None
 
     def event(self) -> c.ModelDeclared:
@@ -233,6 +237,11 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
+    for kind in m.api_kinds:
+        if kind not in c.API_KINDS:
+            out.append(
+                f"{label}: api_kinds: unknown kind {kind!r} (known: {', '.join(c.API_KINDS)})"
+            )
     return out
 
 

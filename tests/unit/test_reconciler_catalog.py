@@ -90,6 +90,7 @@ models:
   - {{name: a}}
   - {{name: d, profile: {{engine: tgi}}}}
   - {{name: e, profile: {{engine: vllm, gpu_memory_utilization: 1.5}}}}
+  - {{name: f, api_kinds: [chat, speech]}}
 tenants:
   - {{name: t1, band: silver, key_hashes: [nothex]}}
   - {{name: t2, band: gold, key_hashes: ["{KEY}"]}}
@@ -106,6 +107,9 @@ tenants:
         "models[4] (name=d): profile.engine: 'tgi' is not one of vllm, sglang, sim",
         "models[5] (name=e): profile.model_ref: required for engine vllm",
         "models[5] (name=e): profile.gpu_memory_utilization: must be in (0, 1]",
+        "models[6] (name=f): api_kinds: unknown kind 'speech' (known: chat, completions, "
+        "embeddings, responses, transcriptions, tokenize, detokenize, rerank, score, pooling, "
+        "classify)",
         "tenants[0] (name=t1): band: 'silver' is not a declared band (gold)",
         "tenants[2] (name=t3): key_hashes[0]: the same key already belongs to tenant 't2'",
     ]
