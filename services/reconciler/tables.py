@@ -98,6 +98,9 @@ class Model(Base):
     scheduling: Mapped[Json]
     deadlines: Mapped[Json]
     autoscale: Mapped[Json | None]
+    upstream: Mapped[Json]
+    owned_by: Mapped[str] = mapped_column(Text)
+    api_kinds: Mapped[list[Any]]
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
 
