@@ -208,14 +208,44 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+# The API kinds a router relays (llmgw.router.kinds), which a model's `api_kinds` may name.
+API_KINDS = (
+    "chat",
+    "completions",
+    "embeddings",
+    "responses",
+    "transcriptions",
+    "tokenize",
+    "detokenize",
+    "rerank",
+    "score",
+    "pooling",
+    "classify",
+)
+
+
+class UpstreamSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Headers a router adds to every request it sends an engine (an engine API key for
+    vLLM's --api-key, a routing tag). `secret_headers` name the router's environment
+    variable that holds each value, so secrets never travel in events or records."""
+
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    secret_headers: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env var
+
+
+AUTOSCALE_SIGNALS = ("load", "queue")  # what an autoscale target can be in
+
+
 class AutoscaleSpec(msgspec.Struct, kw_only=True):
     """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
 
-    The signal is the pool's load: requests in flight plus queued in admission, over
-    the batch capacity of its ready replicas, summed over every router. `target` is
-    the load to aim for; the count rises when the load stays above it for
-    `scale_up_after_seconds` and falls when it stays below target * (1 - tolerance)
-    for `scale_down_after_seconds` (which is also the cool-down after any change).
+    `signal` is what `target` is in: `load` (requests in flight plus queued in
+    admission, over the batch capacity of the ready replicas, summed over every
+    router) or `queue` (requests waiting, in admission and in the engines' own
+    queues, per ready replica). The count rises when the signal stays above
+    `target` for `scale_up_after_seconds` and falls when it stays below
+    target * (1 - tolerance) for `scale_down_after_seconds` (which is also the
+    cool-down after any change).
     """
 
     min: int = 1
@@ -224,6 +254,7 @@ class AutoscaleSpec(msgspec.Struct, kw_only=True):
     scale_up_after_seconds: float = 30.0
     scale_down_after_seconds: float = 120.0
     tolerance: float = 0.2
+    signal: str = "load"  # load | queue
 
 
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
@@ -238,6 +269,11 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     profile: ServingProfile = msgspec.field(default_factory=ServingProfile)
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
+    owned_by: str = ""  # what GET /v1/models says owns the model
+    # The API kinds the model serves (chat, completions, embeddings, responses, rerank,
+    # score, tokenize, detokenize, pooling, classify, transcriptions); empty: all.
+    api_kinds: list[str] = msgspec.field(default_factory=list)
     # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
     # `replicas` is only where it starts (`autoscale.min`).
     autoscale: AutoscaleSpec | None = None
@@ -390,6 +426,15 @@ class ScaleSignals(msgspec.Struct, kw_only=True):
     routers: int = 0  # routers whose summaries were combined
     capacity_declared: bool = True  # every router saw a declared batch size on every replica
     waiting: int = 0  # waiting in the engines' own queues (their load samples)
+    queue: float = 0.0  # (queued + waiting) / ready; 0 with no ready replica
+
+
+class RouterInput(msgspec.Struct, kw_only=True):
+    """One router's summary of one model, as the autoscaler combined it."""
+
+    router_id: str
+    process: int = 0
+    demand: ModelDemand | None = None  # None: that router does not route the model
 
 
 class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
@@ -408,6 +453,14 @@ class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
     sustained_seconds: float = 0.0
     based_on_seq: int = 0
     explanation: str = ""
+    signal: str = "load"  # what the target was in (AutoscaleSpec.signal)
+    # The summaries `signals` were combined from, by router id, at most 64 of
+    # them (`signals.routers` says how many there were): replay combines them again.
+    # Empty in events written before they were recorded.
+    inputs: list[RouterInput] = msgspec.field(default_factory=list)
+    # Seconds since the model's previous change, on the leader's monotonic clock (the
+    # cool-down); None in older events, where replay compares the events' wall times.
+    since_last_change_seconds: float | None = None
     term: int = 0
 
 
@@ -611,6 +664,7 @@ class Endpoint(msgspec.Struct, kw_only=True):
     state: EndpointState = EndpointState.READY
     engine: str = "sim"
     max_running: int | None = None
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
 
 
 class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
@@ -628,6 +682,10 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
     based_on_seq: int = 0
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
+    owned_by: str = ""
+    api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every kind
+    max_model_len: int | None = None  # the serving profile's, when it sets one
     # Autoscaled: with no ready endpoint a request waits in admission (up to its band's
     # queue TTL) while a replica starts, instead of failing at once.
     scale_from_zero: bool = False

@@ -16,13 +16,16 @@ from llmgw import keys
 
 VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 VLLM_MODEL = "tiny-llama"
-# A CPU vLLM: no CUDA graphs, float32 (the CPU kernels' safe choice), a context that
-# keeps the KV cache small; a tool parser so tool-call requests are served, not refused.
+# A CPU vLLM: no CUDA graphs, float32 (the CPU kernels' safe choice); a tool parser so
+# tool-call requests are served, not refused (max_model_len is in the profile).
 VLLM_CPU_ENGINE_ARGS = [
     "--enforce-eager",
     "--dtype", "float32",
     "--enable-auto-tool-choice",
     "--tool-call-parser", "hermes",
+    # The agent reads /metrics several times a second and polls /health: without this the
+    # output tail a crash reports is nothing but those requests.
+    "--disable-access-log-for-endpoints", "/health,/metrics",
 ]  # fmt: skip
 VLLM_CPU_MAX_MODEL_LEN = 1024
 # GiB of KV cache per CPU engine; vLLM's default takes a large share of the host's memory.
@@ -80,12 +83,12 @@ def try_it(catalog: dict[str, Any], demo_keys: dict[str, str]) -> TryIt:
     tenants = [t for t in catalog.get("tenants") or [] if isinstance(t, dict)]
     if not tenants:
         return TryIt(models, model, None, "none needed: the catalog declares no tenants")
-    for label, key in demo_keys.items():
+    for key in demo_keys.values():
         digest = keys.hash_key(key)
         for t in tenants:
             if digest in (t.get("key_hashes") or []):
                 band = t.get("band", "")
-                return TryIt(models, model, key, f"tenant {t.get('name')} ({band} band; {label})")
+                return TryIt(models, model, key, f"tenant {t.get('name')}, {band} band")
     names = ", ".join(str(t.get("name")) for t in tenants)
     return TryIt(
         models, model, None, f"one of the catalog's own keys (tenants: {names}); no demo key"

@@ -100,7 +100,7 @@ def build(out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=8192,  # room for long streams in tests
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,

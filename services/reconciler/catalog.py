@@ -3,7 +3,8 @@
 A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
-    models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines}]
+    models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
+              upstream, owned_by, api_kinds}]
     tenants: [{name, band, key_hashes, quotas}]
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
@@ -41,6 +42,9 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     profile: c.ServingProfile = msgspec.field(default_factory=c.ServingProfile)
     scheduling: c.SchedulingSpec = msgspec.field(default_factory=c.SchedulingSpec)
     deadlines: c.DeadlineSpec = msgspec.field(default_factory=c.DeadlineSpec)
+    upstream: c.UpstreamSpec = msgspec.field(default_factory=c.UpstreamSpec)
+    owned_by: str = ""
+    api_kinds: list[str] = msgspec.field(default_factory=list)
     autoscale: c.AutoscaleSpec | None = None
 
     def event(self) -> c.ModelDeclared:
@@ -233,6 +237,11 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
+    for kind in m.api_kinds:
+        if kind not in c.API_KINDS:
+            out.append(
+                f"{label}: api_kinds: unknown kind {kind!r} (known: {', '.join(c.API_KINDS)})"
+            )
     return out
 
 
@@ -244,6 +253,11 @@ def _check_autoscale(label: str, a: c.AutoscaleSpec) -> list[str]:
         out.append(f"{label}: autoscale.max: must be at least 1, got {a.max}")
     elif a.max < a.min:
         out.append(f"{label}: autoscale.max: must be at least autoscale.min ({a.min}), got {a.max}")
+    if a.signal not in c.AUTOSCALE_SIGNALS:
+        out.append(
+            f"{label}: autoscale.signal: {a.signal!r} is not one of "
+            f"{', '.join(c.AUTOSCALE_SIGNALS)}"
+        )
     if not a.target > 0:
         out.append(f"{label}: autoscale.target: must be positive, got {a.target}")
     if not 0 <= a.tolerance < 1:

@@ -33,9 +33,12 @@ from llmgw.router import proxy as px
 from llmgw.router import requests as rq
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
 from llmgw.router.config import RouterConfig, projection, resolve_router_id
-from llmgw.router.errors import error_body
+from llmgw.router.cors import Cors
+from llmgw.router.errors import RouterError, error_body
+from llmgw.router.kinds import RESPONSES_PREFIX
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.modelinfo import EngineModels
 from llmgw.router.scraper import Scraper
 from llmgw.router.view import EndpointSource, EndpointView, StaticSource, ViewSettings
 
@@ -119,6 +122,7 @@ class RouterService:
         )
         self.started = False
         self._writer: snapshots.Writer | None = None
+        self.engine_models = EngineModels()
 
     async def start(self, snapshot_dir: Path | None = None) -> None:
         await self.proxy.start()
@@ -195,19 +199,37 @@ class RouterService:
         snapshot_dir: Path | None = None,
         tune_gc: bool = False,
     ) -> HotPaths:
+        engine_models = self.engine_models
+
+        def authenticate(request: Request) -> Response | None:
+            try:
+                self.proxy.gate.authenticate(dict(request.scope["headers"]))
+            except RouterError as err:
+                return _error(err.status, err.reason, err.message, request, err.headers)
+            return None
+
         async def list_models(request: Request) -> Response:
-            created = int(time.time())
-            data = [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "llmgw",
-                    **({"root": canonical} if canonical else {}),
-                }
-                for name, canonical in self.view.models()
-            ]
+            refused = authenticate(request)
+            if refused is not None:
+                return refused
+            data = await engine_models.describe(
+                self.proxy.session, self.view.models(), self.view.resolve
+            )
             return JSONResponse({"object": "list", "data": data})
+
+        async def get_model(request: Request) -> Response:
+            refused = authenticate(request)
+            if refused is not None:
+                return refused
+            name = request.path_params["model"]
+            canonical = self.view.resolve(name)
+            if canonical is None:
+                return _error(404, "model_not_found", f"The model '{name}' does not exist", request)
+            root = canonical.name if canonical.name != name else None
+            data = await engine_models.describe(
+                self.proxy.session, [(name, root)], self.view.resolve
+            )
+            return JSONResponse(data[0])
 
         @contextlib.asynccontextmanager
         async def run(app: Starlette):
@@ -219,39 +241,112 @@ class RouterService:
             finally:
                 await self.stop()
 
-        hot = {rq.PATHS[kind]: self.proxy.endpoint(kind) for kind in rq.KINDS}
+        hot = {path: self.proxy.endpoint(kind) for path, kind in rq.PATHS.items()}
         routes = [Route(path, ep, methods=["POST"]) for path, ep in hot.items()]
         routes.append(Route("/v1/models", list_models, methods=["GET"]))
+        routes.append(Route("/v1/models/{model:path}", get_model, methods=["GET"]))
         routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
         app = Starlette(
             routes=routes,
             lifespan=run if lifespan else None,
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         )
-        return HotPaths(app, hot)
+        cors = Cors(self.config.cors) if self.config.cors.allow_origins else None
+        return HotPaths(app, hot, self.proxy.stored_responses(), self.proxy.new_rid, cors)
 
 
 class HotPaths:
-    """The Starlette app, with the proxy's POST paths answered before its middleware.
+    """The Starlette app, with the proxy's paths answered before its middleware.
 
     The proxy endpoints are mounted in Starlette like any route, but Starlette's
     error and exception middleware wrap every ASGI send of every request in two
     more Python coroutines, which a streamed answer pays per event; the proxy
-    handles its own errors, so an exact path match skips them. Everything else
-    (lifespan, /v1/models, 404s) goes through Starlette.
+    handles its own errors, so an exact path match (or a stored response's path)
+    skips them. Everything else (lifespan, /v1/models, 404s) goes through
+    Starlette, with an `x-request-id` added to its answers when it has none.
+    With CORS on, a preflight is answered here and allowed origins get their
+    headers on every answer.
     """
 
-    def __init__(self, app: Starlette, hot: dict[str, Any]):
+    def __init__(
+        self,
+        app: Starlette,
+        hot: dict[str, Any],
+        stored: Any = None,
+        new_rid: Any = None,
+        cors: Cors | None = None,
+    ):
         self.app = app
         self.hot = hot
+        self.stored = stored
+        self.new_rid = new_rid
+        self.cors = cors
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            endpoint = self.hot.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cors = self.cors
+        if cors is not None:
+            origin = _header(scope, b"origin")
+            if origin is not None and cors.allowed(origin):
+                if scope["method"] == "OPTIONS":
+                    requested = _header(scope, b"access-control-request-method")
+                    if requested is not None:
+                        await _preflight(
+                            _with_request_id(scope, send, self.new_rid), cors, origin, scope
+                        )
+                        return
+                send = cors.wrap(origin, send)
+        path = scope["path"]
+        endpoint = self.hot.get(path)
+        if endpoint is not None:
+            await endpoint(scope, receive, send)
+            return
+        if (
+            self.stored is not None
+            and path.startswith(RESPONSES_PREFIX)
+            and len(path) > len(RESPONSES_PREFIX)
+        ):
+            await self.stored(scope, receive, send)
+            return
+        await self.app(scope, receive, _with_request_id(scope, send, self.new_rid))
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def _preflight(send, cors: Cors, origin: bytes, scope) -> None:
+    requested = _header(scope, b"access-control-request-headers")
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 204,
+            "headers": cors.preflight_headers(origin, requested),
+        }
+    )
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _with_request_id(scope, send, new_rid):
+    """`send` that puts an x-request-id on the answer: the client's, or a new one."""
+    rid = _header(scope, b"x-request-id") or (new_rid() if new_rid is not None else None)
+    if rid is None:
+        return send
+
+    async def send_with_id(message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(k == b"x-request-id" for k, _ in headers):
+                headers.append((b"x-request-id", rid))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_id
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -269,13 +364,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, "internal_error", "internal error", request)
 
 
-def _error(status: int, reason: str, message: str, request: Request) -> Response:
-    rid = request.headers.get("x-request-id") or ""
+def _error(
+    status: int,
+    reason: str,
+    message: str,
+    request: Request,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> Response:
+    headers = {"x-llmgw-reason": reason}
+    for name, value in extra or ():
+        headers[name.decode()] = value.decode("latin-1")
     return Response(
         error_body(status, reason, message),
         status_code=status,
         media_type="application/json",
-        headers={"x-llmgw-reason": reason, **({"x-request-id": rid} if rid else {})},
+        headers=headers,
     )
 
 

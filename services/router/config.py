@@ -17,7 +17,14 @@ import msgspec
 
 from llmgw import config as cfg
 from llmgw import tlsconfig
-from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints, SchedulingSpec
+from llmgw.contracts import (
+    DeadlineSpec,
+    Endpoint,
+    EndpointState,
+    ModelEndpoints,
+    SchedulingSpec,
+    UpstreamSpec,
+)
 from llmgw.router import routes
 from llmgw.router.admission import config as admission
 
@@ -29,6 +36,10 @@ class ModelConfig(cfg.ConfigStruct):
     fallbacks: list[str] = msgspec.field(default_factory=list)
     scheduling: SchedulingSpec | None = None  # None: model_defaults.scheduling
     deadlines: DeadlineSpec | None = None  # None: model_defaults.deadlines
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)  # headers to engines
+    owned_by: str = ""  # GET /v1/models says so
+    api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every API kind
+    max_model_len: int | None = None  # GET /v1/models says so; else asked of the engines
 
 
 class EndpointConfig(cfg.ConfigStruct):
@@ -39,6 +50,7 @@ class EndpointConfig(cfg.ConfigStruct):
     node: str = ""
     state: EndpointState = EndpointState.READY
     max_running: int | None = None
+    upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)  # headers to it
 
 
 class ModelDefaults(cfg.ConfigStruct):
@@ -85,6 +97,15 @@ class UpstreamConfig(cfg.ConfigStruct):
     keepalive_seconds: float = 30.0
 
 
+class CorsConfig(cfg.ConfigStruct):
+    """Cross-origin access for browser clients; off while allow_origins is empty."""
+
+    allow_origins: list[str] = msgspec.field(default_factory=list)  # ["*"]: any origin
+    # Request headers a browser may send; ["*"]: whatever its preflight asks for.
+    allow_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    max_age_seconds: int = 600
+
+
 class RouterConfig(cfg.ConfigStruct):
     # Non-empty: control-plane mode. Models, endpoints, tenants and bands come from the
     # reconciler's KV buckets and must not be in this file (docs/router.md).
@@ -109,6 +130,7 @@ class RouterConfig(cfg.ConfigStruct):
     scrape: ScrapeConfig = msgspec.field(default_factory=ScrapeConfig)
     prefix: PrefixConfig = msgspec.field(default_factory=PrefixConfig)
     upstream: UpstreamConfig = msgspec.field(default_factory=UpstreamConfig)
+    cors: CorsConfig = msgspec.field(default_factory=CorsConfig)
     # Admission control (docs/admission.md): bands highest priority first.
     admission: admission.AdmissionSettings = msgspec.field(
         default_factory=admission.AdmissionSettings
@@ -261,6 +283,7 @@ def projection(config: RouterConfig) -> list[ModelEndpoints]:
                     state=ep.state,
                     engine=ep.engine,
                     max_running=ep.max_running,
+                    upstream=ep.upstream,
                 )
             )
     records = []
@@ -274,6 +297,10 @@ def projection(config: RouterConfig) -> list[ModelEndpoints]:
                 fallbacks=list(m.fallbacks),
                 scheduling=scheduling,
                 deadlines=deadlines,
+                upstream=m.upstream,
+                owned_by=m.owned_by,
+                api_kinds=list(m.api_kinds),
+                max_model_len=m.max_model_len,
             )
         )
     return records

@@ -12,6 +12,12 @@ started only once a request has run for `watch_after` seconds: most requests
 to a fast upstream finish sooner, and a client that leaves earlier is noticed
 when the watcher starts (so "at once" means within `watch_after`).
 
+Code that awaits under the guard does so inside `with guard:`. Leaving that
+block by the guard's own cancellation raises one exception instead: a
+`DeadlinePassed` naming the phase, or `ClientGone`; the task is uncancelled
+there, and nowhere else. A cancellation the guard did not cause (the server
+stopping) passes through unchanged.
+
 The same timer bounds reading the request body (`reading`/`read_done`): a
 client that declares more bytes than it sends, or trickles them, is cut off.
 While the body is read the watcher is held back, since it would compete for
@@ -24,6 +30,20 @@ from __future__ import annotations
 import asyncio
 
 _TOLERANCE = 0.001  # uvloop's clock ticks in milliseconds; a timer may fire a tick early
+
+
+class Interrupted(Exception):
+    """The guard stopped the request's current await."""
+
+
+class DeadlinePassed(Interrupted):
+    def __init__(self, phase: str):
+        super().__init__(f"{phase} deadline passed")
+        self.phase = phase
+
+
+class ClientGone(Interrupted):
+    pass
 
 
 class Guard:
@@ -61,6 +81,21 @@ class Guard:
         self._watch_at = loop.time() + watch_after
         self._timer_at = self._watch_at
         self._timer: asyncio.TimerHandle | None = loop.call_at(self._watch_at, self._wake)
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not asyncio.CancelledError:
+            return
+        if self.client_gone:
+            self._task.uncancel()
+            raise ClientGone("the client went away") from None
+        phase = self.fired
+        if phase is not None:
+            self.fired = None
+            self._task.uncancel()
+            raise DeadlinePassed(phase) from None
 
     def arm(self, phase: str, seconds: float) -> None:
         """From now on, cancel the task `seconds` from now (naming `phase`), or at the

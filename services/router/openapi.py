@@ -1,9 +1,9 @@
 """The router's own OpenAPI document, served at GET /openapi.json on the public listener.
 
-The request schemas are generated from the structs the router validates with
-(`llmgw.router.validation`), so the document states exactly the types, ranges
-and limits a request is held to; fields it does not list pass through to the
-engine untouched. Responses are described as the router relays them: the
+The request schema is generated from the struct the router reads requests
+with (`llmgw.router.validation.RoutedFields`), so the document states exactly
+what a request is held to by the router; every other field passes through to
+the engine, which judges it. Responses are described as the router relays them: the
 engine's OpenAI-shaped answer (JSON, or server-sent events when streaming),
 or the router's own error body.
 """
@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmgw import __version__
+from llmgw.router import kinds
 from llmgw.router import validation as v
 
 _REF = "#/components/schemas/{name}"
@@ -39,60 +40,62 @@ _ERROR = {
 }
 
 _ERRORS = {
-    "400": "Malformed JSON, a field of the wrong type or out of range, or a limit passed "
-    f"(nesting deeper than {v.MAX_DEPTH} levels, more than {v.MAX_MESSAGES} messages, "
-    f"a model name over {v.MAX_MODEL_NAME} characters)",
+    "400": "Malformed JSON, `model` or `stream` of the wrong type, or a limit passed "
+    f"(nesting deeper than {v.MAX_DEPTH} levels, a model name over {v.MAX_MODEL_NAME} "
+    "characters); the engine's own 400s are relayed as it sent them",
     "401": "Missing or unknown API key (when tenants are configured)",
-    "404": "Unknown model",
+    "404": "Unknown model, or a model that does not serve this API kind",
+    "408": "The request body did not arrive in time, or every engine answered 408",
     "413": "Body larger than max_body_bytes",
-    "429": "A tenant quota or the band's queue is full; Retry-After says when to retry",
+    "429": "A tenant quota or the band's queue is full, or every engine answered 429; "
+    "Retry-After says when to retry",
     "431": "Request line and headers larger than the router accepts",
     "502": "Every endpoint failed before answering (upstream down or erroring)",
     "503": "No ready endpoint serves the model, or admission could not place it in time",
     "504": "A deadline passed before the engine answered",
 }
 
-# (path, request struct, the raw field, its schema's type, summary)
-_OPERATIONS = [
-    ("/v1/chat/completions", v.ChatRequest, "messages", v.Messages, "Chat completion"),
-    ("/v1/completions", v.CompletionRequest, "prompt", v.Prompt, "Text completion"),
-    ("/v1/embeddings", v.EmbeddingRequest, "input", v.Prompt, "Embeddings"),
-]
+_SUMMARIES = {
+    "chat": "Chat completion",
+    "completions": "Text completion",
+    "embeddings": "Embeddings",
+    "responses": "Responses API",
+    "transcriptions": "Audio transcription or translation (multipart form)",
+    "tokenize": "Tokenize (vLLM)",
+    "detokenize": "Detokenize (vLLM)",
+    "rerank": "Rerank (vLLM)",
+    "score": "Score (vLLM)",
+    "pooling": "Pooling (vLLM)",
+    "classify": "Classify (vLLM)",
+}
 
 
-def _request_schemas() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Each request struct as an object schema, and the shared components."""
-    fields: list[tuple[str, str, Any]] = []  # (struct name, field name, type)
-    for _, struct, raw_field, raw_type, _ in _OPERATIONS:
-        for f in msgspec.structs.fields(struct):
-            fields.append(
-                (struct.__name__, f.encode_name, raw_type if f.name == raw_field else f.type)
-            )
+def _request_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The routed fields as one object schema, and the shared components."""
+    fields = msgspec.structs.fields(v.RoutedFields)
     schemas, components = msgspec.json.schema_components(
-        [t for _, _, t in fields], ref_template=_REF
+        [bool | None if f.name == "stream" else Any for f in fields], ref_template=_REF
     )
-    objects: dict[str, dict[str, Any]] = {}
-    for (struct, name, _), schema in zip(fields, schemas, strict=True):
-        objects.setdefault(struct, {"type": "object", "properties": {}})["properties"][name] = (
-            schema
-        )
-    for _, struct, raw_field, _, summary in _OPERATIONS:
-        obj = objects[struct.__name__]
-        obj["required"] = ["model", raw_field]
-        obj["additionalProperties"] = True  # passed through to the engine
-        obj["properties"]["model"] = {
-            "type": "string",
-            "minLength": 1,
-            "maxLength": v.MAX_MODEL_NAME,
-            "description": "a model name or alias; no control characters",
-        }
-        obj["description"] = f"{summary} request as the router checks it."
-    return objects, components
+    props = {f.encode_name: schema for f, schema in zip(fields, schemas, strict=True)}
+    props["model"] = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": v.MAX_MODEL_NAME,
+        "description": "a model name or alias; no control characters",
+    }
+    obj = {
+        "type": "object",
+        "required": ["model"],
+        "properties": props,
+        "additionalProperties": True,  # passed through to the engine, which judges them
+        "description": "What the router reads of a request; the rest goes to the engine as sent.",
+    }
+    return obj, components
 
 
 def document() -> dict[str, Any]:
-    objects, components = _request_schemas()
-    components = {**components, **objects, "Error": _ERROR}
+    obj, components = _request_schema()
+    components = {**components, "RoutedRequest": obj, "Error": _ERROR}
     errors = {
         code: {
             "description": text,
@@ -101,31 +104,56 @@ def document() -> dict[str, Any]:
         for code, text in _ERRORS.items()
     }
     paths: dict[str, Any] = {}
-    for path, struct, _, _, summary in _OPERATIONS:
-        streams = struct is not v.EmbeddingRequest
+    for kind in kinds.ALL:
         answer: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
-        if streams:
+        if kind.stream is not None:
             answer["text/event-stream"] = {"schema": {"type": "string"}}
-        paths[path] = {
-            "post": {
-                "summary": summary,
-                "operationId": struct.__name__[0].lower() + struct.__name__[1:],
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {"schema": {"$ref": _REF.format(name=struct.__name__)}}
-                    },
-                },
-                "responses": {
-                    "200": {
-                        "description": "The engine's answer, relayed"
-                        + (" (server-sent events when stream is true)" if streams else ""),
-                        "content": answer,
-                    },
-                    **errors,
-                },
+        if kind.multipart:
+            content = {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["model", "file"],
+                        "properties": {
+                            "model": {"type": "string"},
+                            "file": {"type": "string", "format": "binary"},
+                        },
+                    }
+                }
             }
+        else:
+            content = {"application/json": {"schema": {"$ref": _REF.format(name="RoutedRequest")}}}
+        for path in kind.paths:
+            paths[path] = {
+                "post": {
+                    "summary": _SUMMARIES[kind.name],
+                    "operationId": kind.name + path.replace("/", "_").replace("-", "_"),
+                    "requestBody": {"required": True, "content": content},
+                    "responses": {
+                        "200": {
+                            "description": "The engine's answer, relayed"
+                            + (
+                                " (server-sent events when stream is true)"
+                                if kind.stream is not None
+                                else ""
+                            ),
+                            "content": answer,
+                        },
+                        **errors,
+                    },
+                }
+            }
+    paths["/v1/responses/{id}"] = {
+        method: {
+            "summary": f"{method.upper()} a stored response, at the engine that made it",
+            "operationId": f"{method}Response",
+            "parameters": [
+                {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {"200": {"description": "The engine's answer, relayed"}, **errors},
         }
+        for method in ("get", "delete")
+    }
     paths["/v1/models"] = {
         "get": {
             "summary": "Models and aliases this router serves",
@@ -151,6 +179,7 @@ def document() -> dict[str, Any]:
                                                 "created": {"type": "integer"},
                                                 "owned_by": {"type": "string"},
                                                 "root": {"type": "string"},
+                                                "max_model_len": {"type": "integer"},
                                             },
                                         },
                                     },

@@ -9,11 +9,16 @@ must never take the router down.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw.contracts import ModelEndpoints
-from llmgw.router import scheduling
+from llmgw.contracts import ModelEndpoints, UpstreamSpec
+from llmgw.router import kinds, scheduling
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +50,37 @@ def _spec_problems(rec: ModelEndpoints) -> list[str]:
             )
         elif not weight >= 0:
             problems.append(f"{where}: scheduling.scorers.{name} = {weight}: must be >= 0")
+    for kind in rec.api_kinds:
+        if kind not in kinds.BY_NAME:
+            problems.append(
+                f"{where}: api_kinds: unknown kind {kind!r} "
+                f"(known: {', '.join(k.name for k in kinds.ALL)})"
+            )
+    problems += upstream_problems(where, rec.upstream)
+    for ep in rec.endpoints:
+        problems += upstream_problems(f"{where}: endpoint {ep.id!r}", ep.upstream)
     if sched.picker not in scheduling.PICKERS:
         problems.append(
             f"{where}: scheduling.picker: unknown picker {sched.picker!r} "
             f"(known: {', '.join(sorted(scheduling.PICKERS))})"
         )
+    return problems
+
+
+def upstream_problems(where: str, spec: UpstreamSpec) -> list[str]:
+    """Header names and values that would break a request, and secrets whose
+    environment variable this router does not have."""
+    problems = []
+    for name, value in [*spec.headers.items(), *spec.secret_headers.items()]:
+        if not _TOKEN(name):
+            problems.append(f"{where}: upstream header {name!r} is not a valid header name")
+        if _CONTROL.search(value):
+            problems.append(f"{where}: upstream header {name!r} holds a control character")
+    for name, env in spec.secret_headers.items():
+        if env not in os.environ:
+            problems.append(
+                f"{where}: upstream secret header {name!r}: environment variable {env!r} is not set"
+            )
     return problems
 
 

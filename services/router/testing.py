@@ -83,6 +83,27 @@ def chat_chunks(model: str, n: int, rid: str = "chatcmpl-1", usage: bool = False
     return out
 
 
+def response_events(answer: dict[str, Any]) -> list[bytes]:
+    """A Responses API stream for `answer`: typed events, the last response.completed."""
+    text = answer["output"][0]["content"][0]["text"]
+    created = {**answer, "status": "in_progress", "output": [], "usage": None}
+    seq = iter(range(100))
+
+    def event(kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": next(seq), **data}
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+    return [
+        event("response.created", response=created),
+        event("response.in_progress", response=created),
+        event("response.output_text.delta", item_id="msg_1", output_index=0, content_index=0,
+              delta=text, logprobs=[]),
+        event("response.output_text.done", item_id="msg_1", output_index=0, content_index=0,
+              text=text, logprobs=[]),
+        event("response.completed", response=answer),
+    ]  # fmt: skip
+
+
 @dataclass
 class Seen:
     path: str
@@ -106,7 +127,10 @@ class FakeEngine:
     running: int = 0
     kv_usage: float = 0.0
     metrics_status: int = 200
+    retry_after: str | None = None  # sent with a 408 / 429 / 503 status
+    max_model_len: int = 4096  # what its /v1/models says
     seen: list[Seen] = field(default_factory=list)
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # Responses API answers
     active: int = 0  # requests being answered right now
     cancelled: int = 0  # requests whose client went away
     port: int = 0
@@ -121,6 +145,16 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/embeddings", self._embed)
+        app.router.add_post("/v1/responses", self._respond)
+        app.router.add_get("/v1/responses/{id}", self._stored)
+        app.router.add_delete("/v1/responses/{id}", self._stored)
+        app.router.add_post("/v1/responses/{id}/cancel", self._stored)
+        app.router.add_post("/v1/audio/transcriptions", self._transcribe)
+        for path in ("/tokenize", "/detokenize", "/v1/rerank", "/rerank", "/v1/score"):
+            app.router.add_post(path, self._echo)
+        for path in ("/pooling", "/classify", "/score", "/v2/rerank", "/v1/audio/translations"):
+            app.router.add_post(path, self._echo)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -142,6 +176,103 @@ class FakeEngine:
         )
         return web.Response(text=text, status=self.metrics_status)
 
+    def _failure(self) -> web.Response:
+        headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+        return web.json_response(
+            {"error": {"message": f"{self.name} fails", "type": "server_error"}},
+            status=self.status,
+            headers=headers,
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "m", "object": "model", "max_model_len": self.max_model_len}],
+            }
+        )
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        """vLLM's other endpoints: answers with what it was asked, and where."""
+        body = await self._record(request)
+        if self.status != 200:
+            return self._failure()
+        return web.json_response(
+            {"path": request.path, "model": body.get("model"), "by": self.name}
+        )
+
+    async def _transcribe(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        self.seen.append(
+            Seen(
+                request.path,
+                {k.lower(): v for k, v in request.headers.items()},
+                {k: (v if isinstance(v, str) else v.file.read().decode()) for k, v in form.items()},
+            )
+        )
+        if self.status != 200:
+            return self._failure()
+        return web.json_response({"text": f"heard by {self.name}"})
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        self.seen.append(Seen(request.path, {k.lower(): v for k, v in request.headers.items()}, {}))
+        rid = request.match_info["id"]
+        if rid not in self.stored:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        if request.method == "DELETE":
+            del self.stored[rid]
+            return web.json_response({"id": rid, "object": "response", "deleted": True})
+        return web.json_response(self.stored[rid])
+
+    async def _respond(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API: a stream ends with `event: response.completed`, no [DONE]."""
+        body = await self._record(request)
+        if self.status != 200:
+            return self._failure()
+        rid = f"resp_{self.name}_{len(self.seen)}"
+        answer = {
+            "id": rid,
+            "object": "response",
+            "created_at": 1,
+            "model": body.get("model"),
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": "msg_1",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [
+                        {"type": "output_text", "text": f"from {self.name}", "annotations": []}
+                    ],
+                }
+            ],
+            "usage": {
+                "input_tokens": 5,
+                "output_tokens": 3,
+                "total_tokens": 8,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+        }
+        self.stored[rid] = answer
+        if not body.get("stream"):
+            return web.json_response(answer)
+        events = self.events or response_events(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, event in enumerate(events):
+            if self.drop_after is not None and i >= self.drop_after:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
     async def _record(self, request: web.Request) -> dict[str, Any]:
         body = await request.json()
         self.seen.append(
@@ -152,7 +283,7 @@ class FakeEngine:
     async def _embed(self, request: web.Request) -> web.Response:
         await self._record(request)
         if self.status != 200:
-            return web.json_response({"error": {"message": "fake failure"}}, status=self.status)
+            return self._failure()
         return web.json_response(
             {
                 "object": "list",
@@ -169,10 +300,7 @@ class FakeEngine:
             if self.hang_before_headers:
                 await asyncio.sleep(3600)
             if self.status != 200:
-                return web.json_response(
-                    {"error": {"message": f"{self.name} fails", "type": "server_error"}},
-                    status=self.status,
-                )
+                return self._failure()
             model = body.get("model", "m")
             opts = body.get("stream_options") or {}
             events = self.events or chat_chunks(

@@ -13,13 +13,20 @@ snapshot it resolved, and per-endpoint state survives updates by endpoint id.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from yarl import URL
 
-from llmgw.contracts import DeadlineSpec, Endpoint, EndpointState, ModelEndpoints
+from llmgw.contracts import (
+    DeadlineSpec,
+    Endpoint,
+    EndpointState,
+    ModelEndpoints,
+    UpstreamSpec,
+)
 from llmgw.router import routes, scheduling
 from llmgw.router.circuit import Circuit
 from llmgw.router.load import Load
@@ -53,6 +60,7 @@ class EndpointRuntime:
         "scrape_error",
         "targets",
         "pushed_at",
+        "headers",
     )
 
     def __init__(self, spec: Endpoint, settings: ViewSettings):
@@ -66,9 +74,28 @@ class EndpointRuntime:
         self.inflight = 0
         self.prefix = PrefixIndex(settings.prefix_capacity)
         self.scrape_error: str | None = None
-        # request kind -> upstream URL, parsed once (a new url makes a new runtime)
-        self.targets = {kind: URL(self.url + path) for kind, path in PATHS.items()}
+        # request path -> upstream URL, parsed once (a new url makes a new runtime)
+        self.targets = {path: URL(self.url + path) for path in PATHS}
         self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
+        self.headers = resolve_headers(spec.upstream)  # added to every request to it
+
+    def target(self, path: str) -> URL:
+        url = self.targets.get(path)
+        if url is None:  # a stored response's path: not worth keeping
+            url = URL(self.url + path)
+        return url
+
+    def request_headers(
+        self, route: ModelRoute | None, content_type: str | None, rid: bytes
+    ) -> dict[str, str]:
+        """The headers of a request to this endpoint: the model's upstream headers, then
+        this endpoint's (the more specific wins)."""
+        headers = {"Content-Type": content_type or "application/json", "X-Request-Id": rid.decode()}
+        if route is not None and route.headers:
+            headers.update(route.headers)
+        if self.headers:
+            headers.update(self.headers)
+        return headers
 
     def describe(self, now: float, stale_after: float) -> dict:
         load = self.load
@@ -100,6 +127,19 @@ class EndpointRuntime:
         return out
 
 
+def resolve_headers(spec: UpstreamSpec) -> dict[str, str]:
+    """Static headers plus secrets read from this process's environment (a missing
+    variable was reported when the record was checked: routes.upstream_problems)."""
+    if not spec.headers and not spec.secret_headers:
+        return {}
+    out = dict(spec.headers)
+    for name, env in spec.secret_headers.items():
+        value = os.environ.get(env)
+        if value is not None:
+            out[name] = value
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ModelRoute:
     name: str
@@ -107,6 +147,13 @@ class ModelRoute:
     pipeline: scheduling.Pipeline
     deadlines: DeadlineSpec
     fallbacks: tuple[str, ...]  # models to walk, in order, once this one has failed
+    headers: dict[str, str] = field(default_factory=dict)  # to every engine of this model
+    api_kinds: frozenset[str] = frozenset()  # empty: every kind
+    record: ModelEndpoints | None = None
+
+    def serves(self, kind: str) -> bool:
+        return not self.api_kinds or kind in self.api_kinds
+
     # Autoscaled from zero: with no ready endpoint, requests wait in admission for one.
     scale_from_zero: bool = False
     unplaceable: str = ""  # why the next replica cannot be placed (the control plane's words)
@@ -204,6 +251,7 @@ class EndpointView:
                     if ep is None or ep.url != spec.url.rstrip("/"):
                         ep = EndpointRuntime(spec, self.settings)
                     ep.spec = spec
+                    ep.headers = resolve_headers(spec.upstream)
                     endpoints[spec.id] = ep
                 served.setdefault(spec.id, set()).add(rec.model)
                 if spec.state is not EndpointState.READY:
@@ -234,6 +282,9 @@ class EndpointView:
                 pipeline=pipeline,
                 deadlines=rec.deadlines,
                 fallbacks=table.chains[name][1:],
+                headers=resolve_headers(rec.upstream),
+                api_kinds=frozenset(rec.api_kinds),
+                record=rec,
                 scale_from_zero=rec.scale_from_zero,
                 unplaceable=rec.unplaceable,
             )

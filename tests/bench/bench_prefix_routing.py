@@ -26,12 +26,12 @@ PASS when the kv_events hit rate is within 5 points of its oracle and its mean T
 at least 30% below cache_aware's (without vllm-router, the second target is skipped).
 
     .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
-        --vllm-model DIR [--seconds 20] [--clients 4]
+        [--vllm-model DIR] [--seconds 20] [--clients 4]
 
 runs the same comparison once on two real vLLM CPU engines (a small load, no targets:
-it shows the events path works there): the tiny random Llama in DIR (see FIELD-NOTES'
-recipe or llmgw.tinymodel), completions requests (a chat would need jinja2 in the
-router's environment to render the template), the routers hashing prompts with the
+it shows the events path works there): the tiny random Llama in DIR (default: built by
+llmgw.tinymodel under ~/.cache/llmgw/models), completions requests (a chat would need
+jinja2 in the router's environment to render the template), the routers hashing prompts with the
 model's own tokenizer (`scheduling.tokenizer`), the prefix cache reset between policies
 (vLLM's dev-mode /reset_prefix_cache, which also exercises AllBlocksCleared).
 """
@@ -417,7 +417,9 @@ async def main_async(args) -> int:
     print(
         f"\n{len(results)} policies, 4 sim engines ({SIM['kv_blocks']} blocks of {BLOCK} tokens, "
         f"max_num_seqs {SIM['max_num_seqs']}), {TENANTS} tenants, {args.clients} clients, "
-        "2 routers round-robin\n"
+        f"2 routers round-robin; machine load average {os.getloadavg()[1]:.1f} "
+        f"on {os.cpu_count()} CPUs (TTFT includes the routers' CPU time: on a saturated "
+        "machine the Python routers' queueing hides the engines' prefill)\n"
     )
     print(
         f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
@@ -524,8 +526,8 @@ async def run_vllm(args) -> int:
                     with contextlib.suppress(httpx.HTTPError):
                         if (await http.get(p.url + "/health")).status_code == 200:
                             break
-                    if time.monotonic() - began > 300:
-                        raise RuntimeError("vLLM did not become healthy in 300s")
+                    if time.monotonic() - began > 600:
+                        raise RuntimeError("vLLM did not become healthy in 600s")
                     await asyncio.sleep(0.5)
         print(f"2 vLLM engines healthy after {time.monotonic() - began:.0f}s", flush=True)
         have_vllm_router = HAVE_VLLM_ROUTER
@@ -633,7 +635,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.vllm_python:
         if not args.vllm_model:
-            parser.error("--vllm-python needs --vllm-model")
+            from llmgw import tinymodel
+
+            cache = Path.home() / ".cache" / "llmgw" / "models"
+            args.vllm_model = str(tinymodel.ensure(args.vllm_python, cache))
         return asyncio.run(run_vllm(args))
     return asyncio.run(main_async(args))
 

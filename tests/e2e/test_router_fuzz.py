@@ -3,8 +3,8 @@
 Hypothesis sends a few thousand malformed requests (bytes that are not JSON, JSON of
 every shape, valid requests with one field replaced by anything, the schema's own
 fields from the router's /openapi.json given wrong types and ranges, odd methods,
-paths and header bytes) plus the limits themselves (nesting, message count, body
-and header sizes). The upstream is up the whole time, so no answer may be a 5xx:
+paths and header bytes) plus the limits themselves (nesting, body and header
+sizes). The upstream is up the whole time, so no answer may be a 5xx:
 every refusal is a 4xx with an OpenAI-shaped body. Afterwards the router still
 serves a good request through the openai SDK, its own metrics count no 5xx, and
 its log (debug level, access log on) never contains an API key that was sent.
@@ -283,7 +283,7 @@ def test_every_schema_field_with_anything_in_it(conn, schema, data):
             ]["properties"]
         )
         for path, op in schema["paths"].items()
-        if "post" in op
+        if path in PATHS
     }
     path, body = data.draw(mutated(fields_of))
     status = check(conn.send(post(path, body)), body)
@@ -317,9 +317,9 @@ def test_limits_are_4xx_naming_the_limit(conn):
     )
     status, _, body = conn.send(post(PATHS[0], deep))
     assert status == 400 and f"{v.MAX_DEPTH} levels" in json.loads(body)["error"]["message"]
-    many = dumps({**chat, "messages": chat["messages"] * (v.MAX_MESSAGES + 1)})
-    status, _, body = conn.send(post(PATHS[0], many))
-    assert status == 400 and f"<= {v.MAX_MESSAGES}" in json.loads(body)["error"]["message"]
+    # How many messages is the engine's to judge; the router only relays them.
+    many = dumps({**chat, "messages": chat["messages"] * 3000, "max_tokens": 1})
+    check(conn.send(post(PATHS[0], many)), "3000 messages")
     status, _, body = conn.send(post(PATHS[0], b" " * (1024 * 1024 + 1)))
     assert status == 413
     huge_head = request("GET", "/v1/models", headers=[("X-Pad", "a" * 40_000)])

@@ -62,10 +62,7 @@ async def test_no_key_or_a_wrong_key_gets_401_whatever_the_body(caplog):
                     assert h["www-authenticate"] == "Bearer"
                     error = json.loads(raw)["error"]
                     assert set(error) == {"message", "type", "param", "code"}
-                    assert (error["type"], error["code"]) == (
-                        "invalid_request_error",
-                        "invalid_api_key",
-                    )
+                    assert (error["type"], error["code"]) == ("invalid_request_error", reason)
 
                     # A body sent in chunks, with no length declared: refused all the same.
                     async def chunks(body=body):
@@ -88,10 +85,17 @@ async def test_an_authenticated_bad_request_gets_its_own_error():
                 got, h, raw = await post(http, r.url, body, GOOD_KEY)
                 assert (got, h["x-llmgw-reason"]) == (status, reason), name
                 assert json.loads(raw)["error"]["code"] == reason
-            # Listing models needs no key, as before.
-            async with http.get(r.url + "/v1/models") as resp:
+            # Listing models needs a key like every other route.
+            for path in ("/v1/models", "/v1/models/m"):
+                for headers, reason in ((NO_KEY, "missing_api_key"), (BAD_KEY, "invalid_api_key")):
+                    async with http.get(r.url + path, headers=headers) as resp:
+                        assert (resp.status, resp.headers["x-llmgw-reason"]) == (401, reason)
+                        assert resp.headers["www-authenticate"] == "Bearer"
+            async with http.get(r.url + "/v1/models", headers=GOOD_KEY) as resp:
                 assert resp.status == 200
                 assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+            async with http.get(r.url + "/v1/models/m", headers=GOOD_KEY) as resp:
+                assert (resp.status, (await resp.json())["id"]) == (200, "m")
     assert a.seen == []
 
 

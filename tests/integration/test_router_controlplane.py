@@ -173,7 +173,7 @@ async def test_tenants_from_kv_require_a_key(nats, sims):
     ):
         await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
         resp = await http.post(r.url + "/v1/chat/completions", json=chat())
-        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "missing_api_key"
         sdk = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=KEY, max_retries=0)
         assert (await sdk.chat.completions.create(**chat())).choices
         with pytest.raises(openai.AuthenticationError):

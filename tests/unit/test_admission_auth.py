@@ -31,7 +31,8 @@ def refused(c: Controller, header: str | None) -> AdmissionRejected:
     assert err.value.status == 401
     assert (b"www-authenticate", b"Bearer") in err.value.headers
     body = msgspec.json.decode(err.value.body())["error"]
-    assert body["code"] == "invalid_api_key" and body["type"] == "invalid_request_error"
+    # The body's code and the x-llmgw-reason header say the same thing.
+    assert body["code"] == err.value.reason and body["type"] == "invalid_request_error"
     return err.value
 
 

@@ -114,3 +114,20 @@ def test_minute_window_forgets_after_a_long_quiet():
     assert w.advance(69.9) and w.total == 10
     assert w.advance(70.0) and w.total == 5
     assert w.advance(500.0) and w.total == 0
+
+
+def test_rate_limit_headers_say_the_limit_what_is_left_and_when_it_resets():
+    from llmgw import contracts
+    from llmgw.router.admission.quotas import TenantQuotas
+
+    q = TenantQuotas(contracts.Quotas(rpm=10, tpm=1000))
+    assert dict(q.headers(100.0))[b"x-ratelimit-remaining-requests"] == b"10"
+    q.acquire(100.2, 300)
+    q.acquire(130.5, 200)
+    h = dict(q.headers(131.0))
+    assert h[b"x-ratelimit-limit-requests"] == b"10"
+    assert h[b"x-ratelimit-remaining-requests"] == b"8"
+    assert h[b"x-ratelimit-remaining-tokens"] == b"500"
+    # Back to its initial state once the request of second 130 leaves the window, at 190.
+    assert h[b"x-ratelimit-reset-requests"] == b"59s"
+    assert TenantQuotas(contracts.Quotas(concurrency=2)).headers(1.0) == []

@@ -24,7 +24,10 @@ def test_only_serving_replicas_are_endpoints_and_retired_ones_drain():
                 replicas=2,
                 aliases=["mm"],
                 fallbacks=["other"],
-                profile=c.ServingProfile(max_num_seqs=64),
+                profile=c.ServingProfile(max_num_seqs=64, max_model_len=4096),
+                owned_by="acme",
+                api_kinds=["chat"],
+                upstream=c.UpstreamSpec(secret_headers={"Authorization": "KEY_ENV"}),
             ),
         )
     )
@@ -36,6 +39,9 @@ def test_only_serving_replicas_are_endpoints_and_retired_ones_drain():
         ("m-r2-s0", "http://a:8001", c.EndpointState.READY, 32)
     ]
     assert rec.aliases == ["mm"] and rec.fallbacks == ["other"]
+    # What the routers' /v1/models and upstream requests need (the secret by name only).
+    assert (rec.owned_by, rec.api_kinds, rec.max_model_len) == ("acme", ["chat"], 4096)
+    assert rec.upstream.secret_headers == {"Authorization": "KEY_ENV"}
     log.append(status(log.state, "m-r1-s0", S.READY, url="http://a:8000"))
     assert p.model_record(log.state, "m").endpoints[0].max_running == 64  # profile hint
     log.append(c.ModelDeclared(name="m", replicas=1, profile=c.ServingProfile()))

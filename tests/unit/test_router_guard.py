@@ -105,3 +105,51 @@ async def test_the_watcher_waits_for_the_body_then_watches_the_client():
 
     result, guard = await run_guarded(body, watch_after=0.01, receive=gone)
     assert result == "cancelled" and guard.client_gone and guard.fired is None
+
+
+async def test_the_guard_context_turns_its_own_cancel_into_one_deadline_error():
+    from llmgw.router.guard import DeadlinePassed
+
+    async def body(guard):
+        try:
+            with guard:
+                guard.arm("idle", 0.02)
+                await asyncio.sleep(1)
+        except DeadlinePassed as passed:
+            # The task is usable again: it can await, and its deadline flag is reset.
+            await asyncio.sleep(0)
+            return passed.phase, asyncio.current_task().cancelling(), guard.fired
+        return "not interrupted"
+
+    result, _ = await run_guarded(body)
+    assert result == ("idle", 0, None)
+
+
+async def test_the_guard_context_reports_a_client_that_left_as_client_gone():
+    from llmgw.router.guard import ClientGone
+
+    async def leaves():
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def body(guard):
+        try:
+            with guard:
+                await asyncio.sleep(1)
+        except ClientGone:
+            return "gone", asyncio.current_task().cancelling()
+        return "stayed"
+
+    result, _ = await run_guarded(body, watch_after=0.0, receive=leaves)
+    assert result == ("gone", 0)
+
+
+async def test_a_cancel_the_guard_did_not_cause_passes_through_its_context():
+    async def body(guard):
+        with guard:
+            asyncio.current_task().cancel()  # the server stopping, say
+            await asyncio.sleep(1)
+        return "swallowed"
+
+    result, guard = await run_guarded(body)
+    assert result == "cancelled"

@@ -89,6 +89,10 @@ class Ticket:
         self.error: AdmissionRejected | None = None
         self.wake: Callable[[Ticket], None] | None = None  # called when a queued ticket resolves
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The x-ratelimit-* headers of this tenant's quotas, as OpenAI sends them."""
+        return self.tenant.quotas.headers(self.controller.clock())
+
     def release(self, usage: Any = None) -> None:
         """The response ended; `usage` (prompt_tokens, completion_tokens) when known."""
         actual = None if usage is None else usage.prompt_tokens + usage.completion_tokens

@@ -12,7 +12,7 @@ from llmgw.router.errors import RouterError, error_body
 
 # reason -> (status, OpenAI error type, OpenAI error code)
 REASONS: dict[str, tuple[int, str, str | None]] = {
-    "missing_api_key": (401, "invalid_request_error", "invalid_api_key"),
+    "missing_api_key": (401, "invalid_request_error", "missing_api_key"),
     "invalid_api_key": (401, "invalid_request_error", "invalid_api_key"),
     "rate_limit_rpm": (429, "requests", "rate_limit_exceeded"),
     "rate_limit_concurrency": (429, "requests", "rate_limit_exceeded"),

@@ -131,6 +131,25 @@ class TenantQuotas:
         self.requests.add(now, 1)
         return self.tokens.add(now, tokens)
 
+    def headers(self, now: float) -> list[tuple[bytes, bytes]]:
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits this
+        tenant has, as OpenAI sends them (reset: when the window has room for the
+        full limit again, e.g. "12s")."""
+        out: list[tuple[bytes, bytes]] = []
+        for unit, limit, window in (
+            (b"requests", self.rpm, self.requests),
+            (b"tokens", self.tpm, self.tokens),
+        ):
+            if limit is None:
+                continue
+            window.advance(now)
+            used = window.total
+            reset = 0 if used <= 0 else window.seconds_until(now, 0)
+            out.append((b"x-ratelimit-limit-" + unit, str(limit).encode()))
+            out.append((b"x-ratelimit-remaining-" + unit, str(max(0, limit - used)).encode()))
+            out.append((b"x-ratelimit-reset-" + unit, f"{reset}s".encode()))
+        return out
+
     def release(self, now: float, sec: int, estimated: int, actual: int | None) -> None:
         """The request ended; `actual` tokens replace the estimate when known."""
         self.in_flight -= 1

@@ -11,7 +11,7 @@ rejects by raising `RouterError` (401, 429, 503, 504 ...), and may wait (queue)
 before returning. If the client disconnects while it waits, the waiting task is
 cancelled: a gate must leave its queue on `CancelledError`. The returned grant
 is released exactly once, with the engine's usage when known, however the
-request ended.
+request ended; its `headers()` go on the answer.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 class Grant(Protocol):
     def release(self, usage: Usage | None) -> None: ...
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Headers for every answer to the admitted request (OpenAI's x-ratelimit-*)."""
+        ...
 
 
 class Gate(Protocol):

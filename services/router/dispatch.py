@@ -1,0 +1,174 @@
+"""Where a request may go next, and what the client hears when nothing answered.
+
+Pure: no I/O, no clock of its own. The walk goes through the model's endpoints
+(each picked by the model's scheduling pipeline, never one already tried, at
+most `attempts_per_model` of them), then down the fallback chain, and stops at
+a failure no further attempt can help (the total deadline passed).
+
+The failure policy: when every attempt ended because an engine was busy (429)
+or timed the request out (408), the client gets that status and the soonest
+Retry-After an engine gave, so code that catches `RateLimitError` and backs
+off does the right thing. Otherwise the last failure's status. Messages for
+the client never name an endpoint or quote an engine's body; the log does,
+with the request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmgw.router.errors import RouterError
+from llmgw.router.scheduling import Context
+from llmgw.router.view import EndpointRuntime, ModelRoute
+
+TIMEOUT_STATUS = 504
+BROKEN_STATUS = 502
+BUSY = (408, 429)  # engine answers that mean "not now", relayed as they are
+
+
+class Failure:
+    """An attempt that failed before anything reached the client."""
+
+    __slots__ = ("kind", "message", "detail", "status", "final", "retry_after")
+
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        status: int,
+        *,
+        detail: str = "",
+        final: bool = False,
+        retry_after: float | None = None,
+    ):
+        self.kind = kind
+        self.message = message  # for the client: no endpoint ids, no engine bodies
+        self.detail = detail  # for the log
+        self.status = status  # what the client gets if no later attempt succeeds
+        self.final = final  # no further attempt can help (the total deadline passed)
+        self.retry_after = retry_after  # seconds, from an engine's Retry-After
+
+
+class Walk:
+    """The attempts of one request, in order: `next`, then `failed` for each that failed."""
+
+    __slots__ = (
+        "route",
+        "current",
+        "lookup",
+        "per_model",
+        "tried",
+        "attempts",
+        "prepare",
+        "failures",
+        "_hop",
+        "_left",
+    )
+
+    def __init__(
+        self,
+        route: ModelRoute,
+        lookup: Callable[[str], ModelRoute | None],
+        per_model: int,
+        tried: list[str],
+        prepare: Callable[[Context, ModelRoute], None],
+    ):
+        self.route = route
+        self.current: ModelRoute | None = route
+        self.lookup = lookup
+        self.per_model = per_model
+        self.tried = tried  # the scheduling context's exclude list: never the same one twice
+        self.attempts = 0
+        self.prepare = prepare  # sets the context up for a model (name, prefix, session)
+        self.failures: list[Failure] = []
+        self._hop = 0
+        self._left = per_model
+
+    def next(self, ctx: Context, past_total: bool) -> EndpointRuntime | None:
+        """The endpoint to try now (on `self.current`), or None when the walk is over."""
+        if past_total:
+            self.failures.append(
+                Failure(
+                    "total_timeout",
+                    f"no answer within the total deadline of {self.route.deadlines.total}s",
+                    TIMEOUT_STATUS,
+                    final=True,
+                )
+            )
+            return None
+        current = self.current
+        while current is not None:
+            if self._left > 0:
+                ep = current.pipeline.pick(current.endpoints, ctx)
+                if ep is not None:
+                    self._left -= 1
+                    self.attempts += 1
+                    return ep
+            current = self._advance()
+            if current is not None:
+                self.prepare(ctx, current)
+        return None
+
+    def _advance(self) -> ModelRoute | None:
+        self.current = None
+        chain = self.route.fallbacks
+        while self._hop < len(chain) and self.current is None:
+            self.current = self.lookup(chain[self._hop])
+            self._hop += 1
+        self._left = self.per_model
+        return self.current
+
+    def failed(self, ep: EndpointRuntime, failure: Failure) -> bool:
+        """Record a failed attempt; False when the walk must stop here."""
+        self.tried.append(ep.id)
+        self.failures.append(failure)
+        return not failure.final
+
+    def outcome(self) -> RouterError:
+        """The error the client gets once the walk is over without an answer."""
+        route = self.route
+        if not self.failures:
+            chain = route.fallbacks
+            return RouterError(
+                503,
+                "no_endpoint",
+                f"no endpoint is available for model '{route.name}'"
+                + (f" or its fallbacks ({', '.join(chain)})" if chain else ""),
+            )
+        n = self.attempts
+        after = f" (after {n} attempt{'s' if n != 1 else ''})"
+        if all(f.status in BUSY for f in self.failures):
+            status = 429 if any(f.status == 429 for f in self.failures) else 408
+            waits = [f.retry_after for f in self.failures if f.retry_after is not None]
+            headers = []
+            if waits:
+                wait = min(waits)
+                headers.append((b"retry-after", _seconds(wait)))
+                headers.append((b"retry-after-ms", str(int(wait * 1000)).encode()))
+            last = next(f for f in reversed(self.failures) if f.status == status)
+            return RouterError(status, last.kind, last.message + after, headers=headers)
+        last = self.failures[-1]
+        return RouterError(last.status, last.kind, last.message + after)
+
+
+def _seconds(wait: float) -> bytes:
+    whole = int(wait)
+    return str(whole if whole == wait else whole + 1).encode()
+
+
+def retry_after(headers) -> float | None:
+    """An engine's Retry-After (seconds; an HTTP date is not worth parsing here) or
+    retry-after-ms, in seconds."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is not None:
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            return None
+    return None

@@ -1,0 +1,215 @@
+"""A whole cluster (`llmgw dev --engine vllm`) whose agents launch real vLLM engines.
+
+In order, on one cluster: `llmgw apply` makes the agents launch two real vLLM
+replicas (and the time from apply to the first token is measured); a kill -9 of one
+engine under SDK traffic through both routers; a scale-down that drains a real vLLM
+before stopping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+import yaml
+
+from llmgw import devcatalog
+from llmgw.agent import procs as engine_procs
+from llmgw.agent.state import StateDir
+from tests.e2e import clusterkit as ck
+from tests.realengine import kit
+
+pytestmark = pytest.mark.real_engine
+
+MODEL = devcatalog.VLLM_MODEL
+# Short liveness and retry timings, as in the sim cluster test.
+ENV = {
+    "LLMGW_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "LLMGW_ACTOR__UNREACHABLE_AFTER": "5",
+    "LLMGW_ACTOR__LOST_AFTER": "15",
+    "LLMGW_ACTOR__COMMAND_RETRY_INITIAL": "0.5",
+    "LLMGW_ACTOR__REPLACE_BACKOFF_INITIAL": "0.5",
+    "LLMGW_ACTOR__DRAIN_DEADLINE": "60",
+}
+
+
+def catalog(model_path, replicas: int) -> dict:
+    # No tenants: requests are served as one anonymous tenant, no key needed.
+    return {"models": [{"name": MODEL, "replicas": replicas, **_profile(model_path)}]}
+
+
+def _profile(model_path) -> dict:
+    return {"profile": devcatalog.vllm_profile(str(model_path))}
+
+
+@pytest.fixture(scope="module")
+def cluster(vllm_python, tiny_model, tmp_path_factory):
+    first = tmp_path_factory.mktemp("catalog") / "catalog.yaml"
+    first.write_text(yaml.safe_dump(catalog(tiny_model, 0)))
+    c = ck.start_cluster(
+        tmp_path_factory.mktemp("cluster"),
+        env=ENV,
+        reconcilers=1,
+        engine="vllm",
+        vllm_python=vllm_python,
+        model_path=str(tiny_model),
+        catalog=first,
+        ready_timeout=60.0,
+    )
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def report(capsys, line: str) -> None:
+    with capsys.disabled():
+        print(f"\n[real_engine] {line}", flush=True)
+
+
+def records(cluster) -> list:
+    out = []
+    for name in ("agent-1", "agent-2"):
+        out += StateDir(ck.Path(cluster.info["data_dir"]) / name).load_all()
+    return out
+
+
+def ready_urls(cluster) -> set[str]:
+    return {e["url"].rstrip("/") for e in ck.ready_endpoints(cluster, MODEL)}
+
+
+def wait_routers(cluster, expected: set[str], timeout: float = 60) -> None:
+    ck.wait(
+        lambda: all(
+            ck.router_endpoint_urls(a, MODEL) == expected for a in cluster.info["router_admin"]
+        ),
+        timeout,
+        f"routers to converge on {len(expected)} endpoints",
+    )
+
+
+def statuses(cluster) -> list[dict]:
+    res = ck.cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
+    assert res.returncode == 0, res.stderr
+    out = []
+    for line in res.stdout.splitlines():
+        ev = json.loads(line)
+        ev = ev.get("event") or ev
+        if ev.get("type") == "shard.status" and ev.get("model") == MODEL:
+            out.append(ev)
+    return out
+
+
+def test_dev_says_what_the_applied_catalog_serves(cluster):
+    assert cluster.info["models"] == [MODEL]
+    assert cluster.info["api_key"] is None  # the catalog has no tenants: no key needed
+
+
+def test_apply_launches_two_real_vllm_replicas_and_the_first_token_follows(
+    cluster, tiny_model, capsys
+):
+    client = openai.OpenAI(
+        base_url=cluster.info["routers"][0], api_key="unused", max_retries=0, timeout=60
+    )
+
+    def first_token() -> bool:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            stream=True,
+            extra_body=kit.NO_EOS,
+        )
+        return any(ch.choices and ch.choices[0].delta.content for ch in stream)
+
+    t0 = time.monotonic()
+    ck.apply_catalog(cluster, catalog(tiny_model, 2))
+    kit.wait(first_token, 600, "the first token through the router", interval=0.25)
+    report(capsys, f"llmgw apply -> first token with real vLLM: {time.monotonic() - t0:.1f}s")
+    ck.wait(lambda: len(ready_urls(cluster)) == 2, 600, "both replicas ready")
+    report(capsys, f"llmgw apply -> both replicas ready: {time.monotonic() - t0:.1f}s")
+    assert {e["node"] for e in ck.ready_endpoints(cluster, MODEL)} == {"node-1", "node-2"}
+    engines = [r for r in records(cluster) if r.state.value == "ready"]
+    assert len(engines) == 2
+    for rec in engines:  # real vLLM processes, launched by the agents from their command
+        assert engine_procs.is_alive(rec.pid, rec.proc_start, rec.kernel_boot_id)
+        with open(f"/proc/{rec.pid}/cmdline", "rb") as f:
+            assert b"vllm.entrypoints.openai.api_server" in f.read()
+    wait_routers(cluster, ready_urls(cluster))
+
+
+def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, capsys):
+    wait_routers(cluster, ready_urls(cluster))
+    victim = next(r for r in records(cluster) if r.state.value == "ready")
+    with kit.Traffic(cluster.info["routers"], "unused", MODEL, concurrency=4) as traffic:
+        kit.wait(lambda: traffic.ok() >= 8, 120, "traffic to flow")
+        killed_at = time.monotonic()
+        os.killpg(victim.pid, signal.SIGKILL)
+
+        def failed():
+            return next(
+                (
+                    s
+                    for s in statuses(cluster)
+                    if s["shard_id"] == victim.shard_id and s["state"] == "failed"
+                ),
+                None,
+            )
+
+        status = ck.wait(failed, 60, "the kill to be reported")
+        ck.wait(
+            lambda: len(ready_urls(cluster)) == 2 and victim.url not in ready_urls(cluster),
+            600,
+            "a replacement engine",
+        )
+        wait_routers(cluster, ready_urls(cluster))
+        settled = traffic.ok()
+        kit.wait(lambda: traffic.ok() >= settled + 8, 120, "traffic through the replacement")
+    failures = traffic.failures()
+    report(
+        capsys,
+        f"kill -9 under traffic: {traffic.ok()} ok, {len(failures)} failed "
+        f"({sum(f.stream for f in failures)} streams cut mid-answer)",
+    )
+    assert status["exit_code"] == -9
+    tail = "\n".join(status["output_tail"])
+    assert "vllm" in tail.lower() or "INFO" in tail, tail  # vLLM's own output, not probes
+    assert "GET /metrics" not in tail
+    # What the router guarantees: a request is retried elsewhere while nothing of it has
+    # reached the client. A stream the dying engine had begun to answer can only end
+    # with an error; nothing else may fail.
+    unexplained = [
+        f
+        for f in failures
+        if not (f.stream and f.started <= killed_at and f.error.startswith("APIError"))
+    ]
+    assert unexplained == [], unexplained[:5]
+
+
+def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model, capsys):
+    wait_routers(cluster, ready_urls(cluster))
+    before = {s["shard_id"] for s in statuses(cluster) if s["state"] == "stopped"}
+    with kit.Traffic(cluster.info["routers"], "unused", MODEL, concurrency=4) as traffic:
+        kit.wait(lambda: traffic.ok() >= 8, 120, "traffic to flow")
+        t0 = time.monotonic()
+        ck.apply_catalog(cluster, catalog(tiny_model, 1))
+        ck.wait(lambda: len(ready_urls(cluster)) == 1, 120, "scale down to one replica")
+        wait_routers(cluster, ready_urls(cluster))
+        stopped = ck.wait(
+            lambda: {s["shard_id"] for s in statuses(cluster) if s["state"] == "stopped"} - before,
+            120,
+            "the retired engine to stop",
+        )
+        report(capsys, f"scale-down: drained and stopped in {time.monotonic() - t0:.1f}s")
+        settled = traffic.ok()
+        kit.wait(lambda: traffic.ok() >= settled + 8, 120, "traffic on the remaining replica")
+    assert traffic.failures() == [], traffic.failures()[:5]
+    [sid] = stopped
+    seq = [s["state"] for s in statuses(cluster) if s["shard_id"] == sid]
+    assert "draining" in seq and seq.index("draining") < seq.index("stopped"), seq
+    rec = next(r for r in records(cluster) if r.shard_id == sid)
+    assert not engine_procs.group_alive(rec.pid)  # the vLLM process group is gone

@@ -1,0 +1,120 @@
+"""Real vLLM's KV events through the agent's relay to the bus, and the router's prompt hashes
+matching them: the path that precise prefix routing relies on, on a real engine.
+
+One vLLM (the tiny random model) publishes to a relay (llmgw.agent.kvrelay) bound as the
+agent binds it; the raw ZMQ messages are also compared with what the simulator sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from llmgw import contracts as c
+from llmgw import kvblocks, subjects
+from llmgw.agent.adapters import LaunchContext, kv_events_args
+from llmgw.agent.kvrelay import KvRelays
+from llmgw.router.prompttokens import HfTokens
+from tests.realengine import test_sim_parity as parity_test
+from tests.realengine.test_sim_parity import MODEL, Vllm, _started, _vllm_python
+
+tiny = parity_test.tiny  # the fixture: the tiny model, built once per module
+
+pytestmark = pytest.mark.real_engine
+
+PROMPT = "The quick brown fox jumps over the lazy dog, again and again. " * 12
+# vLLM >= 0.10 sends each event as a map in its Struct's field order; so does the sim.
+STORED_KEYS = [
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+]
+
+
+async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
+    nats,
+    tiny,
+    tmp_path,
+):
+    relays = KvRelays("n-real")
+    await relays.attach(nats)
+    relay = relays.open("v0")
+    raw: list[list[bytes]] = []
+    receive = relay.receive
+
+    def record(parts: list[bytes]) -> None:
+        raw.append(parts)
+        receive(parts)
+
+    relay.receive = record  # type: ignore[method-assign]
+    events: list = []
+
+    async def on_msg(msg) -> None:
+        events.append(c.decode(msg.data, c.KvEvents))
+
+    sub = await nats.subscribe(subjects.kv_events("n-real", "v0"), cb=on_msg)
+    ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
+    flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
+    python = _vllm_python()
+    vllm = await asyncio.to_thread(
+        lambda: _started(Vllm(python, tiny, tmp_path / "vllm.log", *flags))
+    )
+    try:
+        relay.url = vllm.url
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(
+                f"{vllm.url}/v1/completions",
+                json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+            )
+            r.raise_for_status()
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not relay.blocks.hashes():
+            await asyncio.sleep(0.05)
+        block_size = relay.blocks.block_size
+        assert block_size > 0, "no BlockStored from vLLM reached the relay"
+
+        # The router's view of the prompt: the model's own tokenizer, as vLLM tokenizes it.
+        tokens = HfTokens(str(tiny)).tokens(msgspec.json.encode(PROMPT))
+        assert len(tokens) == prompt_tokens
+        expected = kvblocks.prompt_hashes(tokens, block_size, prompt_tokens // block_size)
+        assert expected and set(expected) <= set(relay.blocks.hashes())
+
+        # On the bus: in order, with the engine's sequence numbers.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not events:
+            await asyncio.sleep(0.05)
+        assert events and events[0].node == "n-real" and events[0].url == vllm.url
+        stored = [h for e in events for op in e.ops if op.op is c.KvOp.STORED for h in op.hashes]
+        assert set(expected) <= set(stored)
+        reply = await nats.request(
+            subjects.kv_snapshot("n-real", "v0"),
+            c.encode(c.KvSnapshotRequest(node="n-real", shard_id="v0")),
+            timeout=10,
+        )
+        snap = c.decode(reply.data, c.KvSnapshot)
+        assert set(expected) <= set(snap.hashes) and snap.block_size == block_size
+
+        # Field by field, vLLM's frames look like the simulator's.
+        topic, seq, payload = raw[0]
+        assert topic == b"kv" and len(seq) == 8
+        batch = msgspec.msgpack.decode(payload)
+        assert isinstance(batch[0], float) and isinstance(batch[1], list)
+        first = next(e for p in raw for e in msgspec.msgpack.decode(p[2])[1]
+                     if e["type"] == "BlockStored")  # fmt: skip
+        assert list(first)[: len(STORED_KEYS)] == STORED_KEYS
+        print(f"\nvLLM block size {block_size}, {len(raw)} ZMQ batches, "
+              f"extra BlockStored keys: {list(first)[len(STORED_KEYS):]}")  # fmt: skip
+    finally:
+        await asyncio.to_thread(vllm.stop)
+        await sub.unsubscribe()
+        await relays.stop()
