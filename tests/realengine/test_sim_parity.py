@@ -1,8 +1,8 @@
 """The simulator against real vLLM: the same requests to both, compared field by field.
 
 Each case is sent to `llmgw sim-engine` and to a real vLLM serving a tiny random model
-(built here), and the answers are compared by shape (fields, JSON types) and by the values
-that carry meaning (object kinds, roles, finish reasons, choice indices, tool-call parts,
+(conftest.py builds it), and the answers are compared by shape (fields, JSON types) and by
+the values that carry meaning (object kinds, roles, finish reasons, choice indices, tool-call parts,
 event types and their order); see `parity.py`. Differences we know and accept are listed in
 KNOWN with the reason; any other fails the test. The full report (null-only fields
 included) is printed and written to `$LLMGW_PARITY_REPORT` when set.
@@ -25,7 +25,6 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw import tinymodel
 from llmgw.localservers import free_port
 from llmgw.simengine.testing import SimProcess, start_sim
 from tests.realengine import parity
@@ -68,20 +67,6 @@ KNOWN: dict[str, str] = {
 
 
 # -- engines ---------------------------------------------------------------------------------
-
-
-def _vllm_python() -> str:
-    python = os.environ.get("LLMGW_VLLM_PYTHON", "")
-    why = None
-    if not python:
-        why = "LLMGW_VLLM_PYTHON is not set (the Python of an environment with vLLM)"
-    elif not Path(python).exists():
-        why = f"LLMGW_VLLM_PYTHON={python} does not exist"
-    if why:
-        if os.environ.get("LLMGW_REQUIRE_REAL_ENGINE") == "1":
-            pytest.fail(f"{why}, and LLMGW_REQUIRE_REAL_ENGINE=1", pytrace=False)
-        pytest.skip(why)
-    return python
 
 
 class Vllm:
@@ -166,8 +151,10 @@ def _started(vllm: Vllm) -> Vllm:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tinymodel.ensure(_vllm_python(), tmp_path_factory.mktemp("models"))
+def tiny(tiny_model) -> Path:
+    """The tiny model of tests/realengine/conftest.py (which skips without vLLM, or fails
+    under LLMGW_REQUIRE_REAL_ENGINE=1)."""
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -513,10 +500,10 @@ def _tool_call_made(answer: tuple[int, str], stream: bool) -> bool:
 
 
 # Runs first (file order), before the generate engine exists: one vLLM at a time.
-def test_embeddings_match_vllm_pooling(tiny, sim, report, tmp_path):
+def test_embeddings_match_vllm_pooling(vllm_python, tiny, sim, report, tmp_path):
     vllm = _started(
         Vllm(
-            _vllm_python(),
+            vllm_python,
             tiny,
             tmp_path / "vllm-embed.log",
             "--runner",
@@ -537,10 +524,10 @@ def test_embeddings_match_vllm_pooling(tiny, sim, report, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vllm(tiny, tmp_path_factory) -> Iterator[Vllm]:
+def vllm(vllm_python, tiny, tmp_path_factory) -> Iterator[Vllm]:
     engine = _started(
         Vllm(
-            _vllm_python(),
+            vllm_python,
             tiny,
             tmp_path_factory.mktemp("vllm") / "vllm.log",
             "--enable-auto-tool-choice",
