@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 
@@ -59,6 +60,9 @@ def cluster(vllm_python, tiny_model, tmp_path_factory):
         model_path=str(tiny_model),
         catalog=first,
         ready_timeout=60.0,
+        # Ports of our own: an engine of another cluster on this machine taking a killed
+        # engine's port would answer the routers' stale requests with its own 404.
+        engine_port_base=random.randrange(20200, 23000, 200),
     )
     try:
         yield c
