@@ -165,8 +165,12 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
             )
 
         status = ck.wait(failed, 60, "the kill to be reported")
+        # By shard, not URL: the replacement may well get the freed port back.
         ck.wait(
-            lambda: len(ready_urls(cluster)) == 2 and victim.url not in ready_urls(cluster),
+            lambda: (
+                len(ready := ck.ready_endpoints(cluster, MODEL)) == 2
+                and victim.shard_id not in {e["shard_id"] for e in ready}
+            ),
             600,
             "a replacement engine",
         )
