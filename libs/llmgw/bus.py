@@ -159,6 +159,10 @@ async def _ensure_stream(js: JetStreamContext, cfg: jsapi.StreamConfig) -> None:
             raise
 
 
+def _window(duplicate_window: float, max_age: float) -> float:
+    return min(duplicate_window, max_age) if max_age else duplicate_window
+
+
 def stream_configs(cfg: BusConfig) -> list[jsapi.StreamConfig]:
     return [
         jsapi.StreamConfig(
@@ -170,7 +174,8 @@ def stream_configs(cfg: BusConfig) -> list[jsapi.StreamConfig]:
             max_bytes=cfg.events_max_bytes or None,
             # -1: an event log must never drop history per subject.
             max_msgs_per_subject=-1,
-            duplicate_window=cfg.duplicate_window_seconds,
+            # JetStream refuses a window longer than the retention.
+            duplicate_window=_window(cfg.duplicate_window_seconds, cfg.events_max_age_seconds),
             num_replicas=cfg.replicas,
             max_msg_size=1024 * 1024,
         ),
@@ -189,7 +194,7 @@ def stream_configs(cfg: BusConfig) -> list[jsapi.StreamConfig]:
             storage=jsapi.StorageType.FILE,
             retention=jsapi.RetentionPolicy.LIMITS,
             max_age=cfg.commands_max_age_seconds,
-            duplicate_window=cfg.duplicate_window_seconds,
+            duplicate_window=_window(cfg.duplicate_window_seconds, cfg.commands_max_age_seconds),
             num_replicas=cfg.replicas,
             max_msg_size=1024 * 1024,
         ),

@@ -50,6 +50,8 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type", forbid_unknown_fie
     # Set on each concrete class: who publishes it and what it is for (AsyncAPI).
     publisher: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # Events only: the kind token of their subject (llmgw.evt.<channel>.<kind>...).
+    subject_kind: ClassVar[str] = ""
 
 
 # ---------------------------------------------------------------- inventory
@@ -131,6 +133,7 @@ class ShardInfo(msgspec.Struct, kw_only=True):
 
 class NodeRegistered(Message, kw_only=True, tag="node.registered"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "registered"
     summary: ClassVar[str] = (
         "An agent (re)connected: its full inventory, labels and running shards."
     )
@@ -157,6 +160,7 @@ class Heartbeat(Message, kw_only=True, tag="node.heartbeat"):
 
 class ShardStatus(Message, kw_only=True, tag="shard.status"):
     publisher: ClassVar[str] = "agent"
+    subject_kind: ClassVar[str] = "shard"
     summary: ClassVar[str] = (
         "A shard moved to a new state (with exit code and output tail on failure)."
     )
@@ -185,10 +189,13 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
 
     filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
     scorers: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "prefix": 3.0}
+        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "kv_prefix": 6.0}
     )
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"
+    # The model's tokenizer (a tokenizer.json, or a directory with one and its
+    # tokenizer_config.json) for the kv_prefix scorer on vLLM endpoints; "" = none.
+    tokenizer: str = ""
 
 
 class DeadlineSpec(msgspec.Struct, kw_only=True):
@@ -201,8 +208,27 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
+class AutoscaleSpec(msgspec.Struct, kw_only=True):
+    """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
+
+    The signal is the pool's load: requests in flight plus queued in admission, over
+    the batch capacity of its ready replicas, summed over every router. `target` is
+    the load to aim for; the count rises when the load stays above it for
+    `scale_up_after_seconds` and falls when it stays below target * (1 - tolerance)
+    for `scale_down_after_seconds` (which is also the cool-down after any change).
+    """
+
+    min: int = 1
+    max: int = 1
+    target: float = 0.8
+    scale_up_after_seconds: float = 30.0
+    scale_down_after_seconds: float = 120.0
+    tolerance: float = 0.2
+
+
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model is (re)declared in the catalog with its serving profile."
 
     name: str
@@ -212,10 +238,14 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     profile: ServingProfile = msgspec.field(default_factory=ServingProfile)
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
+    # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
+    # `replicas` is only where it starts (`autoscale.min`).
+    autoscale: AutoscaleSpec | None = None
 
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "model"
     summary: ClassVar[str] = "A model left the catalog: its shards drain and stop."
 
     name: str
@@ -229,6 +259,7 @@ class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant is (re)declared: band, quotas and API key hashes."
 
     name: str
@@ -239,6 +270,7 @@ class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
 
 class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "tenant"
     summary: ClassVar[str] = "A tenant left the catalog; its keys stop working."
 
     name: str
@@ -255,6 +287,7 @@ class Band(msgspec.Struct, kw_only=True):
 
 class BandsDeclared(Message, kw_only=True, tag="catalog.bands.declared"):
     publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "bands"
     summary: ClassVar[str] = "The priority bands, highest priority first."
 
     bands: list[Band]
@@ -292,6 +325,7 @@ class ShardAssignment(msgspec.Struct, kw_only=True):
 
 class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica was placed; the explanation covers every candidate node."
 
     model: str
@@ -305,10 +339,14 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     # True when the replica takes over shards a node already runs (a node that came
     # back): the shards keep their state, and replay checks them instead of re-placing.
     adopted: bool = False
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = "A replica could not be placed; each node's reason is recorded."
 
     model: str
@@ -318,10 +356,14 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     # The nodes `verdicts` leaves out, grouped; empty: `verdicts` names every node.
     verdict_groups: list[VerdictGroup] = msgspec.field(default_factory=list)
     explanation: str = ""
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "placement"
     summary: ClassVar[str] = (
         "A replica is no longer wanted (scale down, model removed): drain then stop."
     )
@@ -330,32 +372,93 @@ class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     replica_id: str
     based_on_seq: int
     reason: str = ""
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
+
+
+class ScaleSignals(msgspec.Struct, kw_only=True):
+    """One model's demand, combined over the live routers' summaries (docs/autoscale.md)."""
+
+    load: float = 0.0  # (in_flight + queued) / capacity; 0 with no demand
+    saturation: float = 0.0  # admission's pool saturation, unclamped, mean over routers
+    queued: int = 0  # waiting in admission, all bands, all routers
+    in_flight: int = 0  # granted and not finished, all routers
+    oldest_wait_seconds: float = 0.0
+    capacity: int = 0  # batch slots of the ready replicas (learned or declared)
+    ready: int = 0  # ready replicas the routers route to
+    routers: int = 0  # routers whose summaries were combined
+    capacity_declared: bool = True  # every router saw a declared batch size on every replica
+    waiting: int = 0  # waiting in the engines' own queues (their load samples)
+
+
+class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "scale"
+    summary: ClassVar[str] = (
+        "The autoscaler changed a model's replica count; the signals and the rule are recorded."
+    )
+
+    model: str
+    from_replicas: int
+    to_replicas: int
+    rule: str  # scale_up | scale_down | from_zero
+    signals: ScaleSignals = msgspec.field(default_factory=ScaleSignals)
+    # How long the rule's condition held before it fired (seconds).
+    sustained_seconds: float = 0.0
+    based_on_seq: int = 0
+    explanation: str = ""
+    term: int = 0
 
 
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for unreachable_after seconds."
 
     node: str
     last_seen: float
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class NodeLost(Message, kw_only=True, tag="control.node.lost"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "No heartbeat for lost_after seconds: its shards count as gone."
 
     node: str
     last_seen: float
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
 
 
 class NodeRecovered(Message, kw_only=True, tag="control.node.recovered"):
     publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "node"
     summary: ClassVar[str] = "Heartbeats returned from an unreachable or lost node."
 
     node: str
     based_on_seq: int = 0
+    # The leader term that published it (0: before terms existed). The fold refuses a
+    # control event of a term older than one it has already folded.
+    term: int = 0
+
+
+class TermStarted(Message, kw_only=True, tag="control.term.started"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "term"
+    summary: ClassVar[str] = (
+        "A reconciler became leader with this term; control events of older terms are refused."
+    )
+
+    term: int
+    leader: str = ""  # the reconciler id that holds the term
+    based_on_seq: int = 0  # the position the new leader loaded
 
 
 # ---------------------------------------------------------------- commands
@@ -379,6 +482,11 @@ class StartShard(Message, kw_only=True, tag="cmd.shard.start"):
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 class StopShard(Message, kw_only=True, tag="cmd.shard.stop"):
@@ -389,6 +497,11 @@ class StopShard(Message, kw_only=True, tag="cmd.shard.stop"):
     node: str
     shard_id: str
     grace_seconds: float = 10.0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
@@ -399,6 +512,11 @@ class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
     node: str
     shard_id: str
     deadline_seconds: float = 60.0
+    # Fencing: the leader term that sent it and the node's boot it was meant for (the
+    # agent's boot_id as last registered). An agent drops a command of an older term
+    # than one it has seen, or for another boot ("" / 0: not fenced, older senders).
+    term: int = 0
+    boot_id: str = ""
 
 
 # ---------------------------------------------------------------- data plane
@@ -420,6 +538,64 @@ class LoadSample(Message, kw_only=True, tag="load.sample"):
     block_size: int = 0
     num_blocks: int = 0
     sampled_at: float = msgspec.field(default_factory=now)
+
+
+class KvOp(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # every block is gone (hashes empty)
+
+
+class KvBlockOp(msgspec.Struct, kw_only=True):
+    """One change to an engine's cached block set, in engine order."""
+
+    op: KvOp
+    hashes: list[int] = msgspec.field(default_factory=list)  # canonical (llmgw.kvblocks)
+
+
+class KvEvents(Message, kw_only=True, tag="kv.events"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "An engine's KV cache events, relayed in order by its agent with canonical block "
+        "hashes (core NATS); seq_first..seq_last are the engine's own batch numbers."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    # Changes whenever the numbering starts over (a new relay or a new engine process).
+    epoch: str
+    seq_first: int
+    seq_last: int
+    block_size: int = 0
+    ops: list[KvBlockOp] = msgspec.field(default_factory=list)
+
+
+class KvSnapshotRequest(Message, kw_only=True, tag="kv.snapshot.request"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "Request (core NATS request/reply): the engine's whole cached block set, to start "
+        "from or to recover after a gap in its KV events."
+    )
+
+    node: str
+    shard_id: str
+
+
+class KvSnapshot(Message, kw_only=True, tag="kv.snapshot"):
+    publisher: ClassVar[str] = "agent"
+    summary: ClassVar[str] = (
+        "Reply: an engine's cached blocks as of engine batch `seq` (events up to it included)."
+    )
+
+    node: str
+    shard_id: str
+    url: str = ""
+    epoch: str
+    seq: int  # -1: no engine batch yet
+    block_size: int = 0
+    hashes: list[int] = msgspec.field(default_factory=list)
+    truncated: bool = False  # more blocks than fit in one message; the rest are left out
 
 
 class EndpointState(str, enum.Enum):
@@ -452,6 +628,15 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     scheduling: SchedulingSpec = msgspec.field(default_factory=SchedulingSpec)
     deadlines: DeadlineSpec = msgspec.field(default_factory=DeadlineSpec)
     based_on_seq: int = 0
+    # Autoscaled: with no ready endpoint a request waits in admission (up to its band's
+    # queue TTL) while a replica starts, instead of failing at once.
+    scale_from_zero: bool = False
+    # Why the model's next replica cannot be placed now (empty: nothing is failing);
+    # a request that would wait for it gets 503 with Retry-After instead.
+    unplaceable: str = ""
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
@@ -462,6 +647,9 @@ class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)
     quotas: Quotas = msgspec.field(default_factory=Quotas)
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
 
 
 class BandsRecord(Message, kw_only=True, tag="projection.bands"):
@@ -469,6 +657,41 @@ class BandsRecord(Message, kw_only=True, tag="projection.bands"):
     summary: ClassVar[str] = "The priority bands as routers see them."
 
     bands: list[Band] = msgspec.field(default_factory=list)
+    # The leader term that wrote it: a router ignores a record of an older term (or of
+    # the same term and an older based_on_seq) than the one it holds for the key.
+    term: int = 0
+
+
+class BandDemand(msgspec.Struct, kw_only=True):
+    queued: int = 0
+    oldest_wait_seconds: float = 0.0
+
+
+class ModelDemand(msgspec.Struct, kw_only=True):
+    """What one router sees of one model's demand right now."""
+
+    in_flight: int = 0  # granted by admission (or dispatched) and not finished
+    queued: dict[str, BandDemand] = msgspec.field(default_factory=dict)  # by band
+    saturation: float = 0.0  # as admission computes it, before clamping to 1
+    capacity: int = 0  # batch slots of the ready endpoints (whole engines, not a share)
+    ready: int = 0  # ready endpoints
+    # Every ready endpoint declares its batch size (max_running); False: some capacity is
+    # only learned, the most the engine has run so far, which says nothing of what it could.
+    capacity_declared: bool = True
+    waiting: int = 0  # requests the engines' latest fresh load samples show waiting
+
+
+class DemandSummary(Message, kw_only=True, tag="demand.summary"):
+    publisher: ClassVar[str] = "router"
+    summary: ClassVar[str] = (
+        "A router's per-model demand, about once a second (core NATS): the autoscaler's input."
+    )
+
+    router_id: str
+    # The worker process (pid): the workers of one router share its id but each sees
+    # its own requests, so the leader keeps a summary per (router_id, process).
+    process: int = 0
+    models: dict[str, ModelDemand] = msgspec.field(default_factory=dict)
 
 
 class RouterPresence(Message, kw_only=True, tag="presence.router"):
@@ -483,42 +706,45 @@ class RouterPresence(Message, kw_only=True, tag="presence.router"):
 
 # ---------------------------------------------------------------- codec
 
-AgentEvent = Union[NodeRegistered, ShardStatus]
-CatalogEvent = Union[ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared]
-ControlEvent = Union[
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-]
-Command = Union[StartShard, StopShard, DrainShard]
+# Which messages travel together, by channel: the one table that the unions below,
+# ALL_MESSAGES, subjects.subject_for and the AsyncAPI channels are derived from. A new
+# message goes here (and its channel's address into llmgw.subjects), nowhere else.
+CHANNELS: dict[str, tuple[type[Message], ...]] = {
+    "agentEvents": (NodeRegistered, ShardStatus),
+    "catalogEvents": (ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared),
+    "controlEvents": (
+        PlacementDecided,
+        PlacementFailed,
+        ReplicaRetired,
+        ModelScaled,
+        NodeUnreachable,
+        NodeLost,
+        NodeRecovered,
+        TermStarted,
+    ),
+    "heartbeats": (Heartbeat,),
+    "commands": (StartShard, StopShard, DrainShard),
+    "loadSamples": (LoadSample,),
+    "kvEvents": (KvEvents,),
+    "kvSnapshots": (KvSnapshotRequest, KvSnapshot),
+    "endpointProjection": (ModelEndpoints,),
+    "tenantProjection": (TenantRecord, BandsRecord),
+    "routerPresence": (RouterPresence,),
+    "demandSummaries": (DemandSummary,),
+}
 
-ALL_MESSAGES: tuple[type[Message], ...] = (
-    NodeRegistered,
-    Heartbeat,
-    ShardStatus,
-    ModelDeclared,
-    ModelRemoved,
-    TenantDeclared,
-    TenantRemoved,
-    BandsDeclared,
-    PlacementDecided,
-    PlacementFailed,
-    ReplicaRetired,
-    NodeUnreachable,
-    NodeLost,
-    NodeRecovered,
-    StartShard,
-    StopShard,
-    DrainShard,
-    LoadSample,
-    ModelEndpoints,
-    TenantRecord,
-    BandsRecord,
-    RouterPresence,
-)
+
+def _union(channel: str) -> Any:
+    return Union[CHANNELS[channel]]  # type: ignore[valid-type]
+
+
+AgentEvent = _union("agentEvents")
+CatalogEvent = _union("catalogEvents")
+ControlEvent = _union("controlEvents")
+Command = _union("commands")
+
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(m for ms in CHANNELS.values() for m in ms)
+CHANNEL_OF: dict[type[Message], str] = {m: ch for ch, ms in CHANNELS.items() for m in ms}
 
 AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]
 EventMessage = Union[AgentEvent, CatalogEvent, ControlEvent]

@@ -639,7 +639,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         cluster.wait()
-    except SystemExit as exc:
+    except (SystemExit, localservers.ServerError) as exc:
         print(exc, file=sys.stderr)
         return 1
     finally:

@@ -1,21 +1,29 @@
-"""The load gauges on an engine's Prometheus /metrics page: vLLM and SGLang names. Pure.
+"""The load an engine reports on its Prometheus /metrics page: vLLM and SGLang. Pure.
 
-Read by the agent (its load samples) and by the router (fallback scraping). A
-vLLM page is tens of kilobytes of histograms, read several times a second per
-engine, so this is no exposition parser: one compiled regular expression picks
-out the few gauges wanted. Series of one gauge with different labels
-(data-parallel engines, several served names) are combined: counts add up, KV
-use takes the fullest cache, which is what a new request meets.
+The one parser of engine pages: the agent (its load samples) and the router
+(fallback scraping) both read engines through `parse`. A vLLM page is tens of
+kilobytes of histograms, read several times a second per engine, so this is no
+exposition parser: one compiled regular expression picks out the few gauges
+wanted. Series of one gauge with different labels (data-parallel engines, several
+served names) are combined: counts add up, KV use takes the fullest cache, which
+is what a new request meets.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 # vllm:gpu_cache_usage_perc is the name before vLLM 0.11 (removed in 0.12); all are 0..1.
 KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
+
+# Each engine family's gauges: (running, waiting, KV use by preference).
+_FAMILIES = (
+    ("vllm", RUNNING[0], WAITING[0], (KV_USAGE[0], KV_USAGE[2])),
+    ("sglang", RUNNING[1], WAITING[1], (KV_USAGE[1],)),
+)
 
 _LINE = re.compile(
     rb"^("
@@ -24,6 +32,19 @@ _LINE = re.compile(
     re.MULTILINE,
 )
 _MAXED = frozenset(n.encode() for n in KV_USAGE)
+_CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{(?P<labels>[^}\n]*)\}", re.MULTILINE)
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests queued in the engine
+    kv_usage: float = 0.0  # 0..1 of the KV cache in use
+    block_size: int = 0  # vLLM's cache geometry (cache_config_info), 0 when not reported
+    num_blocks: int = 0
+    # "vllm" or "sglang": whose queue gauges the page has; "" when it reports KV use alone.
+    source: str = field(default="", compare=False)
 
 
 def gauges(text: bytes) -> dict[str, float]:
@@ -43,3 +64,48 @@ def gauges(text: bytes) -> dict[str, float]:
         else:
             found[name] = found.get(name, 0.0) + value
     return {name.decode(): value for name, value in found.items()}
+
+
+def _int_label(labels: dict[bytes, bytes], name: bytes) -> int:
+    try:
+        return int(float(labels.get(name, b"")))
+    except ValueError:
+        return 0
+
+
+def _cache_geometry(text: bytes) -> tuple[int, int]:
+    """vLLM's block size and block count; counts add up across data-parallel engines."""
+    block_size = num_blocks = 0
+    if b"vllm:cache_config_info" not in text:
+        return 0, 0
+    for m in _CACHE_INFO.finditer(text):
+        labels = dict(_LABEL.findall(m["labels"]))
+        block_size = block_size or _int_label(labels, b"block_size")
+        num_blocks += _int_label(labels, b"num_gpu_blocks")
+    return block_size, num_blocks
+
+
+def parse(text: bytes) -> EngineLoad | None:
+    """The load a page reports, or None when it has none of the known gauges.
+
+    A page with vLLM's queue gauges is read by vLLM's names (its KV gauge by the
+    current name, else the pre-0.11 one), else one with SGLang's by SGLang's; a page
+    with a KV gauge alone gives its KV use and no source.
+    """
+    found = gauges(text)
+    if not found:
+        return None
+    block_size, num_blocks = _cache_geometry(text)
+    for source, running, waiting, kv_names in _FAMILIES:
+        if running in found or waiting in found:
+            kv = next((found[n] for n in kv_names if n in found), 0.0)
+            return EngineLoad(
+                running=round(found.get(running, 0)),
+                waiting=round(found.get(waiting, 0)),
+                kv_usage=min(max(kv, 0.0), 1.0),
+                block_size=block_size,
+                num_blocks=num_blocks,
+                source=source,
+            )
+    kv = next(found[n] for n in KV_USAGE if n in found)
+    return EngineLoad(kv_usage=min(max(kv, 0.0), 1.0), block_size=block_size, num_blocks=num_blocks)

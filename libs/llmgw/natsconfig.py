@@ -8,8 +8,8 @@ subject layout instead of being typed twice:
 - an agent publishes only its own node's events, heartbeat and load samples,
   and reaches exactly one consumer on LLMGW_COMMANDS: its own durable
   `agent-<node>`, filtered on its own command subject;
-- a router reads the projection buckets, subscribes to load samples and
-  writes its presence;
+- a router reads the projection buckets, subscribes to load samples,
+  writes its presence and publishes its demand summary;
 - the reconciler gets the event log, commands and all buckets;
 - the operator CLI publishes catalog events and reads the log and buckets.
 
@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -80,7 +81,7 @@ def agent_durable(node: str) -> str:
     return f"agent-{s.token(node, 'node id')}"
 
 
-def permissions(ident: Identity) -> dict[str, dict[str, list[str]]]:
+def permissions(ident: Identity) -> dict[str, Any]:
     """The publish/subscribe allow-lists of one identity."""
     inbox = f"{inbox_prefix(ident.name)}.>"
     if ident.role == "agent":
@@ -91,6 +92,7 @@ def permissions(ident: Identity) -> dict[str, dict[str, list[str]]]:
             s.agent_events_of(node),
             s.heartbeat(node),
             s.load(node),
+            f"{s.ROOT}.kv.{s.token(node, 'node id')}.*",
             *_COMMON_PUBLISH,
             *(f"{API}.STREAM.INFO.{st}" for st in _agent_streams()),
             # Only its own durable, and only the create form that names the filter:
@@ -102,7 +104,13 @@ def permissions(ident: Identity) -> dict[str, dict[str, list[str]]]:
             f"{API}.CONSUMER.MSG.NEXT.{cmd}.{durable}",
             f"$JS.ACK.{cmd}.{durable}.>",
         ]
-        return {"publish": {"allow": publish}, "subscribe": {"allow": [inbox]}}
+        # Snapshot requests for its own engines, answered on the asker's inbox.
+        subscribe = [inbox, s.kv_snapshots_of(node)]
+        return {
+            "publish": {"allow": publish},
+            "subscribe": {"allow": subscribe},
+            "allow_responses": True,
+        }
     if ident.role == "router":
         publish = [
             *_COMMON_PUBLISH,
@@ -110,10 +118,13 @@ def permissions(ident: Identity) -> dict[str, dict[str, list[str]]]:
             *_kv_reader(s.TENANTS_BUCKET),
             *_kv_reader(s.ROUTERS_BUCKET),
             f"$KV.{s.ROUTERS_BUCKET}.>",  # its presence record (put, and delete on drain)
+            f"{s.ROOT}.kvsnap.>",  # KV block snapshot requests to agents
+            s.DEMAND_ALL,  # its demand summary, the autoscaler's input (core NATS)
         ]
         subscribe = [
             inbox,
             s.LOAD_ALL,
+            s.KV_EVENTS_ALL,
             f"$KV.{s.ENDPOINTS_BUCKET}.>",
             f"$KV.{s.TENANTS_BUCKET}.>",
             f"$KV.{s.ROUTERS_BUCKET}.>",

@@ -27,6 +27,7 @@ class LaunchContext:
     gpu_indices: list[int]  # NVML indices of the assigned GPUs, in assignment order
     bind_host: str
     command: list[str]  # the engine's executable prefix, from config
+    kv_events_endpoint: str = ""  # the agent's KV event relay for this engine; "" = none
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,18 @@ def _gpu_env(ctx: LaunchContext) -> dict[str, str]:
 
 def _opt(flag: str, value: object | None) -> list[str]:
     return [] if value is None else [flag, str(value)]
+
+
+def kv_events_args(ctx: LaunchContext) -> list[str]:
+    """vLLM's `--kv-events-config`, which the simulator accepts too: the engine's ZMQ
+    publisher connects to the relay the agent bound for it."""
+    if not ctx.kv_events_endpoint:
+        return []
+    config = (
+        '{"enable_kv_cache_events":true,"publisher":"zmq",'
+        f'"endpoint":"{ctx.kv_events_endpoint}","topic":"kv"}}'
+    )
+    return ["--kv-events-config", config]
 
 
 def is_head(cmd: c.StartShard) -> bool:
@@ -100,6 +113,7 @@ def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--max-model-len", p.max_model_len)
     argv += _opt("--gpu-memory-utilization", p.gpu_memory_utilization)
     argv += _opt("--max-num-seqs", p.max_num_seqs)
+    argv += kv_events_args(ctx)
     argv += p.engine_args
     head = is_head(cmd)
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
@@ -151,6 +165,7 @@ def sim(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     ]  # fmt: skip
     argv += _opt("--max-num-seqs", p.max_num_seqs)
     argv += _opt("--max-model-len", p.max_model_len)
+    argv += kv_events_args(ctx)
     argv += p.engine_args
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port, advertised=is_head(cmd))
 

@@ -37,6 +37,7 @@ from . import adapters, admin, procs, validate
 from .config import ADMIN_PORT, AgentConfig, parse_port_range
 from .decide import Action, ShardView, answer_state, decide
 from .inventory import Inventory
+from .kvrelay import KvRelays
 from .metrics import Load
 from .shard import EngineShard, Timing
 from .state import ShardRecord, StateDir
@@ -95,6 +96,7 @@ class Agent:
         self.state_dir = state_dir
         self.engines = engines  # name -> None if installed, else why not
         self.boot_id = c.new_id()  # changes on every agent process start
+        self.leader_term = 0  # the newest reconciler term a command came from
         self.ports = parse_port_range(cfg.engine_port_range)
         self.bind_host = cfg.engine_bind_host or cfg.advertise_address
         self.probe_host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "") else self.bind_host
@@ -119,6 +121,7 @@ class Agent:
         self._resync_task: asyncio.Task | None = None
         self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
         self.metrics = AgentMetrics(self.live)
+        self.kv_relays = KvRelays(node, metrics=self.metrics)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -159,6 +162,7 @@ class Agent:
             self.js = self.nc.jetstream()
             log.info("connected to NATS as node %s (boot %s)", self.node, self.boot_id)
             self._spawn(self._publisher(), "publisher")
+            await self.kv_relays.attach(self.nc)
             self._resync_task = self._spawn(self._resync(first=True), "resync")
             self._spawn(self._heartbeats(), "heartbeats")
             commands = self._spawn(self._commands(), "commands")
@@ -222,6 +226,7 @@ class Agent:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kv_relays.stop()
         await self._close_nats()
         if self.http is not None:
             await self.http.aclose()
@@ -257,6 +262,9 @@ class Agent:
                 )
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
+            if rec.kv_events_port:
+                # The engine's publisher reconnects to the same port on its own.
+                self.kv_relays.open(rec.shard_id, rec.kv_events_port).url = rec.url
             self._supervise(shard)
 
     def _new_shard(self, rec: ShardRecord, proc: subprocess.Popen | None = None) -> EngineShard:
@@ -283,6 +291,8 @@ class Agent:
 
     def _emit(self, rec: ShardRecord) -> None:
         self._enqueue(status_of(self.node, rec))
+        if rec.terminal and rec.shard_id in self.kv_relays.relays:
+            self._spawn(self.kv_relays.close(rec.shard_id), f"kv-relay-close-{rec.shard_id}")
 
     def _enqueue(self, msg: c.Message) -> None:
         self._outbox.append(msg)
@@ -491,6 +501,10 @@ class Agent:
             log.error("command %s is for node %s, not %s: ignored", cmd.key, cmd.node, self.node)
             self.metrics.commands_rejected.labels(kind, "wrong_node").inc()
             return
+        stale = self._stale(cmd)
+        if stale is not None:
+            self.metrics.commands_rejected.labels(kind, stale).inc()
+            return
         shard = self.shards.get(cmd.shard_id)
         view = None
         if shard is not None:
@@ -529,6 +543,30 @@ class Agent:
             shard.note_command(cmd.key)
             self._enqueue(status_of(self.node, shard.rec, cmd.key))
         self.metrics.commands_applied.labels(kind, action.value).inc()
+
+    def _stale(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> str | None:
+        """Why a command is dropped unanswered: meant for an earlier boot of this node
+        (a consumer replaying old commands), or sent by a leader older than one already
+        heard from (a deposed leader's late write). The current leader re-sends what it
+        still wants under its own term and this boot."""
+        if cmd.boot_id and cmd.boot_id != self.boot_id:
+            log.warning(
+                "command %s is for boot %s of this node, this is boot %s: dropped",
+                cmd.key,
+                cmd.boot_id,
+                self.boot_id,
+            )
+            return "stale_boot"
+        if cmd.term < self.leader_term:
+            log.warning(
+                "command %s is from leader term %d, term %d already spoke: dropped",
+                cmd.key,
+                cmd.term,
+                self.leader_term,
+            )
+            return "stale_term"
+        self.leader_term = cmd.term
+        return None
 
     # ------------------------------------------------------------ launching
 
@@ -582,6 +620,9 @@ class Agent:
                 reason = f"no free port in the engine port range {self.cfg.engine_port_range}"
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
+        relay = None
+        if self.cfg.kv_events and cmd.profile.engine in ("vllm", "sim") and port:
+            relay = self.kv_relays.open(cmd.shard_id)
         spec = adapter.build(
             cmd,
             adapters.LaunchContext(
@@ -589,6 +630,7 @@ class Agent:
                 gpu_indices=[self.inventory.gpus[g].index for g in cmd.gpus],
                 bind_host=self.bind_host,
                 command=self._engine_command(cmd.profile.engine),
+                kv_events_endpoint=relay.endpoint if relay else "",
             ),
         )
         rec.port = spec.port
@@ -598,6 +640,9 @@ class Agent:
             if spec.advertised and spec.port
             else ""
         )
+        if relay is not None:
+            relay.url = rec.url
+            rec.kv_events_port = relay.port
         rec.argv = spec.argv
         rec.launched_at = time.time()
         shard.transition(S.LAUNCHING)

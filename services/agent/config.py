@@ -31,6 +31,8 @@ class AgentConfig(config.ConfigStruct, kw_only=True):
     engine_bind_host: str = ""  # "" -> advertise_address
     heartbeat_interval_seconds: float = 2.0
     load_interval_seconds: float = 0.25
+    # Relay vLLM / simulator KV cache events to routers (adds --kv-events-config to engines).
+    kv_events: bool = True
     ready_timeout_seconds: float = 1800.0  # large models load for many minutes
     ready_poll_seconds: float = 0.25
     # Non-HTTP shards (vLLM --headless ranks) count as ready once alive this long.

@@ -125,7 +125,7 @@ class AgentMetrics:
         self.commands_rejected = Counter(
             "llmgw_agent_commands_rejected_total",
             "Commands not applied, by kind and reason "
-            "(malformed, wrong_node, invalid, no_free_port, spawn_error, error)",
+            "(malformed, wrong_node, stale_boot, stale_term, invalid, no_free_port, spawn_error, error)",
             ["kind", "reason"],
             registry=r,
         )
@@ -150,6 +150,18 @@ class AgentMetrics:
         self.load_samples = Counter(
             "llmgw_agent_load_samples_published_total",
             "Load samples published (core NATS)",
+            [],
+            registry=r,
+        )
+        self.kv_batches = Counter(
+            "llmgw_agent_kv_event_batches_published_total",
+            "Engines' KV event batches relayed to the bus (core NATS)",
+            [],
+            registry=r,
+        )
+        self.kv_engine_gaps = Counter(
+            "llmgw_agent_kv_engine_gaps_total",
+            "Gaps in an engine's KV event sequence seen by the relay (events lost before it)",
             [],
             registry=r,
         )

@@ -36,6 +36,8 @@ class Role:
 
     id: str
     name: str = "starting"  # starting | standby | leader | stopping
+    # Why this process cannot lead, for an operator to act on ("" when nothing is wrong).
+    problem: str = ""
 
 
 class JSON(Response):
@@ -85,7 +87,12 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
 
     async def status(request: Request) -> Response:
         async def _status(conn: AsyncConnection) -> dict[str, Any]:
-            return {"role": role.name, "id": role.id, **await readapi.status(conn)}
+            return {
+                "role": role.name,
+                "id": role.id,
+                "problem": role.problem,
+                **await readapi.status(conn),
+            }
 
         return await read(_status)
 
@@ -131,6 +138,7 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
         Route("/api/replicas", listing(readapi.replicas)),
         Route("/api/endpoints", listing(readapi.endpoints)),
         Route("/api/tenants", listing(readapi.tenants)),
+        Route("/api/catalog", listing(readapi.catalog)),
         Route("/api/bands", listing(readapi.bands)),
         Route("/api/events", events),
         Route("/api/dead-letters", dead_letters),

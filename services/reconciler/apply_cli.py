@@ -5,6 +5,16 @@ each catalog subject), so apply needs only NATS. Each event is published with
 `Nats-Expected-Last-Subject-Sequence` set to what was read: if someone else
 changed the same entry in between, the publish is refused and apply says so
 rather than silently overwriting their change.
+
+Unless the log no longer starts at seq 1: with retention (`bus.events_max_age_seconds`,
+`events_max_bytes`) a declaration older than the limit is gone from the stream
+while it still holds in the folded state, and a catalog read from the stream
+alone would not know it: a tenant whose declaration expired could never be
+removed, and its keys would keep working. So when the stream's history is
+trimmed, apply also reads the folded catalog from the operator API
+(`/api/catalog`) and takes every declaration the stream no longer has from
+there (expected last subject sequence 0: the subject is empty). Without the
+API it refuses, rather than diff against half a catalog.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+import msgspec
 import yaml
 from nats.js.errors import BadRequestError, NotFoundError
 
@@ -34,6 +45,7 @@ class ApplyError(RuntimeError):
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", required=True, metavar="FILE", help="catalog YAML file")
     apiclient.add_nats_argument(parser)
+    apiclient.add_api_argument(parser)
     parser.add_argument(
         "--dry-run", action="store_true", help="show what would change, publish nothing"
     )
@@ -51,8 +63,9 @@ def load_file(path: str) -> catalog.Catalog:
     return catalog.parse(data)
 
 
-async def read_current(js) -> catalog.Current:
-    """The catalog as the log has it now."""
+async def read_current(js, api: str | None = None) -> catalog.Current:
+    """The catalog as the log has it now; where the log's history is trimmed, completed
+    from the folded catalog that the operator API (`api`, found as usual) serves."""
     try:
         info = await js.stream_info(subjects.EVENTS_STREAM, subjects_filter=CATALOG_SUBJECTS)
     except NotFoundError:
@@ -70,10 +83,39 @@ async def read_current(js) -> catalog.Current:
             current.subject_seqs[subject] = msg.seq
             continue
         current.add(subject, msg.seq, event)
+    if info.state.first_seq > 1:
+        print(
+            f"note: {subjects.EVENTS_STREAM} starts at seq {info.state.first_seq} (older "
+            "events expired): reading the folded catalog from the operator API too",
+            file=sys.stderr,
+        )
+        add_folded(current, await asyncio.to_thread(_folded_catalog, api))
     return current
 
 
-async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool) -> int:
+def _folded_catalog(api: str | None) -> dict:
+    try:
+        return apiclient.get_json(apiclient.find_api_url(api), "/api/catalog")
+    except apiclient.ApiError as exc:
+        raise ApplyError(
+            f"the event log no longer holds every catalog declaration (retention), and the "
+            f"folded catalog cannot be read: {exc}"
+        ) from None
+
+
+def add_folded(current: catalog.Current, folded: dict) -> None:
+    """Declarations the folded catalog has on subjects the stream no longer holds."""
+    declared: list[c.Message] = [msgspec.convert(m, c.ModelDeclared) for m in folded["models"]]
+    declared += [msgspec.convert(x, c.TenantDeclared) for x in folded["tenants"]]
+    if folded["bands"]:
+        declared.append(c.BandsDeclared(bands=msgspec.convert(folded["bands"], list[c.Band])))
+    for event in declared:
+        subject = subjects.subject_for(event)
+        if subject not in current.subject_seqs:  # the stream's own word wins
+            current.add(subject, 0, event)
+
+
+async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool, api: str | None = None) -> int:
     try:
         options = apiclient.nats_options(nats_url)
     except apiclient.ApiError as exc:
@@ -86,7 +128,7 @@ async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool) -> int:
         raise ApplyError(f"cannot reach NATS at {nats_url}: {exc}") from None
     try:
         js = nc.jetstream()
-        current = await read_current(js)
+        current = await read_current(js, api)
         steps = catalog.plan(cat, current)
         if not steps:
             print("no changes")
@@ -125,7 +167,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.file}: {problem}", file=sys.stderr)
         return 1
     try:
-        return asyncio.run(_apply(cat, apiclient.find_nats_url(args.nats), args.dry_run))
+        return asyncio.run(
+            _apply(
+                cat, apiclient.find_nats_url(args.nats), args.dry_run, getattr(args, "api", None)
+            )
+        )
     except ApplyError as exc:
         print(f"llmgw apply: {exc}", file=sys.stderr)
         return 1

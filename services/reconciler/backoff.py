@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 
-from .fold import Change
-from .state import ClusterState
+from .changes import Change
+from .state import NODE_LOST, ClusterState
 
 
 class ReplacementBackoff:
@@ -33,7 +33,7 @@ class ReplacementBackoff:
             if shard.state == c.ShardState.READY:
                 self.failures.pop(shard.model, None)
                 self.until.pop(shard.model, None)
-            elif shard.state == c.ShardState.FAILED and shard.reason != "node lost":
+            elif shard.state == c.ShardState.FAILED and shard.reason != NODE_LOST:
                 n = self.failures[shard.model] = self.failures.get(shard.model, 0) + 1
                 wait = min(self.maximum, self.initial * 2 ** (n - 1))
                 self.until[shard.model] = max(self.until.get(shard.model, 0.0), now + wait)

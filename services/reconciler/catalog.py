@@ -3,7 +3,7 @@
 A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
-    models:  [{name, aliases, fallbacks, replicas, profile, scheduling, deadlines}]
+    models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines}]
     tenants: [{name, band, key_hashes, quotas}]
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
@@ -17,6 +17,8 @@ when the list differs. Applying the same file twice yields no events.
 from __future__ import annotations
 
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +36,18 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     aliases: list[str] = msgspec.field(default_factory=list)
     fallbacks: list[str] = msgspec.field(default_factory=list)
-    replicas: int = 1
+    # None: 1, or autoscale.min with autoscale (the two are exclusive).
+    replicas: int | None = None
     profile: c.ServingProfile = msgspec.field(default_factory=c.ServingProfile)
     scheduling: c.SchedulingSpec = msgspec.field(default_factory=c.SchedulingSpec)
     deadlines: c.DeadlineSpec = msgspec.field(default_factory=c.DeadlineSpec)
+    autoscale: c.AutoscaleSpec | None = None
 
     def event(self) -> c.ModelDeclared:
-        return msgspec.convert(msgspec.to_builtins(self), c.ModelDeclared)
+        data = msgspec.to_builtins(self)
+        if self.replicas is None:
+            data["replicas"] = self.autoscale.min if self.autoscale is not None else 1
+        return msgspec.convert(data, c.ModelDeclared)
 
 
 class CatalogTenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -76,6 +83,10 @@ def _describe(value: Any) -> str:
 
 def _unknown_keys(data: Any, cls: type, path: str) -> list[str]:
     """Keys the struct (recursively) does not have: typos that would silently do nothing."""
+    # An optional section (`X | None`) is checked as X.
+    args = [a for a in typing.get_args(cls) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(cls) in (typing.Union, types.UnionType):
+        cls = args[0]
     if not (isinstance(data, dict) and isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
         return []
     fields = {f.encode_name: f.type for f in msgspec.structs.fields(cls)}
@@ -194,8 +205,14 @@ def _names(entries: list[tuple[str, Any]], what: str) -> list[str]:
 def _check_model(label: str, m: CatalogModel) -> list[str]:
     p = m.profile
     out = []
-    if m.replicas < 0:
+    if m.replicas is not None and m.replicas < 0:
         out.append(f"{label}: replicas: must be 0 or more, got {m.replicas}")
+    if m.autoscale is not None:
+        if m.replicas is not None:
+            out.append(
+                f"{label}: autoscale: exclusive with replicas (a fixed count); remove one of them"
+            )
+        out += _check_autoscale(label, m.autoscale)
     if p.engine not in ENGINES:
         out.append(f"{label}: profile.engine: {p.engine!r} is not one of {', '.join(ENGINES)}")
     if p.engine in ("vllm", "sglang") and not p.model_ref:
@@ -216,6 +233,24 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
+    return out
+
+
+def _check_autoscale(label: str, a: c.AutoscaleSpec) -> list[str]:
+    out = []
+    if a.min < 0:
+        out.append(f"{label}: autoscale.min: must be 0 or more, got {a.min}")
+    if a.max < 1:
+        out.append(f"{label}: autoscale.max: must be at least 1, got {a.max}")
+    elif a.max < a.min:
+        out.append(f"{label}: autoscale.max: must be at least autoscale.min ({a.min}), got {a.max}")
+    if not a.target > 0:
+        out.append(f"{label}: autoscale.target: must be positive, got {a.target}")
+    if not 0 <= a.tolerance < 1:
+        out.append(f"{label}: autoscale.tolerance: must be in [0, 1), got {a.tolerance}")
+    for name in ("scale_up_after_seconds", "scale_down_after_seconds"):
+        if getattr(a, name) < 0:
+            out.append(f"{label}: autoscale.{name}: must be 0 or more seconds")
     return out
 
 

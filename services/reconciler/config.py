@@ -23,6 +23,10 @@ class LeaderConfig(config.ConfigStruct, kw_only=True):
     lock_id: int = leader.DEFAULT_LOCK_ID  # the advisory lock every reconciler competes for
     retry_interval_seconds: float = 1.0  # how often a standby tries the lock
     check_interval_seconds: float = 1.0  # how often the leader checks the lock's connection
+    # Postgres ends the lock's session after this long without a word from the leader (a
+    # frozen network path): a standby can lead then. The leader steps down sooner, after
+    # one check unanswered for check_interval_seconds.
+    session_timeout_seconds: float = leader.DEFAULT_SESSION_TIMEOUT
 
 
 class ReconcilerConfig(config.ConfigStruct, kw_only=True):
@@ -51,6 +55,12 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
         problems.append("fold.fetch_wait_seconds: must be > 0")
     if cfg.leader.retry_interval_seconds <= 0 or cfg.leader.check_interval_seconds <= 0:
         problems.append("leader.*_interval_seconds: must be > 0")
+    elif cfg.leader.session_timeout_seconds < 3 * cfg.leader.check_interval_seconds:
+        problems.append(
+            f"leader.session_timeout_seconds = {cfg.leader.session_timeout_seconds}: must be at "
+            "least 3 x leader.check_interval_seconds, so a cut-off leader steps down before "
+            "Postgres frees the lock for another"
+        )
     try:
         config.host_port(cfg.admin_listen, 9300)
     except config.ConfigError as exc:

@@ -11,9 +11,14 @@ but unacknowledged: the next fetch brings later ones, and folding those would
 skip the lost ones for good (the fold ignores sequences at or below its
 position, and AckPolicy.ALL would acknowledge them too). So a batch that does
 not continue where the fold stands is not folded: the durable consumer is
-recreated at the fold's position + 1 and the missing events come first. Only
-the first delivery of a fresh consumer may jump ahead: there is nothing in
-between (expired or deleted).
+recreated at the fold's position + 1 and the missing events come first.
+
+Only a fresh consumer's very first delivery may jump ahead (the events in
+between expired or were deleted: the folder records the hole as a dead
+letter). "Very first" is told by the delivery's consumer sequence, which a new
+consumer starts at 1 and never skips: a batch with consumer sequence 4 on a
+fresh consumer means deliveries 1..3 were lost in transit, the same fault as
+above, so it is read again rather than trusted to start the stream.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ Resubscribe = Callable[[int], Awaitable[object]]  # start seq -> a fresh pull su
 
 def first_gap(seqs: list[int], folded: int, fresh: bool) -> int | None:
     """The sequence missing before the batch's new events, if any; None when they
-    continue the fold at `folded` (or, on a fresh consumer, start anywhere after it)
-    and follow one another. Redeliveries (at or below `folded`) are not new."""
+    continue the fold at `folded` (or, when `fresh`: a new consumer's first delivery,
+    consumer sequence 1, start anywhere after it) and follow one another.
+    Redeliveries (at or below `folded`) are not new."""
     new = [seq for seq in seqs if seq > folded]
     if not new:
         return None
@@ -107,7 +113,10 @@ async def consume(
             if not msgs:
                 continue
             entries = [Entry(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
-            missing = first_gap([e.seq for e in entries], folder.state.last_seq, fresh)
+            # A fresh consumer's first delivery may start past the position only if it
+            # really is its first: consumer sequence 1 (an earlier one was lost otherwise).
+            first_delivery = fresh and msgs[0].metadata.sequence.consumer == 1
+            missing = first_gap([e.seq for e in entries], folder.state.last_seq, first_delivery)
             if missing is not None:
                 log.warning(
                     "the event log skipped seq %d (a fetch lost in transit?): reading again "

@@ -1,7 +1,7 @@
 """The fold: apply one event from the log to the cluster state. Pure, no I/O, no clock.
 
 `apply(state, seq, event)` mutates `state` and returns what changed, as
-(kind, key) pairs, so the Postgres projection writes only those rows. An event
+`changes.Change` values, so the Postgres projection writes only those rows. An event
 whose sequence is not above `state.last_seq` changes nothing: that is what
 makes redelivery after a crash harmless.
 """
@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 
-from .state import ClusterState, Liveness, NodeView, ReplicaView, ShardView, profile_digest
-
-Change = tuple[
-    str, str
-]  # ("node" | "shard" | "replica" | "model" | "tenant" | "bands" | "failure", key)
+from . import changes as ch
+from .changes import Change
+from .state import (
+    NODE_LOST,
+    ClusterState,
+    Liveness,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    profile_digest,
+)
 
 
 def apply(state: ClusterState, seq: int, event: c.Message) -> set[Change]:
@@ -24,11 +30,17 @@ def apply(state: ClusterState, seq: int, event: c.Message) -> set[Change]:
     handler = _HANDLERS.get(type(event))
     if handler is None:
         return set()
-    return handler(state, seq, event)
+    changes = handler(state, seq, event)
+    term = getattr(event, "term", 0) if isinstance(event, _CONTROL) else 0
+    if term > state.term:
+        # A newer leader spoke: from now on its predecessors' events are refused.
+        state.term = term
+        changes.add(Change(ch.TERM, str(term)))
+    return changes
 
 
 def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set[Change]:
-    changes: set[Change] = {("node", ev.node)}
+    changes: set[Change] = {Change(ch.NODE, ev.node)}
     state.nodes[ev.node] = NodeView(
         node=ev.node,
         gpus=dict(ev.gpus),
@@ -41,8 +53,15 @@ def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set
         registered_seq=seq,
         registered_at=ev.ts,
     )
-    reported = {sh.shard_id: sh for sh in ev.shards}
-    for info in ev.shards:
+    # A shard the log places on another node is not this node's to report (checks.py
+    # refuses such a status outright; a registration's inventory is kept).
+    owned = [
+        sh
+        for sh in ev.shards
+        if (known := state.shards.get(sh.shard_id)) is None or known.node in ("", ev.node)
+    ]
+    reported = {sh.shard_id: sh for sh in owned}
+    for info in owned:
         # A shard the log never placed (or placed and forgot) is recorded too, so
         # the reconciler can adopt it or stop it.
         shard = _shard_for(state, info.shard_id, info.model, info.replica_id)
@@ -86,35 +105,40 @@ def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Chang
 
 def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
     state.models[ev.name] = ev
-    return {("model", ev.name)}
+    changes: set[Change] = {Change(ch.MODEL, ev.name)}
+    if ev.autoscale is None and state.scaled.pop(ev.name, None) is not None:
+        changes.add(Change(ch.SCALED, ev.name))  # a fixed count again: the autoscaler's is void
+    return changes
 
 
 def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Change]:
     state.models.pop(ev.name, None)
-    changes: set[Change] = {("model", ev.name)}
+    changes: set[Change] = {Change(ch.MODEL, ev.name)}
+    if state.scaled.pop(ev.name, None) is not None:
+        changes.add(Change(ch.SCALED, ev.name))
     for rid in [rid for rid, f in state.failures.items() if f.model == ev.name]:
         del state.failures[rid]
-        changes.add(("failure", rid))
+        changes.add(Change(ch.FAILURE, rid))
     return changes
 
 
 def _tenant_declared(state: ClusterState, seq: int, ev: c.TenantDeclared) -> set[Change]:
     state.tenants[ev.name] = ev
-    return {("tenant", ev.name)}
+    return {Change(ch.TENANT, ev.name)}
 
 
 def _tenant_removed(state: ClusterState, seq: int, ev: c.TenantRemoved) -> set[Change]:
     state.tenants.pop(ev.name, None)
-    return {("tenant", ev.name)}
+    return {Change(ch.TENANT, ev.name)}
 
 
 def _bands_declared(state: ClusterState, seq: int, ev: c.BandsDeclared) -> set[Change]:
     state.bands = list(ev.bands)
-    return {("bands", "")}
+    return {Change(ch.BANDS, "")}
 
 
 def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) -> set[Change]:
-    changes: set[Change] = {("replica", ev.replica_id)}
+    changes: set[Change] = {Change(ch.REPLICA, ev.replica_id)}
     decl = state.models.get(ev.model)
     state.replicas[ev.replica_id] = ReplicaView(
         replica_id=ev.replica_id,
@@ -133,7 +157,7 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
             running.replica_id = ev.replica_id
             running.model = ev.model
             running.updated_seq = seq
-            changes.add(("shard", a.shard_id))
+            changes.add(Change(ch.SHARD, a.shard_id))
             continue
         state.shards[a.shard_id] = ShardView(
             shard_id=a.shard_id,
@@ -146,15 +170,15 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
             updated_seq=seq,
             updated_at=ev.ts,
         )
-        changes.add(("shard", a.shard_id))
+        changes.add(Change(ch.SHARD, a.shard_id))
     if state.failures.pop(ev.replica_id, None) is not None:
-        changes.add(("failure", ev.replica_id))
+        changes.add(Change(ch.FAILURE, ev.replica_id))
     return changes
 
 
 def _placement_failed(state: ClusterState, seq: int, ev: c.PlacementFailed) -> set[Change]:
     state.failures[ev.replica_id] = ev
-    return {("failure", ev.replica_id)}
+    return {Change(ch.FAILURE, ev.replica_id)}
 
 
 def _replica_retired(state: ClusterState, seq: int, ev: c.ReplicaRetired) -> set[Change]:
@@ -163,7 +187,15 @@ def _replica_retired(state: ClusterState, seq: int, ev: c.ReplicaRetired) -> set
         return set()
     replica.retired = True
     replica.retired_reason = ev.reason
-    return {("replica", ev.replica_id)}
+    return {Change(ch.REPLICA, ev.replica_id)}
+
+
+def _model_scaled(state: ClusterState, seq: int, ev: c.ModelScaled) -> set[Change]:
+    decl = state.models.get(ev.model)
+    if decl is None or decl.autoscale is None:
+        return set()  # decided just before the model left or stopped autoscaling
+    state.scaled[ev.model] = ev
+    return {Change(ch.SCALED, ev.model)}
 
 
 def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float) -> set[Change]:
@@ -172,7 +204,7 @@ def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float)
         return set()
     view.liveness = liveness
     view.liveness_since = ts
-    return {("node", node)}
+    return {Change(ch.NODE, node)}
 
 
 def _node_unreachable(state: ClusterState, seq: int, ev: c.NodeUnreachable) -> set[Change]:
@@ -186,9 +218,13 @@ def _node_lost(state: ClusterState, seq: int, ev: c.NodeLost) -> set[Change]:
         if shard.terminal:
             continue
         shard.state = c.ShardState.FAILED
-        shard.reason = "node lost"
+        shard.reason = NODE_LOST
         _touch(shard, seq, ev.ts, changes)
     return changes
+
+
+def _term_started(state: ClusterState, seq: int, ev: c.TermStarted) -> set[Change]:
+    return set()  # apply() moves state.term
 
 
 def _node_recovered(state: ClusterState, seq: int, ev: c.NodeRecovered) -> set[Change]:
@@ -208,7 +244,7 @@ def _shard_for(state: ClusterState, shard_id: str, model: str, replica_id: str) 
 def _touch(shard: ShardView, seq: int, ts: float, changes: set[Change]) -> None:
     shard.updated_seq = seq
     shard.updated_at = ts
-    changes.add(("shard", shard.shard_id))
+    changes.add(Change(ch.SHARD, shard.shard_id))
 
 
 def _count_replica(state: ClusterState, model: str, replica_id: str) -> None:
@@ -228,7 +264,11 @@ _HANDLERS = {
     c.PlacementDecided: _placement_decided,
     c.PlacementFailed: _placement_failed,
     c.ReplicaRetired: _replica_retired,
+    c.ModelScaled: _model_scaled,
     c.NodeUnreachable: _node_unreachable,
     c.NodeLost: _node_lost,
     c.NodeRecovered: _node_recovered,
+    c.TermStarted: _term_started,
 }
+
+_CONTROL = c.CHANNELS["controlEvents"]

@@ -16,6 +16,21 @@ character in a string, an integer beyond a column's range): the batch's
 commit fails without saying which event did it. The state is reloaded and the
 batch folded again one event per transaction; the event whose commit is
 refused is dead-lettered with the database's reason, and the fold goes on.
+
+An event the state refuses (checks.py: an older leader term, a decision that
+books a held GPU, a status for another node's shard) is dead-lettered too.
+
+The state is changed in memory before its transaction commits. `gate` is
+closed from the first change of a batch until its commit (or until the state
+is reloaded after a failed one): readers outside the fold (the controllers)
+wait for it to open, so they only ever see committed state.
+
+The position never passes events without a trace. When the batch starts past
+position + 1 (the consumer lets only a new consumer's real first delivery do
+that: the events in between were gone from the stream, expired by retention or
+deleted), the hole is recorded in the same transaction as one dead letter at
+its first sequence, with no bytes and a reason naming the range: an operator
+sees it in `/api/dead-letters` and in `llmgw_reconciler_events_never_folded_total`.
 """
 
 from __future__ import annotations
@@ -34,9 +49,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw import contracts as c
 from llmgw import logs, subjects
 
-from . import fold, store
+from . import checks, fold, store
 from . import rows as r
-from .fold import Change
+from .changes import Change
+from .gate import CommitGate
 from .state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -59,11 +75,13 @@ class BatchResult:
     skipped: int = 0  # at or below the stored position (redelivered)
     dead: int = 0
     last_seq: int = 0
+    never_folded: int = 0  # gone from the stream before the fold reached them
     changes: set[Change] = field(default_factory=set)
 
     def add(self, part: BatchResult) -> None:
         self.folded += part.folded
         self.dead += part.dead
+        self.never_folded += part.never_folded
         self.last_seq = max(self.last_seq, part.last_seq)
         self.changes |= part.changes
 
@@ -120,11 +138,13 @@ class Folder:
         *,
         position_name: str = store.POSITION_NAME,
         clock: Callable[[], float] = time.time,
+        gate: CommitGate | None = None,
     ):
         self.engine = engine
         self.state = state
         self.position_name = position_name
         self.clock = clock
+        self.gate = gate or CommitGate()
 
     async def fold_batch(self, entries: Sequence[Entry]) -> BatchResult:
         fresh = [e for e in entries if e.seq > self.state.last_seq]
@@ -153,13 +173,16 @@ class Folder:
         state reloaded) when the database refuses the batch's data."""
         while True:
             try:
-                return await self._fold_and_commit(entries, poison)
+                result = await self._fold_and_commit(entries, poison)
+                self.gate.open()
+                return result
             except _FoldCrash as crash:
                 token = logs.event_seq.set(crash.seq)
                 log.exception("fold failed at seq %d; dead-lettering it", crash.seq)
                 logs.event_seq.reset(token)
                 poison[crash.seq] = crash.reason
                 replace_contents(self.state, await store.load_state(self.engine))
+                self.gate.open()
             except DBAPIError as exc:
                 reason = _refused_reason(exc)
                 if reason is None:
@@ -171,6 +194,7 @@ class Folder:
                     reason,
                 )
                 replace_contents(self.state, await store.load_state(self.engine))
+                self.gate.open()
                 raise _Refused(reason) from None
 
     async def _fold_and_commit(
@@ -185,11 +209,19 @@ class Folder:
         archive: list[r.Row] = []
         decisions: list[r.Row] = []
         dead: list[r.Row] = []
+        if entries and entries[0].seq > first_seq + 1:
+            missed = (first_seq + 1, entries[0].seq - 1)
+            result.never_folded = missed[1] - missed[0] + 1
+            dead.append(_gap_row(*missed, now))
         async with self.engine.begin() as conn:
             seen = await store.known_ids(conn, ids)
+            # Open again only once committed (or reloaded): see the module docstring.
+            self.gate.close()
             for entry, event in decoded:
                 if not isinstance(event, str) and event.id in seen:
                     event = f"duplicate: event id {event.id} was folded at seq {seen[event.id]}"
+                if not isinstance(event, str) and (why := checks.refusal(state, event)):
+                    event = f"refused: {why}"
                 if isinstance(event, str):
                     dead.append(_dead_row(entry, event, now))
                     state.last_seq = entry.seq
@@ -208,18 +240,38 @@ class Folder:
             batch = store.BatchWrites(
                 first_seq=first_seq,
                 last_seq=state.last_seq,
+                term=state.term,
                 state=r.writes_for(state, result.changes),
                 archive=archive,
                 decisions=decisions,
                 dead_letters=dead,
             )
             await store.write_batch(conn, batch, self.position_name)
+        if result.never_folded:
+            log.error(
+                "events %d..%d were gone from the stream (expired or deleted) before they were "
+                "folded: recorded as a dead letter; the state lacks whatever they said",
+                first_seq + 1,
+                entries[0].seq - 1,
+            )
         for row in dead:
             log.warning("dead-lettered seq %d on %s: %s", row["seq"], row["subject"], row["reason"])
         result.folded = len(archive)
         result.dead = len(dead)
         result.last_seq = state.last_seq
         return result
+
+
+def _gap_row(first: int, last: int, now: float) -> r.Row:
+    span = f"event {first} was" if first == last else f"events {first}..{last} were"
+    return {
+        "seq": first,
+        "subject": "",
+        "reason": f"never folded: {span} gone from the stream (expired or deleted) "
+        "before the fold reached them",
+        "raw": b"",
+        "received_at": now,
+    }
 
 
 def _dead_row(entry: Entry, reason: str, now: float) -> r.Row:

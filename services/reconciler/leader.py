@@ -6,6 +6,19 @@ dropped), and it needs no clock agreement between processes. The holder checks
 its connection every `check_interval`; if a check fails or the connection is
 reported closed, `Lease.lost` is set and the leader stops acting at once. The
 position compare-and-set in store.py fences any write that races a takeover.
+
+"Released the moment the session ends" needs the server to notice the end. A
+killed process closes its socket, but a network path that freezes (a
+partition, a stuck proxy or NAT entry) closes nothing: with default settings
+the server keeps the session, and the lock, until TCP keepalive gives up, two
+hours on. So the lock's session is opened with `session_timeout` of silence as
+the limit, enforced by the server: `idle_session_timeout` (the leader queries
+every `check_interval`, so an idle session means the leader cannot reach it),
+`tcp_user_timeout` (unacknowledged data) and keepalives (a dead peer). The
+leader steps down sooner than that: a check unanswered within
+`check_interval` sets `Lease.lost`. Keep `session_timeout` several
+`check_interval`s long (config.validate insists on 3): the old leader then
+has stopped acting before the server frees the lock for a standby.
 """
 
 from __future__ import annotations
@@ -20,6 +33,22 @@ log = logging.getLogger(__name__)
 
 # Any constant; every reconciler of one database must use the same.
 DEFAULT_LOCK_ID = 0x6C6C6D67_72656331
+DEFAULT_SESSION_TIMEOUT = 10.0
+
+
+def session_settings(holder: str, session_timeout: float) -> dict[str, str]:
+    """Server settings of the lock's session: its name, and how soon the server ends it
+    once the holder falls silent (see the module docstring)."""
+    ms = str(max(1000, int(session_timeout * 1000)))
+    probe = max(1, int(session_timeout / 5))
+    return {
+        "application_name": f"llmgw-leader:{holder}",
+        "idle_session_timeout": ms,
+        "tcp_user_timeout": ms,
+        "tcp_keepalives_idle": str(probe),
+        "tcp_keepalives_interval": str(probe),
+        "tcp_keepalives_count": "3",
+    }
 
 
 class Lease:
@@ -74,6 +103,7 @@ async def acquire(
     retry_interval: float = 1.0,
     check_interval: float = 1.0,
     holder: str = "",
+    session_timeout: float = DEFAULT_SESSION_TIMEOUT,
 ) -> Lease | None:
     """Wait until this process holds the lock (a Lease), or until `stop` is set (None).
 
@@ -86,7 +116,7 @@ async def acquire(
         try:
             if conn is None or conn.is_closed():
                 conn = await asyncpg.connect(
-                    dsn, timeout=5, server_settings={"application_name": f"llmgw-leader:{holder}"}
+                    dsn, timeout=5, server_settings=session_settings(holder, session_timeout)
                 )
             got = await asyncio.wait_for(
                 conn.fetchval("SELECT pg_try_advisory_lock($1)", lock_id), timeout=5

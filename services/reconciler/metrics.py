@@ -12,6 +12,10 @@ EVENTS_SKIPPED = Counter(
 DEAD_LETTERS = Counter(
     "llmgw_reconciler_dead_letters_total", "Events dead-lettered (malformed, unknown, duplicate)"
 )
+NEVER_FOLDED = Counter(
+    "llmgw_reconciler_events_never_folded_total",
+    "Events gone from the stream (expired, deleted) before the fold reached them",
+)
 FOLD_LAG = Gauge(
     "llmgw_reconciler_fold_lag_events", "Events in the log not yet folded (as of the last fetch)"
 )

@@ -18,22 +18,37 @@ their own circuit breakers.
 
 `records(state)` is pure; `KvProjection` writes a key only when its content
 changed, comparing the record without its envelope (id, ts) and without
-`based_on_seq`, so unrelated events never rewrite every key.
+`based_on_seq` and `term`, so unrelated events never rewrite every key.
+
+Every record carries the folded leader term. Writes are compare-and-set on
+the revision this leader last saw for the key: an old leader's late write
+fails instead of overwriting a newer one, and a write that finds the key
+changed behind its back re-reads it and writes again. `load()` re-reads what
+the buckets hold; the projection controller does that at term start and
+periodically, then rewrites what differs (a late foreign write, a bucket
+recreated empty).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
 
 from llmgw import contracts as c
 from llmgw import subjects as s
 
-from .fold import Change
-from .state import ClusterState
+from . import changes as ch
+from .changes import Change
+from .state import ClusterState, replica_id
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +90,29 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         scheduling=decl.scheduling,
         deadlines=decl.deadlines,
         based_on_seq=state.last_seq,
+        scale_from_zero=decl.autoscale is not None and decl.autoscale.min == 0,
+        unplaceable=_unplaceable(state, model),
+        term=state.term,
     )
+
+
+def _unplaceable(state: ClusterState, model: str) -> str:
+    """Why the replica reconcile tries to place next cannot be placed, while one is missing.
+
+    Only that replica id counts: a failure recorded for a replica that is no longer
+    wanted (scaled down before it could be placed) stays in the state but says nothing.
+    """
+    if len(state.active_replicas(model)) >= state.desired_replicas(model):
+        return ""
+    failed = state.failures.get(replica_id(model, state.replica_counter.get(model, 0) + 1))
+    return failed.explanation if failed is not None else ""
 
 
 def tenant_record(state: ClusterState, name: str) -> c.TenantRecord:
     t = state.tenants[name]
-    return c.TenantRecord(name=name, band=t.band, key_hashes=list(t.key_hashes), quotas=t.quotas)
+    return c.TenantRecord(
+        name=name, band=t.band, key_hashes=list(t.key_hashes), quotas=t.quotas, term=state.term
+    )
 
 
 def record_for(state: ClusterState, key: Key) -> c.Message | None:
@@ -89,7 +121,7 @@ def record_for(state: ClusterState, key: Key) -> c.Message | None:
     if bucket == s.ENDPOINTS_BUCKET:
         return model_record(state, name) if name in state.models else None
     if name == s.BANDS_KEY:
-        return c.BandsRecord(bands=list(state.bands))
+        return c.BandsRecord(bands=list(state.bands), term=state.term)
     return tenant_record(state, name) if name in state.tenants else None
 
 
@@ -104,20 +136,27 @@ def all_keys(state: ClusterState) -> dict[tuple[str, str], Key]:
     return out
 
 
-def affected(state: ClusterState, changes: set[Change]) -> set[Key]:
+def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
     """The records a batch of fold changes can touch."""
     out: set[Key] = set()
-    for kind, key in changes:
+    for change in changes:
+        kind, key = change
         model = None
-        if kind == "model":
+        if kind == ch.MODEL:
             model = key
-        elif kind == "shard" and key in state.shards:
+        elif kind == ch.SHARD and key in state.shards:
             model = state.shards[key].model
-        elif kind == "replica" and key in state.replicas:
+        elif kind == ch.REPLICA and key in state.replicas:
             model = state.replicas[key].model
-        elif kind == "tenant":
+        elif kind == ch.FAILURE:
+            failed = state.failures.get(key)
+            # A failure cleared by a placement changes the replica, which names the model.
+            model = failed.model if failed is not None else None
+        elif kind == ch.SCALED:
+            model = key
+        elif kind == ch.TENANT:
             out.add((s.TENANTS_BUCKET, key))
-        elif kind == "bands":
+        elif kind == ch.BANDS:
             out.add((s.TENANTS_BUCKET, s.BANDS_KEY))
         if model is not None:
             out.add((s.ENDPOINTS_BUCKET, model))
@@ -133,20 +172,27 @@ def kv_key(key: Key) -> str:
 
 def comparable(record: c.Message) -> bytes:
     """The record's content without what changes on every write."""
-    fields = {"id": "", "ts": 0.0}
+    fields: dict[str, object] = {"id": "", "ts": 0.0, "term": 0}
     if isinstance(record, c.ModelEndpoints):
         fields["based_on_seq"] = 0
     return c.encode(msgspec.structs.replace(record, **fields))
 
 
+class Superseded(RuntimeError):
+    """A newer leader wrote the key: this one must not overwrite it."""
+
+
 class KvProjection:
     """Writes the projection to KV; remembers what it wrote to skip unchanged keys."""
 
-    def __init__(self, js: JetStreamContext):
+    def __init__(self, js: JetStreamContext, term: int = 0):
         self.js = js
+        self.term = term  # the leader term writing: a key of a newer term is not ours
         self._kv: dict[str, object] = {}
         self._written: dict[tuple[str, str], bytes] = {}  # (bucket, kv key) -> comparable
+        self._rev: dict[tuple[str, str], int] = {}  # (bucket, kv key) -> revision we saw
         self.writes = 0
+        self.conflicts = 0  # writes that found the key changed by someone else
 
     async def _bucket(self, bucket: str):
         if bucket not in self._kv:
@@ -154,8 +200,9 @@ class KvProjection:
         return self._kv[bucket]
 
     async def load(self) -> None:
-        """Learn what the buckets hold now, so a new leader rewrites only what differs."""
-        self._written.clear()
+        """Learn what the buckets hold now, so only what differs is rewritten."""
+        written: dict[tuple[str, str], bytes] = {}
+        revs: dict[tuple[str, str], int] = {}
         for bucket in (s.ENDPOINTS_BUCKET, s.TENANTS_BUCKET):
             kv = await self._bucket(bucket)
             try:
@@ -163,30 +210,53 @@ class KvProjection:
             except NoKeysError:
                 continue
             for key in keys:
-                try:
-                    entry = await kv.get(key)
-                    record = c.decode(entry.value or b"")
-                except (KeyNotFoundError, c.ContractError):
-                    self._written[(bucket, key)] = b"?"  # unreadable: rewrite or delete it
-                    continue
-                self._written[(bucket, key)] = comparable(record)
+                body, rev, _ = await self._read(kv, key)
+                if rev is not None:
+                    written[(bucket, key)] = body
+                    revs[(bucket, key)] = rev
+        self._written, self._rev = written, revs
+
+    async def _read(self, kv, key: str) -> tuple[bytes, int | None, int]:
+        """(comparable, revision, leader term) of what a key holds; revision None: nothing."""
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return b"", None, 0
+        try:
+            record = c.decode(entry.value or b"")
+        except c.ContractError:
+            return b"?", entry.revision, 0  # unreadable: rewrite or delete it
+        return comparable(record), entry.revision, getattr(record, "term", 0)
+
+    def full_plan(self, state: ClusterState) -> list[tuple[tuple[str, str], c.Message | None]]:
+        """Every key the state projects, and a delete of every other key we know of. Pure."""
+        wanted = all_keys(state)
+        plan: list[tuple[tuple[str, str], c.Message | None]] = [
+            (target, None) for target in sorted(set(self._written) - set(wanted))
+        ]
+        plan += [(target, record_for(state, wanted[target])) for target in sorted(wanted)]
+        return plan
 
     async def sync_all(self, state: ClusterState) -> None:
         """Make the buckets match the state: write what differs, delete what is gone."""
-        wanted = all_keys(state)
-        for target in sorted(set(self._written) - set(wanted)):
-            await self._delete(target)
-        for target in sorted(wanted):
-            await self._write(target, record_for(state, wanted[target]))
+        await self.apply(self.full_plan(state))
 
-    async def sync(self, state: ClusterState, changes: set[Change]) -> None:
-        for key in sorted(affected(state, changes)):
-            target = (key[0], kv_key(key))
-            record = record_for(state, key)
+    def plan(self, state: ClusterState, changes) -> list[tuple[tuple[str, str], c.Message | None]]:
+        """The (target, record or None) writes a set of changes calls for. Pure over `state`."""
+        return [
+            ((key[0], kv_key(key)), record_for(state, key))
+            for key in sorted(affected(state, changes))
+        ]
+
+    async def apply(self, plan: list[tuple[tuple[str, str], c.Message | None]]) -> None:
+        for target, record in plan:
             if record is None:
                 await self._delete(target)
             else:
                 await self._write(target, record)
+
+    async def sync(self, state: ClusterState, changes) -> None:
+        await self.apply(self.plan(state, changes))
 
     async def _write(self, target: tuple[str, str], record: c.Message | None) -> None:
         if record is None:
@@ -195,14 +265,53 @@ class KvProjection:
         if self._written.get(target) == body:
             return
         kv = await self._bucket(target[0])
-        await kv.put(target[1], c.encode(record))
-        self._written[target] = body
-        self.writes += 1
+        raw = c.encode(record)
+        for _attempt in range(3):
+            rev = self._rev.get(target)
+            try:
+                if rev is None:
+                    new_rev = await kv.create(target[1], raw)
+                else:
+                    new_rev = await kv.update(target[1], raw, last=rev)
+            except KeyWrongLastSequenceError:
+                # Someone else wrote it (an old leader's late put, an operator): look again.
+                self.conflicts += 1
+                log.warning("KV key %s/%s changed behind us: re-reading it", *target)
+                found, seen, term = await self._read(kv, target[1])
+                self._check_not_superseded(target, term)
+                if seen is None:
+                    self._rev.pop(target, None)
+                else:
+                    self._rev[target] = seen
+                if found == body:
+                    self._written[target] = body
+                    return
+                continue
+            self._written[target] = body
+            self._rev[target] = new_rev
+            self.writes += 1
+            return
+        raise RuntimeError(f"KV key {target[0]}/{target[1]} keeps changing behind us")
+
+    def _check_not_superseded(self, target: tuple[str, str], term: int) -> None:
+        if term > self.term:
+            raise Superseded(
+                f"KV key {target[0]}/{target[1]} was written by leader term {term}; "
+                f"this leader's term is {self.term}: not overwriting it"
+            )
 
     async def _delete(self, target: tuple[str, str]) -> None:
         if target not in self._written:
             return
         kv = await self._bucket(target[0])
-        await kv.delete(target[1])
+        try:
+            await kv.delete(target[1], last=self._rev.get(target))
+        except KeyWrongLastSequenceError:
+            self.conflicts += 1
+            _, seen, term = await self._read(kv, target[1])
+            self._check_not_superseded(target, term)
+            if seen is not None:
+                await kv.delete(target[1], last=seen)  # what is there now must go as well
         del self._written[target]
+        self._rev.pop(target, None)
         self.writes += 1

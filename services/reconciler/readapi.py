@@ -14,8 +14,9 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw import contracts as c
+from llmgw import subjects
 
-from . import store
+from . import rows, store
 from . import tables as t
 from .state import is_outdated, profile_digest
 
@@ -131,6 +132,10 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
         n = counts.setdefault(rep["model"], {"active": 0, "ready": 0})
         n["active"] += 1
         n["ready"] += rep["state"] == "ready"
+    scaled = {
+        r["model"]: r["to_replicas"]
+        for r in await _rows(conn, select(t.ModelScaling.model, t.ModelScaling.to_replicas))
+    }
     out = []
     for row in await _rows(conn, select(t.Model.__table__).order_by(t.Model.name)):
         n = counts.get(row["name"], {"active": 0, "ready": 0})
@@ -139,7 +144,8 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "name": row["name"],
                 "aliases": row["aliases"],
                 "fallbacks": row["fallbacks"],
-                "replicas": row["replicas"],
+                "replicas": _desired(row, scaled.get(row["name"])),
+                "autoscale": row["autoscale"],
                 "active_replicas": n["active"],
                 "ready_replicas": n["ready"],
                 "engine": row["profile"].get("engine", ""),
@@ -150,6 +156,15 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _desired(model_row: dict[str, Any], scaled_to: int | None) -> int:
+    """The desired count as the fold has it (ClusterState.desired_replicas)."""
+    if model_row.get("autoscale") is None:
+        return model_row["replicas"]
+    spec = msgspec.convert(model_row["autoscale"], c.AutoscaleSpec)
+    n = scaled_to if scaled_to is not None else spec.min
+    return min(spec.max, max(spec.min, n))
 
 
 async def replicas(conn: AsyncConnection) -> list[dict[str, Any]]:
@@ -214,6 +229,22 @@ async def tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
     return out
 
 
+async def catalog(conn: AsyncConnection) -> dict[str, Any]:
+    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band): what
+    `llmgw apply` diffs against where the stream no longer holds every declaration."""
+    tables = (t.Model.__table__, t.Tenant.__table__, rows.BANDS_TABLE)
+    folded = rows.state_from_rows(
+        {tbl.name: await _rows(conn, select(tbl)) for tbl in tables},
+        await store.read_position(conn) or 0,
+    )
+    return {
+        "folded_seq": folded.last_seq,
+        "models": [msgspec.to_builtins(m) for _, m in sorted(folded.models.items())],
+        "tenants": [msgspec.to_builtins(x) for _, x in sorted(folded.tenants.items())],
+        "bands": [msgspec.to_builtins(b) for b in folded.bands],
+    }
+
+
 async def bands(conn: AsyncConnection) -> list[dict[str, Any]]:
     rows = await _rows(conn, select(t.BandRow.__table__).order_by(t.BandRow.position))
     return [{k: v for k, v in row.items() if k != "position"} for row in rows]
@@ -273,15 +304,45 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
     replicas_now = await _replicas_with_shards(conn, model)
     if declared is None and not decisions and not replicas_now:
         return None
+    autoscaled = declared[0].get("autoscale") if declared else None
+    history = await scaling_history(conn, model)
+    latest = history[-1]["to_replicas"] if history else None
+    desired = _desired(declared[0], latest) if declared else 0
     return {
         "model": model,
         "declared": declared is not None,
-        "desired_replicas": declared[0]["replicas"] if declared else 0,
+        "desired_replicas": desired,
+        "autoscale": autoscaled,
+        "scaling": history,
         "profile": declared[0]["profile"] if declared else None,
         "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
     }
+
+
+async def scaling_history(
+    conn: AsyncConnection, model: str, limit: int = 50
+) -> list[dict[str, Any]]:
+    """The autoscaler's latest decisions for `model`, oldest first, from the archive."""
+    q = (
+        select(t.ArchivedEvent.seq, t.ArchivedEvent.payload)
+        .where(t.ArchivedEvent.subject == subjects.control_event("scale", model))
+        .order_by(t.ArchivedEvent.seq.desc())
+        .limit(limit)
+    )
+    out = []
+    for row in reversed(await _rows(conn, q)):
+        try:
+            ev = c.decode(row["payload"], c.ModelScaled)
+        except c.ContractError:
+            continue
+        if ev.model != model:  # another name mapped to the same subject token
+            continue
+        item = msgspec.to_builtins(ev)
+        item["seq"] = row["seq"]
+        out.append(item)
+    return out
 
 
 async def status(conn: AsyncConnection) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class _Scratch:
                 shards={k: copy.copy(v) for k, v in s.shards.items()},
                 failures=dict(s.failures),
                 replica_counter=dict(s.replica_counter),
+                scaled=s.scaled,
             )
         self.seq += 1
         fold.apply(self.state, self.seq, event)
@@ -195,10 +196,11 @@ def control_events(
                 reason = f"shard {broken[0]} {broken[1]}; replaced"
                 events.append(_retire(sc, replica, reason, ts))
 
+        desired = sc.state.desired_replicas(model)
         active = sc.state.active_replicas(model)
         stale = {r.replica_id for r in outdated(sc.state, model)}
         # Surge 1: while outdated replicas run, one extra replica with the new profile.
-        surplus = len(active) - decl.replicas - (1 if stale else 0)
+        surplus = len(active) - desired - (1 if stale else 0)
         if surplus > 0:
             # Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
             order = sorted(
@@ -211,12 +213,12 @@ def control_events(
                 ),
             )
             for replica in order[:surplus]:
-                reason = f"scale down: {decl.replicas} wanted, {len(active)} active"
+                reason = f"scale down: {desired} wanted, {len(active)} active"
                 events.append(_retire(sc, replica, reason, ts))
             continue
 
         events.extend(_roll_step(sc, decl, ts))
-        wanted = decl.replicas + (1 if outdated(sc.state, model) else 0)
+        wanted = desired + (1 if outdated(sc.state, model) else 0)
         missing = 0 if model in hold else wanted - len(sc.state.active_replicas(model))
         for shard in adoptable(sc.state, model)[:missing]:
             ev = _adopt(sc, model, shard, ts)
@@ -261,11 +263,12 @@ def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message
     """
     stale = outdated(sc.state, decl.name)
     active = sc.state.active_replicas(decl.name)
-    if not stale or len(active) <= decl.replicas:
+    desired = sc.state.desired_replicas(decl.name)
+    if not stale or len(active) <= desired:
         return []
     victim = min(stale, key=lambda r: is_ready(sc.state, r))  # stable: newest first
     ready = sum(1 for r in active if is_ready(sc.state, r))
-    if is_ready(sc.state, victim) and ready - 1 < decl.replicas:
+    if is_ready(sc.state, victim) and ready - 1 < desired:
         return []
     reason = f"rolling update: profile changed since {victim.replica_id} was placed"
     return [_retire(sc, victim, reason, ts)]
@@ -281,7 +284,7 @@ def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message
     """
     stale = outdated(sc.state, decl.name)
     active = sc.state.active_replicas(decl.name)
-    if not stale or len(active) != decl.replicas:
+    if not stale or len(active) != sc.state.desired_replicas(decl.name):
         return []
     if not all(is_ready(sc.state, r) for r in active) or _freeing(sc.state, decl.name):
         return []

@@ -23,6 +23,11 @@ so old logs replay node by node. Adopted
 replicas are not re-placed: replay checks that each adopted shard was indeed
 running, ready and unowned on its node at the base sequence.
 
+Each autoscaling decision (ModelScaled) is checked against the rule on the
+state just before it: the count it started from, the rule and count its
+recorded signals call for, how long the condition had held, and the cool-down
+since the model's previous decision (autoscale.check).
+
 `inputs_at(events, seq)` returns the snapshot one decision was based on, for
 `llmgw audit replay --explain SEQ`.
 """
@@ -35,8 +40,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
+from llmgw.verdicttext import group_line
 
-from . import fold, placement, reconcile, verdicts
+from . import autoscale, fold, placement, reconcile, verdicts
 from .state import ClusterState
 
 Decision = c.PlacementDecided | c.PlacementFailed
@@ -58,14 +64,27 @@ class Check:
 
 
 @dataclass
+class ScaleCheck:
+    """An autoscaling decision against the rule, on the state just before it."""
+
+    seq: int
+    recorded: c.ModelScaled
+    differences: list[str] = field(default_factory=list)
+
+    def differs(self, strict: bool = False) -> bool:
+        return bool(self.differences)
+
+
+@dataclass
 class ReplayResult:
     events: int = 0
     last_seq: int = 0
     checks: list[Check] = field(default_factory=list)
+    scaling: list[ScaleCheck] = field(default_factory=list)
     state: ClusterState = field(default_factory=ClusterState)
 
-    def differing(self, strict: bool = False) -> list[Check]:
-        return [ch for ch in self.checks if ch.differs(strict)]
+    def differing(self, strict: bool = False) -> list[Check | ScaleCheck]:
+        return [ch for ch in [*self.checks, *self.scaling] if ch.differs(strict)]
 
 
 def _default_placer(
@@ -128,15 +147,13 @@ def _compare_groups(
         b, a = before.get(first), after.get(first)
         if b is None or a is None:
             side = "recorded" if a is None else "now"
-            diffs.append(f"group {side} only: {verdicts.group_line(b or a)}")
+            diffs.append(f"group {side} only: {group_line(b or a)}")
         elif (b.fits, b.count, b.nodes) != (a.fits, a.count, a.nodes):
-            diffs.append(f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}")
+            diffs.append(f"group: recorded {group_line(b)}, now {group_line(a)}")
         elif b.digest != a.digest:
-            diffs.append(f"group: same size, other members now: {verdicts.group_line(a)}")
+            diffs.append(f"group: same size, other members now: {group_line(a)}")
         elif (b.kind, b.reason, b.same) != (a.kind, a.reason, a.same):
-            wording.append(
-                f"group: recorded {verdicts.group_line(b)}, now {verdicts.group_line(a)}"
-            )
+            wording.append(f"group: recorded {group_line(b)}, now {group_line(a)}")
     return diffs, wording
 
 
@@ -197,6 +214,10 @@ def replay(
             if isinstance(ev, (c.PlacementDecided, c.PlacementFailed)) and seq >= from_seq:
                 result.checks.append(_check(seq, ev, snapshot, placer))
             fold.apply(snapshot, seq, ev)  # the next decision of the same plan sees it
+        if isinstance(ev, c.ModelScaled) and seq >= from_seq:
+            # The rule re-derived from the signals the event recorded, on the count
+            # and the previous decision the log held just before it.
+            result.scaling.append(ScaleCheck(seq, ev, autoscale.check(result.state, ev)))
         fold.apply(result.state, seq, ev)
         snaps.done(seq)
         result.events += 1
@@ -268,7 +289,24 @@ def render(result: ReplayResult, *, strict: bool = False, verbose: bool = False)
             lines.append(f"    ! {d}")
         for w in ch.wording:
             lines.append(f"    ~ {w}")
-    bad = len(result.differing(strict))
+    for sc in result.scaling:
+        if not (sc.differences or verbose):
+            continue
+        rec = sc.recorded
+        mark = "DIFFERS" if sc.differences else "same"
+        lines.append(
+            f"seq {sc.seq} {rec.model} scaled {rec.from_replicas} → {rec.to_replicas}: {mark}"
+        )
+        lines.append(f"    recorded:   {rec.explanation or rec.rule}")
+        for d in sc.differences:
+            lines.append(f"    ! {d}")
+    bad = sum(ch.differs(strict) for ch in result.checks)
+    if result.scaling:
+        scaled_bad = sum(sc.differs() for sc in result.scaling)
+        lines.append(
+            f"{len(result.scaling)} scaling decision(s) checked against the rule, "
+            f"{scaled_bad} differ"
+        )
     lines.append(
         f"replayed {result.events} events up to seq {result.last_seq}; "
         f"{len(result.checks)} decisions checked, {bad} differ"
@@ -290,7 +328,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         lines.append(
             f"profile: engine {p.engine}, {p.gpus_per_shard} GPU(s) per shard x "
             f"{p.shards_per_replica} shard(s), min GPU memory {placement.gib(p.min_gpu_memory_bytes)}, "
-            f"selector {_labels(p.selector) or '-'}; {decl.replicas} replica(s) wanted"
+            f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model)} replica(s) wanted"
         )
     lines.append("nodes at that point:")
     usage = placement.Usage(st, rec.model)
@@ -306,7 +344,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         )
     lines.append("recorded verdicts:")
     lines += [f"  {v.node}: {v.reason}" for v in rec.verdicts]
-    lines += [f"  {verdicts.group_line(g)}" for g in rec.verdict_groups]
+    lines += [f"  {group_line(g)}" for g in rec.verdict_groups]
     lines.append(f"recorded:   {outcome(rec)}")
     if inp.derived is not None:
         lines.append(f"re-derived: {outcome(inp.derived)}")

@@ -20,8 +20,9 @@ from sqlalchemy import Table
 
 from llmgw import contracts as c
 
+from . import changes as ch
 from . import tables as t
-from .fold import Change
+from .changes import Change
 from .state import ClusterState, NodeView, ReplicaView, ShardView
 
 Row = dict[str, Any]
@@ -131,6 +132,14 @@ PROJECTIONS: dict[str, Projection] = {
             _load_message("failures", c.PlacementFailed, "replica_id"),
         ),
         Projection(
+            "scaled",
+            t.ModelScaling.__table__,
+            "model",
+            "scaled",
+            lambda k, m: _message_row(m),
+            _load_message("scaled", c.ModelScaled, "model"),
+        ),
+        Projection(
             "counter",
             t.ReplicaCounter.__table__,
             "model",
@@ -163,13 +172,15 @@ def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
     keys: dict[str, set[str]] = {}
     bands = False
     for kind, key in changes:
-        if kind == "bands":
+        if kind == ch.BANDS:
             bands = True
             continue
+        if kind == ch.TERM:
+            continue  # stored with the position (store.write_batch), not in a table
         if kind not in PROJECTIONS:
             raise ValueError(f"change kind {kind!r} has no projection table (see rows.py)")
         keys.setdefault(kind, set()).add(key)
-        if kind == "replica":
+        if kind == ch.REPLICA:
             # Replica ids are numbered per model; the counter moves with the replica.
             replica = state.replicas.get(key)
             if replica is not None:

@@ -4,8 +4,10 @@
                                                       │
           ┌────────────── standby: try the lock every second ◄──────┐
           ▼                                                         │
-        leader: load state from Postgres, recreate the durable      │
-        consumer at stored seq + 1, start the actor, then fold      │
+        leader: load state from Postgres, take the next term and    │
+        log TermStarted, recreate the durable consumer at stored    │
+        seq + 1, start the actor (it acts once the fold reaches     │
+        TermStarted), then fold                                     │
         batch after batch (commit, ack, tell the actor) until the   │
         lock's connection fails, the fold fails, or SIGTERM ────────┘
 
@@ -27,8 +29,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw import adminserver, bus, config, subjects, tlsconfig
+from llmgw import contracts as c
+from llmgw import tasks as llmgw_tasks
 
-from . import admin, consumer, leader, schema, store
+from . import admin, consumer, leader, schema, store, streamid
 from . import metrics as m
 from .actor import Actor
 from .config import ReconcilerConfig, resolve_id
@@ -38,10 +42,6 @@ from .state import ClusterState
 log = logging.getLogger(__name__)
 
 DURABLE = "llmgw-reconciler"
-
-
-class StreamBehind(RuntimeError):
-    """The stream ends before the stored position: it was recreated, or is the wrong one."""
 
 
 class Reconciler:
@@ -63,7 +63,13 @@ class Reconciler:
 
     async def run(self) -> int:
         logging.getLogger("alembic").setLevel(logging.WARNING)
-        engine = schema.make_engine(self.cfg.database_url)
+        # A transaction left open by a leader cut off mid-commit holds the position row's
+        # lock: the server ends it, so the next leader's first commit does not wait forever.
+        idle = str(int(max(30.0, 3 * self.cfg.leader.session_timeout_seconds) * 1000))
+        engine = schema.make_engine(
+            self.cfg.database_url,
+            connect_args={"server_settings": {"idle_in_transaction_session_timeout": idle}},
+        )
         server: adminserver.AdminServer | None = None
         try:
             if not await self._wait_for_schema(engine):
@@ -163,6 +169,7 @@ class Reconciler:
                 retry_interval=lcfg.retry_interval_seconds,
                 check_interval=lcfg.check_interval_seconds,
                 holder=self.id,
+                session_timeout=lcfg.session_timeout_seconds,
             )
             if lease is None:
                 return
@@ -171,8 +178,9 @@ class Reconciler:
                 await self._lead(engine, nc, js, lease)
             except store.Fenced as exc:
                 log.error("fenced: %s; stepping down", exc)
-            except StreamBehind as exc:
+            except streamid.StreamMismatch as exc:
                 log.error("%s", exc)
+                self.role.problem = str(exc)
                 backoff = 10.0
             except Exception:
                 log.exception("leader term ended by an error; stepping down")
@@ -186,57 +194,114 @@ class Reconciler:
     async def _lead(
         self, engine: AsyncEngine, nc: NATS, js: JetStreamContext, lease: leader.Lease
     ) -> None:
-        self.role.name = "leader"
         m.LEADER_TERMS.inc()
-        state = await store.load_state(engine)
-        self.state = state
-        m.FOLDED_SEQ.set(state.last_seq)
-        await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
-        await _check_stream(js, state.last_seq)
-        log.info("leading from seq %d", state.last_seq)
+        begun = await self._while_held(lease, self._begin_term(engine, js))
+        if begun is None:
+            return
+        state, stream_identity, psub, term, synced_seq = begun
 
         async def subscribe(start_seq: int):
-            # Always afresh: what an old consumer delivered but never saw acknowledged
-            # would come back after newer events, out of order.
-            return await bus.ensure_pull_consumer(
-                js,
-                subjects.EVENTS_STREAM,
-                DURABLE,
-                subjects.EVENTS_ALL,
-                ack_wait=self.cfg.fold.ack_wait_seconds,
-                max_ack_pending=max(10_000, 4 * self.cfg.fold.batch_size),
-                ack_policy=jsapi.AckPolicy.ALL,
-                start_seq=start_seq,
-                recreate=True,
-            )
+            return await self._subscribe(js, start_seq, stream_identity)
 
-        psub = await subscribe(state.last_seq + 1)
         actor = self.actor_factory()
+        folder = Folder(engine, state)
         tasks: list[asyncio.Task] = []
         fold: asyncio.Task | None = None
         try:
-            await actor.start(nc, js, state)
-            fold = asyncio.create_task(
-                self._fold_loop(psub, subscribe, Folder(engine, state), actor)
-            )
+            await actor.start(nc, js, state, term=term, gate=folder.gate, synced_seq=synced_seq)
+            fold = asyncio.create_task(self._fold_loop(psub, subscribe, folder, actor))
             lost = asyncio.create_task(lease.lost.wait())
             stopping = asyncio.create_task(self.stop.wait())
             tasks = [fold, lost, stopping]
+            self.role.name = "leader"  # acting: the actor runs, the fold folds
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if lost.done():
                 log.error("lost the leader lock's connection: stopped acting")
         finally:
+            # Stop acting first, then make sure the fold has ended: a leader that lost its
+            # lock must be done before Postgres frees the lock for another (a cancel can be
+            # swallowed by a NATS request, and a commit on a frozen connection outlives
+            # one, so it is repeated until the fold is gone).
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             try:
                 await asyncio.wait_for(actor.stop(), timeout=15)
             except Exception:
                 log.exception("actor did not stop cleanly")
+            if await llmgw_tasks.cancel_until_done(tasks, timeout=15):
+                log.error("the fold did not end within 15 s of stepping down")
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
         if fold is not None and fold.done() and not fold.cancelled() and fold.exception():
             raise fold.exception()  # type: ignore[misc]
+
+    async def _begin_term(self, engine: AsyncEngine, js: JetStreamContext):
+        """The state from Postgres, the stream checked, the next term taken and announced,
+        a fresh consumer at position + 1; and the seq the fold must reach before acting."""
+        state = await store.load_state(engine)
+        m.FOLDED_SEQ.set(state.last_seq)
+        await bus.provision(js, self.cfg.bus)  # cheap when present; heals a deleted stream
+        stream_identity = await streamid.check(engine, js, state.last_seq)
+        self.role.problem = ""
+        # Fencing: a term only this lock holder has. Its TermStarted event makes the fold
+        # refuse every later control event of an older term (a predecessor's late write),
+        # and marks how far the fold must get before this leader acts on anything
+        # (controller-runtime's WaitForCacheSync: never decide on a half-read log).
+        term = await store.next_term(engine, self.id)
+        started = await bus.publish(
+            js, c.TermStarted(term=term, leader=self.id, based_on_seq=state.last_seq)
+        )
+        log.info("leader term %d; acting once the fold reaches seq %d", term, started.seq)
+        psub = await self._subscribe(js, state.last_seq + 1, stream_identity)
+        self.state = state
+        log.info("leading from seq %d", state.last_seq)
+        return state, stream_identity, psub, term, started.seq
+
+    async def _while_held(self, lease: leader.Lease, coro):
+        """The coroutine's result; None if the lease is lost (or SIGTERM comes) first.
+
+        Beginning a term goes through Postgres, and a frozen path there would hold it,
+        unaware that the lock is gone, to go on leading once the path thaws. So it is
+        cancelled when the lease goes, again and again until it has ended: a rollback
+        on a dead connection outlives one cancel."""
+        task = asyncio.ensure_future(coro)
+        lost = asyncio.create_task(lease.lost.wait())
+        stopping = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait({task, lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            stopping.cancel()
+            if not task.done():
+                if await llmgw_tasks.cancel_until_done([task], timeout=30):
+                    log.error("beginning the term did not end within 30 s of stepping down")
+        if lease.lost.is_set():
+            log.error("lost the leader lock's connection while beginning the term")
+        held = not (lease.lost.is_set() or self.stop.is_set())
+        if task.cancelled() or (task.exception() is not None and not held):
+            return None
+        result = task.result()  # its error, if any
+        if not held:
+            with contextlib.suppress(Exception):
+                await result[2].unsubscribe()
+            return None
+        return result
+
+    async def _subscribe(self, js: JetStreamContext, start_seq: int, stream_identity: str):
+        # Always afresh: what an old consumer delivered but never saw acknowledged
+        # would come back after newer events, out of order.
+        await streamid.still_the_same(js, stream_identity)
+        return await bus.ensure_pull_consumer(
+            js,
+            subjects.EVENTS_STREAM,
+            DURABLE,
+            subjects.EVENTS_ALL,
+            ack_wait=self.cfg.fold.ack_wait_seconds,
+            max_ack_pending=max(10_000, 4 * self.cfg.fold.batch_size),
+            ack_policy=jsapi.AckPolicy.ALL,
+            start_seq=start_seq,
+            recreate=True,
+        )
 
     async def _fold_loop(
         self, psub, resubscribe: consumer.Resubscribe, folder: Folder, actor: Actor
@@ -245,6 +310,7 @@ class Reconciler:
             m.EVENTS_FOLDED.inc(result.folded)
             m.EVENTS_SKIPPED.inc(result.skipped)
             m.DEAD_LETTERS.inc(result.dead)
+            m.NEVER_FOLDED.inc(result.never_folded)
             m.FOLDED_SEQ.set(result.last_seq)
             m.FOLD_LAG.set(pending)
             if result.folded or result.dead:
@@ -258,22 +324,4 @@ class Reconciler:
             on_batch=on_batch,
             on_idle=lambda: m.FOLD_LAG.set(0),
             resubscribe=resubscribe,
-        )
-
-
-async def _check_stream(js: JetStreamContext, position: int) -> None:
-    info = await js.stream_info(subjects.EVENTS_STREAM)
-    if info.state.last_seq < position:
-        raise StreamBehind(
-            f"{subjects.EVENTS_STREAM} ends at seq {info.state.last_seq} but the database has "
-            f"folded up to seq {position}: the stream was recreated or is not this database's. "
-            "Restore the stream, or reset the database (llmgw migrate --downgrade base, then "
-            "llmgw migrate) to fold the new log from the start."
-        )
-    if info.state.first_seq > position + 1:
-        log.warning(
-            "events %d..%d expired from the stream before they were folded; continuing from %d",
-            position + 1,
-            info.state.first_seq - 1,
-            info.state.first_seq,
         )

@@ -16,6 +16,10 @@ import msgspec
 
 from llmgw import contracts as c
 
+# The reason a shard of a lost node carries: its replica is replaced, but the shard
+# itself said nothing about its profile (replacement back-off ignores it).
+NODE_LOST = "node lost"
+
 
 class Liveness(str, enum.Enum):
     ALIVE = "alive"
@@ -76,6 +80,8 @@ class ReplicaView(msgspec.Struct, kw_only=True):
 
 class ClusterState(msgspec.Struct, kw_only=True):
     last_seq: int = 0
+    # The newest leader term folded: control events of an older term are refused.
+    term: int = 0
     nodes: dict[str, NodeView] = msgspec.field(default_factory=dict)
     models: dict[str, c.ModelDeclared] = msgspec.field(default_factory=dict)
     tenants: dict[str, c.TenantDeclared] = msgspec.field(default_factory=dict)
@@ -86,10 +92,26 @@ class ClusterState(msgspec.Struct, kw_only=True):
     failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
     # How many replicas each model has ever had: replica ids are <model>-r<n>, never reused.
     replica_counter: dict[str, int] = msgspec.field(default_factory=dict)
+    # The autoscaler's latest decision per autoscaled model (its `to_replicas` is the count).
+    scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
 
     def copy(self) -> ClusterState:
         """A deep copy (placement experiments and replay must not touch the live state)."""
         return msgspec.convert(msgspec.to_builtins(self), ClusterState)
+
+    def desired_replicas(self, model: str) -> int:
+        """How many replicas `model` should have: the catalog's count, or for an
+        autoscaled model the autoscaler's latest decision kept within [min, max]
+        (the bounds may have changed since), starting at min."""
+        decl = self.models.get(model)
+        if decl is None:
+            return 0
+        spec = decl.autoscale
+        if spec is None:
+            return decl.replicas
+        scaled = self.scaled.get(model)
+        n = scaled.to_replicas if scaled is not None else spec.min
+        return min(spec.max, max(spec.min, n))
 
     def active_replicas(self, model: str) -> list[ReplicaView]:
         return [r for r in self.replicas.values() if r.model == model and not r.retired]

@@ -31,6 +31,7 @@ _position = t.ConsumerPosition.__table__
 _archive = t.ArchivedEvent.__table__
 _decisions = t.PlacementDecision.__table__
 _dead = t.DeadLetter.__table__
+_terms = t.LeaderTerm.__table__
 _TABLES = {tbl.name: tbl for tbl in r.STATE_TABLES}
 # asyncpg allows 32767 bind parameters per statement.
 _CHUNK = 1000
@@ -51,6 +52,7 @@ class BatchWrites:
     first_seq: int  # the position the batch starts from (expected in the table)
     last_seq: int  # the position after the batch
     state: r.Writes
+    term: int = 0  # the newest leader term folded after the batch
     archive: list[r.Row] = field(default_factory=list)
     decisions: list[r.Row] = field(default_factory=list)
     dead_letters: list[r.Row] = field(default_factory=list)
@@ -87,8 +89,37 @@ async def load_state(engine: AsyncEngine, name: str = POSITION_NAME) -> ClusterS
         conn = await conn.execution_options(isolation_level="REPEATABLE READ")
         async with conn.begin():
             position = await ensure_position(conn, name)
+            term = await read_folded_term(conn, name)
             rows = await read_state_rows(conn)
-    return r.state_from_rows(rows, position)
+    state = r.state_from_rows(rows, position)
+    state.term = term
+    return state
+
+
+async def read_folded_term(conn: AsyncConnection, name: str = POSITION_NAME) -> int:
+    res = await conn.execute(select(_position.c.term).where(_position.c.name == name))
+    return res.scalar_one_or_none() or 0
+
+
+async def next_term(engine: AsyncEngine, holder: str, now: float | None = None) -> int:
+    """Take the next leader term (call it holding the leader lock): 1, 2, 3, ...
+
+    Terms only grow, whoever holds the lock, so anything stamped with a term says
+    which leader produced it and whether a newer one has taken over since.
+    """
+    stmt = pg_insert(_terms).values(
+        name=POSITION_NAME, term=1, holder=holder, started_at=now or time.time()
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["name"],
+        set_={
+            "term": _terms.c.term + 1,
+            "holder": stmt.excluded.holder,
+            "started_at": stmt.excluded.started_at,
+        },
+    ).returning(_terms.c.term)
+    async with engine.begin() as conn:
+        return (await conn.execute(stmt)).scalar_one()
 
 
 async def known_ids(conn: AsyncConnection, ids: Sequence[str]) -> dict[str, int]:
@@ -119,7 +150,7 @@ async def write_batch(conn: AsyncConnection, batch: BatchWrites, name: str = POS
     res = await conn.execute(
         update(_position)
         .where(_position.c.name == name, _position.c.last_seq == batch.first_seq)
-        .values(last_seq=batch.last_seq, updated_at=time.time())
+        .values(last_seq=batch.last_seq, term=batch.term, updated_at=time.time())
     )
     if res.rowcount != 1:
         raise Fenced(

@@ -97,6 +97,24 @@ class Model(Base):
     profile: Mapped[Json]
     scheduling: Mapped[Json]
     deadlines: Mapped[Json]
+    autoscale: Mapped[Json | None]
+    event_id: Mapped[str] = mapped_column(Text)
+    event_ts: Mapped[float]
+
+
+class ModelScaling(Base):
+    """The autoscaler's latest decision per autoscaled model (the ModelScaled event)."""
+
+    __tablename__ = "model_scaling"
+
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    from_replicas: Mapped[int] = mapped_column(Integer)
+    to_replicas: Mapped[int] = mapped_column(Integer)
+    rule: Mapped[str] = mapped_column(Text)
+    signals: Mapped[Json]
+    sustained_seconds: Mapped[float]
+    based_on_seq: Mapped[int]
+    explanation: Mapped[str] = mapped_column(Text)
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
 
@@ -135,6 +153,7 @@ class PlacementFailure(Base):
     explanation: Mapped[str] = mapped_column(Text)
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
+    term: Mapped[int] = mapped_column(BigInteger, server_default="0")  # the leader's
 
 
 class ReplicaCounter(Base):
@@ -203,3 +222,20 @@ class ConsumerPosition(Base):
     stream: Mapped[str] = mapped_column(Text)
     last_seq: Mapped[int]
     updated_at: Mapped[float]
+    # The stream's creation time (ISO 8601, as JetStream reports it): its identity. A
+    # stream deleted and created again restarts at seq 1 under the same name.
+    stream_created: Mapped[str] = mapped_column(Text, server_default="")
+    # The newest leader term the fold has seen, committed with the position it belongs
+    # to: a new term's fold refuses control events of older terms from the start.
+    term: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class LeaderTerm(Base):
+    """The leader term counter: incremented by each process that takes the leader lock."""
+
+    __tablename__ = "leader_terms"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    term: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(Text, server_default="")
+    started_at: Mapped[float]

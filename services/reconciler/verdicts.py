@@ -84,12 +84,3 @@ def node_count(d: c.PlacementDecided | c.PlacementFailed) -> tuple[int, int]:
     """(nodes that fit, nodes considered), listed and grouped together."""
     fit = sum(v.fits for v in d.verdicts) + sum(g.count for g in d.verdict_groups if g.fits)
     return fit, len(d.verdicts) + sum(g.count for g in d.verdict_groups)
-
-
-def group_line(g: c.VerdictGroup) -> str:
-    """One group in words, e.g. "35 nodes: label zone=z2 does not match zone=z1: node-0007, ..."."""
-    names = ", ".join(g.nodes) + (", ..." if g.count > len(g.nodes) else "")
-    nodes = "1 node" if g.count == 1 else f"{g.count} nodes"
-    if g.same:
-        return f"{nodes}: {g.reason}: {names}"
-    return f"{nodes}: {g.kind}: {names} (e.g. {g.nodes[0]}: {g.reason})"

@@ -34,6 +34,7 @@ from llmgw.router import requests as rq
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
 from llmgw.router.config import RouterConfig, projection, resolve_router_id
 from llmgw.router.errors import error_body
+from llmgw.router.kvindex import BlockIndex
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.scraper import Scraper
 from llmgw.router.view import EndpointSource, EndpointView, StaticSource, ViewSettings
@@ -62,7 +63,14 @@ class RouterService:
                 circuit_failures=config.circuit.failures,
                 circuit_cooldown=config.circuit.cooldown_seconds,
                 prefix_capacity=config.prefix.capacity_blocks,
-                scheduling=scheduling.Settings(stale_after=config.scrape.stale_after_seconds),
+                scheduling=scheduling.Settings(
+                    stale_after=config.scrape.stale_after_seconds,
+                    # Engines' KV events arrive over the bus, so only with a control plane.
+                    kv_index=BlockIndex(config.prefix.index_max_blocks)
+                    if config.nats_url
+                    else None,
+                    affinity_max_pending=config.prefix.affinity_max_pending,
+                ),
             ),
             observer=self.metrics,
         )
@@ -80,6 +88,7 @@ class RouterService:
             gate = self.admission = from_router_config(config, self.metrics.admission)
         self.source = source or StaticSource(projection(config))
         if self.admission is not None:
+            self.admission.route_of = self.view.route
             self.view.on_load(self.admission.observed)
             self.view.subscribe(self._endpoints_changed)
         self.proxy = px.Proxy(
@@ -138,6 +147,10 @@ class RouterService:
             return route.endpoints if route is not None else ()
 
         self.admission.endpoints_changed(endpoints_of)
+        cold = any(r.scale_from_zero for m, _ in self.view.models() if (r := self.view.route(m)))
+        if cold != self.admission.scale_from_zero:
+            self.admission.routes_changed(cold)
+            self._install_gate()
 
     def _install_gate(self) -> None:
         """Control-plane mode: admission in the request path only while it can act."""
@@ -154,7 +167,14 @@ class RouterService:
     def describe_endpoints(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         stale = self.config.scrape.stale_after_seconds
-        return [ep.describe(now, stale) for ep in self.view.endpoints.values()]
+        out = [ep.describe(now, stale) for ep in self.view.endpoints.values()]
+        index = self.view.settings.scheduling.kv_index
+        if index is not None:
+            for ep in out:
+                st = index.endpoints.get(ep["id"])
+                # Blocks the engine holds per its KV events; null: no events (approximate).
+                ep["kv_events_blocks"] = st.count if st is not None and st.synced else None
+        return out
 
     def snapshot(self) -> snapshots.Snapshot:
         self.metrics.refresh_endpoints(self.view.endpoints.values(), time.monotonic())

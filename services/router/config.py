@@ -74,6 +74,10 @@ class PrefixConfig(cfg.ConfigStruct):
     block_bytes: int = 256  # 64 pseudo-tokens of 4 bytes, as llm-d's approximate matcher
     max_blocks: int = 128  # hash at most this many leading blocks of a prompt
     capacity_blocks: int = 16384  # LRU entries per endpoint
+    # The kv_prefix scorer: distinct engine blocks indexed from KV events (about 100 bytes
+    # each), and the queue past which cache affinity gives way to load.
+    index_max_blocks: int = 4_000_000
+    affinity_max_pending: int = 4
 
 
 class UpstreamConfig(cfg.ConfigStruct):
@@ -153,6 +157,7 @@ def validate(config: RouterConfig) -> list[str]:
         ("prefix.block_bytes", config.prefix.block_bytes),
         ("prefix.max_blocks", config.prefix.max_blocks),
         ("prefix.capacity_blocks", config.prefix.capacity_blocks),
+        ("prefix.index_max_blocks", config.prefix.index_max_blocks),
         ("upstream.pool_limit", config.upstream.pool_limit),
     ):
         if value < 1:

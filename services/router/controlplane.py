@@ -7,7 +7,8 @@
   - the endpoints bucket watch (models into the view), started once the
     tenants are loaded, so no model is served before its tenants are known,
   - the load samples subscription (`llmgw.load.*`),
-  - this router's presence and the live-router count.
+  - this router's presence and the live-router count, and its demand summary
+    for the autoscaler (admission/demand.py), sent on the presence ticks.
 
 Nothing here talks to other routers or to Postgres, and nothing provisions:
 the buckets are the reconciler's (under mTLS a router may not create them),
@@ -31,9 +32,11 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 
 from llmgw import bus, subjects, tlsconfig
+from llmgw.router.admission import demand
 from llmgw.router.admission.gate import AdmissionGate
 from llmgw.router.config import RouterConfig
 from llmgw.router.feeds import EndpointFeed, TenantFeed
+from llmgw.router.kvfeed import KvEventFeed
 from llmgw.router.kvwatch import BucketWatcher, Entry
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.presence import Presence
@@ -65,6 +68,7 @@ class ControlPlaneSource:
         self.presence: Presence | None = None
         self.watchers: list[BucketWatcher] = []  # tenants, then endpoints
         self._samples_sub = None
+        self.kv_events = None  # kvfeed.KvEventFeed, when the view has a KV block index
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -84,6 +88,8 @@ class ControlPlaneSource:
             self._task = None
         if self.presence is not None:
             await self.presence.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for watcher in self.watchers:
             await watcher.stop()
         await bus.close_quietly(self.nc)
@@ -124,8 +130,12 @@ class ControlPlaneSource:
         nc = self.nc
         if self._samples_sub is None:
             self._samples_sub = await nc.subscribe(subjects.LOAD_ALL, cb=self._sample)
+        index = self.view.settings.scheduling.kv_index if self.view is not None else None
+        if self.kv_events is None and index is not None:
+            self.kv_events = KvEventFeed(self.view, index, nc, metrics=self.metrics)
+            await self.kv_events.start()
         if self.presence is None:
-            self.presence = Presence(nc, cfg.router_id, self._routers)
+            self.presence = Presence(nc, cfg.router_id, self._routers, demand=self._demand)
             self.presence.start()
         if not self.watchers:
             self._watch(subjects.TENANTS_BUCKET, self.tenants)
@@ -163,6 +173,10 @@ class ControlPlaneSource:
     async def _sample(self, msg) -> None:
         assert self.samples is not None
         self.metrics.load_samples.inc((self.samples.handle(msg.data),))
+
+    def _demand(self):
+        assert self.view is not None
+        return demand.summary(self.config.router_id, self.gate.controller, self.view)
 
     def _routers(self, live: int) -> None:
         self.metrics.live_routers.set((), float(live))

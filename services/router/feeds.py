@@ -12,6 +12,11 @@ empty buckets until the reconciler writes them again, and clearing the view
 (or worse, the tenants, which would open the router to requests without keys)
 in that window would turn a control-plane hiccup into an outage. Records that
 arrive afterwards apply one by one; a DEL still removes.
+
+Every record carries the term of the reconciler leader that wrote it (and a
+model's record the log position it reflects). A record older than the one
+held for its key (a lower term, or the same term and a lower based_on_seq) is
+a deposed leader's late write: it is skipped, and the key keeps the newer one.
 """
 
 from __future__ import annotations
@@ -38,6 +43,23 @@ def _decode(bucket: str, key: str, raw: bytes, kind):
         return None
 
 
+def _stale(kind: str, key: str, new: tuple[int, ...], held: tuple[int, ...] | None) -> bool:
+    if held is None or new >= held:
+        return False
+    log.warning(
+        "skipped the %s record under %r: written by leader term/seq %s, older than %s held",
+        kind,
+        key,
+        new,
+        held,
+    )
+    return True
+
+
+def _age(rec: c.ModelEndpoints) -> tuple[int, int]:
+    return (rec.term, rec.based_on_seq)
+
+
 class EndpointFeed:
     """The endpoints bucket: one ModelEndpoints per key (`subjects.endpoints_key(model)`)."""
 
@@ -56,6 +78,9 @@ class EndpointFeed:
                 rec.model,
                 subjects.endpoints_key(rec.model),
             )
+            return None
+        held = self.records.get(entry.key)
+        if rec is not None and _stale("endpoints", entry.key, _age(rec), held and _age(held)):
             return None
         return rec
 
@@ -105,6 +130,7 @@ class TenantFeed:
         self.on_change = on_change  # after each change (the router re-checks its gate)
         self.tenants: dict[str, c.TenantRecord] = {}  # KV key -> last good record
         self.bands: list[c.Band] = []
+        self.bands_term = 0  # the leader term of the bands record held
         self.loaded = False
 
     def _tenant(self, entry: Entry) -> c.TenantRecord | None:
@@ -114,6 +140,9 @@ class TenantFeed:
         problems = tenant_problems(f"tenant {rec.name!r}", rec)
         if problems:
             log.error("skipped tenant record %r: %s", entry.key, "; ".join(problems))
+            return None
+        held = self.tenants.get(entry.key)
+        if _stale("tenant", entry.key, (rec.term,), held and (held.term,)):
             return None
         return rec
 
@@ -125,6 +154,9 @@ class TenantFeed:
         if problems:
             log.error("skipped the bands record: %s", "; ".join(problems))
             return None
+        if _stale("bands", entry.key, (rec.term,), (self.bands_term,)):
+            return None
+        self.bands_term = rec.term
         return list(rec.bands)
 
     def snapshot(self, entries: dict[str, Entry]) -> None:
@@ -168,6 +200,7 @@ class TenantFeed:
     def delete(self, key: str) -> None:
         if key == subjects.BANDS_KEY:
             self.bands = []
+            self.bands_term = 0
         elif self.tenants.pop(key, None) is None:
             return
         self._push()

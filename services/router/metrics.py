@@ -290,6 +290,23 @@ class RouterMetrics:
             "in the view), malformed.",
             ("result",),
         )
+        self.kv_events = Counter(
+            "llmgw_router_kv_events_total",
+            "Relayed engine KV event batches, by result: applied, resync (a gap, a new epoch "
+            "or a first batch: a snapshot is fetched), unknown (no such endpoint), malformed.",
+            ("result",),
+        )
+        self.kv_snapshots = Counter(
+            "llmgw_router_kv_snapshots_total",
+            "KV block snapshots asked of agents, by result: ok, failed (no answer in time).",
+            ("result",),
+        )
+        self.kv_index_blocks = Gauge(
+            "llmgw_router_kv_index_blocks",
+            "Distinct engine blocks in this worker's KV-event index (each worker keeps one).",
+            (),
+            merge="max",
+        )
         # Admission's series live in the same registry, so workers' snapshots merge them too.
         from llmgw.router.admission.metrics import AdmissionMetrics
 
@@ -320,6 +337,9 @@ class RouterMetrics:
                 self.live_routers,
                 self.projection_updates,
                 self.load_samples,
+                self.kv_events,
+                self.kv_snapshots,
+                self.kv_index_blocks,
                 *self.admission.series,
             ]
         )

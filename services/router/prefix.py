@@ -16,10 +16,21 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+class PromptBlocks(list):
+    """Block hashes that keep the prompt they were cut from: the precise scorer
+    (kv_prefix) tokenizes that prompt the way each engine does."""
+
+    __slots__ = ("prompt",)
+
+    def __init__(self, prompt: bytes):
+        super().__init__()
+        self.prompt = prompt
+
+
 def block_hashes(data: bytes, block: int, max_blocks: int) -> list[int]:
     """Chained hashes of the full `block`-byte blocks of `data` (at most max_blocks)."""
     n = min(len(data) // block, max_blocks)
-    out = []
+    out = PromptBlocks(data)
     h = 0
     for i in range(0, n * block, block):
         h = hash((h, data[i : i + block]))

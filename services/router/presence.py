@@ -16,6 +16,11 @@ While NATS is unreachable nothing can be seen, so the count stays where it was
 instead of ageing every peer out (which would let each router admit the whole
 global quota). After reconnecting it does not fall below its value before the
 outage for one TTL: the time every live router needs to put itself again.
+
+On the same ticks (about once a second) the router publishes its demand
+summary (admission/demand.py) on core NATS, `subjects.demand(router_id)`, for
+the reconciler's autoscaler. It is not persisted: a summary missed is replaced
+by the next one, and the leader forgets a router whose summaries stop.
 """
 
 from __future__ import annotations
@@ -94,12 +99,16 @@ class Presence:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        demand: Callable[[], c.DemandSummary] | None = None,
     ):
         self.nc = nc
         self.router_id = router_id
         self.key = subjects.router_key(router_id)
         self.subject = f"$KV.{subjects.ROUTERS_BUCKET}.{self.key}"
         self.on_count = on_count
+        self.demand = demand
+        self.demand_subject = subjects.demand(router_id)
+        self._demand_failing = False
         self.clock = clock
         self.wall = wall
         self.live = LiveRouters(router_id)
@@ -197,6 +206,7 @@ class Presence:
                         log.warning("presence not announced: %s", exc)
                     failing = True
             self._report()  # peers age out on this tick too
+            await self._publish_demand()
             self._wake.clear()
             tick = min(ttl / 3, 1.0)
             for _ in range(max(1, round(ttl / 3 / tick))):
@@ -205,3 +215,15 @@ class Presence:
                 if self._wake.is_set():
                     break
                 self._report()
+                await self._publish_demand()
+
+    async def _publish_demand(self) -> None:
+        if self.demand is None or not self.nc.is_connected:
+            return
+        try:
+            await self.nc.publish(self.demand_subject, c.encode(self.demand()))
+            self._demand_failing = False
+        except Exception as exc:  # the next tick sends a fresh one
+            if not self._demand_failing:
+                log.warning("demand summary not published: %s", exc)
+            self._demand_failing = True

@@ -20,10 +20,12 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
+from llmgw.kvblocks import prompt_hashes
 from llmgw.router.circuit import CLOSED
+from llmgw.router.prompttokens import tokens_for
 
 if TYPE_CHECKING:
     from llmgw.router.view import EndpointRuntime
@@ -33,6 +35,12 @@ if TYPE_CHECKING:
 class Settings:
     stale_after: float = 1.0  # seconds after which scraped load no longer counts
     session_capacity: int = 65536  # sessions remembered per model
+    # The router's index of engines' KV events (kvindex.BlockIndex); None: no events.
+    kv_index: Any = None
+    # Cache affinity holds while the warm engine has at most this many requests pending
+    # (waiting in its queue, or in flight from this router beyond its batch capacity).
+    affinity_max_pending: int = 4
+    kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
 
 
 class Context:
@@ -229,6 +237,87 @@ class PrefixScorer(_Stateless):
             ep.prefix.insert(ctx.prefix)
 
 
+class CachedPrefixScorer(_Stateless):
+    """The share of the prompt's blocks the endpoint actually holds, from engine KV events.
+
+    For an endpoint whose engine sends events (the router's BlockIndex is synced for
+    it) the prompt is tokenized as that engine does (prompttokens) and its blocks
+    hashed as the relay hashes them (kvblocks); for one that sends none, the
+    approximate guess of PrefixScorer stands in, and every pick still feeds that guess.
+
+    Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
+    pending (its queue from a fresh load sample, or this router's in-flight requests
+    beyond its batch capacity) scores 0 here, so load alone decides until it drains.
+    """
+
+    name = "kv_prefix"
+    learns = True
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        self.index = settings.kv_index
+        self.max_pending = settings.affinity_max_pending
+        self.max_blocks = settings.kv_max_blocks
+        self.tokenizer = ""
+
+    def configure(self, spec: SchedulingSpec) -> None:
+        self.tokenizer = spec.tokenizer
+
+    def pending(self, ep: EndpointRuntime, now: float) -> int:
+        load = ep.load
+        waiting = load.waiting if load is not None and load.at >= now - self.stale_after else 0
+        cap = ep.spec.max_running
+        beyond = ep.inflight - cap if cap else 0
+        return max(waiting, beyond)
+
+    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None]:
+        """Per candidate: the cached share from events, or None where there are none."""
+        out: list[float | None] = [None] * len(cands)
+        index = self.index
+        prompt = getattr(ctx.prefix, "prompt", None)
+        if index is None or prompt is None:
+            return out
+        tokens_by_engine: dict[str, list[int] | None] = {}
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, ep in enumerate(cands):
+            bs = index.block_size(ep.id)
+            if not bs:
+                continue
+            engine = ep.spec.engine
+            if engine not in tokens_by_engine:
+                tokens_by_engine[engine] = tokens_for(engine, self.tokenizer, prompt)
+            if tokens_by_engine[engine] is not None:
+                groups.setdefault((engine, bs), []).append(i)
+        for (engine, bs), members in groups.items():
+            tokens = tokens_by_engine[engine]
+            hashes = prompt_hashes(tokens, bs, self.max_blocks)
+            if not hashes:
+                for i in members:
+                    out[i] = 0.0
+                continue
+            found = index.match(hashes, [cands[i].id for i in members])
+            for i in members:
+                out[i] = found.get(cands[i].id, 0) / len(hashes)
+        return out
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        overlaps = self.overlaps(cands, ctx)
+        approx = ctx.prefix
+        n = len(approx)
+        now = ctx.now
+        for i, ep in enumerate(cands):
+            share = overlaps[i]
+            if share is None:
+                share = ep.prefix.match(approx) / n if n else 0.0
+            if share and self.pending(ep, now) > self.max_pending:
+                share = 0.0
+            out[i] = share
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        if ctx.prefix:
+            ep.prefix.insert(ctx.prefix)
+
+
 class SessionScorer:
     """Requests with the same session header go where that session went last."""
 
@@ -312,7 +401,15 @@ FILTERS: dict[str, Callable[[Settings], Filter]] = {
     f.name: f for f in (ServesModel, Ready, CircuitClosed)
 }
 SCORERS: dict[str, Callable[[Settings], Scorer]] = {
-    s.name: s for s in (QueueScorer, KvScorer, InflightScorer, PrefixScorer, SessionScorer)
+    s.name: s
+    for s in (
+        QueueScorer,
+        KvScorer,
+        InflightScorer,
+        PrefixScorer,
+        CachedPrefixScorer,
+        SessionScorer,
+    )
 }
 PICKERS: dict[str, Callable[[], Picker]] = {
     p.name: p for p in (MaxScore, PowerOfTwo, WeightedRandom)
@@ -345,9 +442,13 @@ class Pipeline:
         self.scorers = [
             (SCORERS[name](settings), weight) for name, weight in spec.scorers.items() if weight > 0
         ]
+        for scorer, _ in self.scorers:
+            configure = getattr(scorer, "configure", None)
+            if configure is not None:
+                configure(spec)
         self.picker = PICKERS[spec.picker]()
         self.learners = [s for s, _ in self.scorers if s.learns]
-        self.uses_prefix = any(s.name == "prefix" for s, _ in self.scorers)
+        self.uses_prefix = any(s.name in ("prefix", "kv_prefix") for s, _ in self.scorers)
         self.session_header = spec.session_header.lower().encode()
         self.uses_session = any(s.name == "session" for s, _ in self.scorers)
         self.observer = observer

@@ -107,6 +107,9 @@ class ModelRoute:
     pipeline: scheduling.Pipeline
     deadlines: DeadlineSpec
     fallbacks: tuple[str, ...]  # models to walk, in order, once this one has failed
+    # Autoscaled from zero: with no ready endpoint, requests wait in admission for one.
+    scale_from_zero: bool = False
+    unplaceable: str = ""  # why the next replica cannot be placed (the control plane's words)
 
 
 class EndpointView:
@@ -231,6 +234,8 @@ class EndpointView:
                 pipeline=pipeline,
                 deadlines=rec.deadlines,
                 fallbacks=table.chains[name][1:],
+                scale_from_zero=rec.scale_from_zero,
+                unplaceable=rec.unplaceable,
             )
         self.endpoints = endpoints
         self._routes = new_routes

@@ -22,13 +22,14 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import tokens, wire
+from llmgw.simengine import embeddings, kvevents, responses, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.faults import Faults
 from llmgw.simengine.metrics import build_registry
 from llmgw.simengine.protocol import ApiError, Job, Limits, RequestParser
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ _SSE_START = {
     ],
 }
 _encode = msgspec.json.encode
+_RESPONSES_PREFIX = "/v1/responses/"
 
 
 class _ClientGone(Exception):
@@ -82,6 +84,7 @@ class SimApp:
         names = cfg.served_names
         self.engine = Engine(engine_params(cfg))
         self.driver = Driver(self.engine)
+        self.kv_events = kvevents.attach(self.engine, cfg.kv_events_config)
         self.faults = Faults(cfg.faults, seed=cfg.seed)
         self.parser = RequestParser(
             Limits(frozenset(names), cfg.max_model_len, cfg.mode, cfg.default_output_tokens),
@@ -89,6 +92,8 @@ class SimApp:
         )
         self.registry = build_registry(self.engine, names[0])
         self._on_exit = on_exit
+        self.store = responses.ResponseStore(cfg.responses_store_size)
+        self._background_tasks: set[asyncio.Task] = set()
         self._created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
@@ -113,6 +118,8 @@ class SimApp:
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completion},
+            "/v1/embeddings": {"POST": self._embeddings},
+            "/v1/responses": {"POST": self._responses},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
@@ -123,6 +130,9 @@ class SimApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             methods = self._routes.get(scope["path"])
+            if methods is None and scope["path"].startswith(_RESPONSES_PREFIX):
+                await self._response_by_id(scope, receive, send)
+                return
             if methods is None:
                 await _send_error(send, ApiError(404, f"no route for {scope['path']}"))
                 return
@@ -144,7 +154,11 @@ class SimApp:
                 self.driver.start()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
+                for task in list(self._background_tasks):
+                    await cancel_and_wait(task)
                 await self.driver.stop()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -169,39 +183,60 @@ class SimApp:
             return
         except _ClientGone:
             return
-        cfg = self.config
-        faults = self.faults.config
-        req = Request(
-            prompt_tokens=job.prompt_tokens,
-            max_output=len(job.pieces),
-            final_reason=job.final_reason,
-            block_hashes=tokens.block_hashes(job.prompt, cfg.block_size)
-            if cfg.enable_prefix_caching
-            else (),
-            hang_after=faults.hang_after_tokens,
-            first_token_delay=faults.slow_first_token_ms / 1000,
-        )
+        await self._run_job(receive, send, job, id_kind)
+
+    async def _run_job(self, receive: Receive, send: Send, job: Job, id_kind: str) -> None:
+        reqs = self._submit(job)
         rid = f"{id_kind}-{self._id_prefix}{next(self._ids):x}"
-        self.driver.submit(req)
-        watcher = asyncio.ensure_future(self._watch_disconnect(receive, req))
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, reqs))
         try:
             if job.stream:
-                await self._stream(send, job, req, rid)
+                await self._stream(send, job, reqs, rid)
             else:
-                await self._unary(send, job, req, rid)
+                await self._unary(send, job, reqs, rid)
         finally:
             watcher.cancel()
+            self._abort_unfinished(reqs)
+        self._count_completion(reqs)
+
+    def _submit(self, job: Job) -> list[Request]:
+        """One engine request per choice: n > 1 runs n sequences, as vLLM's does."""
+        cfg = self.config
+        faults = self.faults.config
+        hashes = (
+            tokens.block_hashes(job.prompt, cfg.block_size) if cfg.enable_prefix_caching else ()
+        )
+        reqs = []
+        for out in job.outputs:
+            req = Request(
+                prompt_tokens=job.prompt_tokens,
+                max_output=len(out.pieces),
+                final_reason=out.final_reason,
+                block_hashes=hashes,
+                prompt=job.prompt,
+                hang_after=faults.hang_after_tokens,
+                first_token_delay=faults.slow_first_token_ms / 1000,
+            )
+            self.driver.submit(req)
+            reqs.append(req)
+        return reqs
+
+    def _abort_unfinished(self, reqs: list[Request]) -> None:
+        for req in reqs:
             if not req.finished:
                 # Cancelled (shutdown past its drain time): free the slot like a disconnect.
                 self.driver.abort(req)
-        if req.finished_reason != "abort" and self.faults.completed():
+
+    def _count_completion(self, reqs: list[Request]) -> None:
+        if reqs[0].finished_reason != "abort" and self.faults.completed():
             log.warning("exit_after_requests reached: exiting now, as a crashed engine would")
             asyncio.get_running_loop().call_later(EXIT_DELAY_S, self._on_exit)
 
-    async def _watch_disconnect(self, receive: Receive, req: Request) -> None:
+    async def _watch_disconnect(self, receive: Receive, reqs: list[Request]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.driver.abort(req)
+        for req in reqs:
+            self.driver.abort(req)
 
     @staticmethod
     async def _progress(req: Request, seen: int) -> None:
@@ -214,8 +249,29 @@ class SimApp:
             finally:
                 req.waiter = None
 
-    async def _stream(self, send: Send, job: Job, req: Request, rid: str) -> None:
-        enc = wire.ChunkEncoder(job, rid, int(time.time()))
+    @staticmethod
+    async def _progress_any(reqs: list[Request], seen: list[int], done: list[bool]) -> None:
+        """Wait until a choice not yet `done` has more than its `seen` tokens or has finished."""
+        waiting = [r for r, s, d in zip(reqs, seen, done, strict=True) if not d]
+        if any(
+            r.generated > s or r.finished for r, s, d in zip(reqs, seen, done, strict=True) if not d
+        ):
+            return
+        fut = asyncio.get_running_loop().create_future()
+        for req in waiting:
+            req.waiter = fut
+        try:
+            await fut
+        finally:
+            for req in waiting:
+                req.waiter = None
+
+    async def _stream(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        if len(reqs) > 1:
+            await self._stream_choices(send, job, reqs, rid)
+            return
+        req = reqs[0]
+        enc = wire.encoder(job, rid, int(time.time()))
         await send(_SSE_START)
         pending = [enc.role()] if job.kind == "chat" else []
         sent = 0
@@ -236,15 +292,191 @@ class SimApp:
             await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
             pending = []
 
-    async def _unary(self, send: Send, job: Job, req: Request, rid: str) -> None:
-        while not req.finished:
-            await self._progress(req, req.generated)
-        if req.finished_reason == "abort":
+    async def _stream_choices(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        """n > 1: each event carries one choice, interleaved as the choices progress."""
+        created = int(time.time())
+        encs = [wire.encoder(job, rid, created, i) for i in range(len(reqs))]
+        await send(_SSE_START)
+        pending = [enc.role() for enc in encs] if job.kind == "chat" else []
+        sent = [0] * len(reqs)
+        done = [False] * len(reqs)
+        while True:
+            await self._progress_any(reqs, sent, done)
+            if any(req.finished_reason == "abort" for req in reqs):
+                return
+            for i, req in enumerate(reqs):
+                if done[i]:
+                    continue
+                n, reason = req.generated, req.finished_reason
+                if n > sent[i] or reason is not None:
+                    pending += encs[i].tokens(sent[i], n, reason)
+                    sent[i] = n
+                    done[i] = reason is not None
+            if all(done):
+                if job.include_usage:
+                    pending.append(encs[0].usage(sum(sent), reqs[0].cached_tokens))
+                pending.append(wire.DONE)
+                await send({"type": "http.response.body", "body": b"".join(pending)})
+                return
+            if pending:
+                body = b"".join(pending)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                pending = []
+
+    async def _wait_all(self, reqs: list[Request]) -> bool:
+        """Wait until every choice has finished; False if the request was aborted."""
+        for req in reqs:
+            while not req.finished:
+                await self._progress(req, req.generated)
+        return all(req.finished_reason != "abort" for req in reqs)
+
+    async def _unary(self, send: Send, job: Job, reqs: list[Request], rid: str) -> None:
+        if not await self._wait_all(reqs):
             return
         body = wire.full_response(
-            job, rid, int(time.time()), req.generated, req.finished_reason, req.cached_tokens
+            job,
+            rid,
+            int(time.time()),
+            [req.generated for req in reqs],
+            [req.finished_reason for req in reqs],
+            reqs[0].cached_tokens,
         )
         await _send_json(send, 200, body)
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answered at once: pooling has no decode, and the sim models no prefill for it."""
+        cfg = self.config
+        try:
+            req, prompts = embeddings.parse(
+                await _read_body(receive),
+                self.parser.limits.served_names,
+                cfg.max_model_len,
+                cfg.embedding_dim,
+            )
+            injected = self.faults.injected_error()
+            if injected is not None:
+                raise injected
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        rid = f"embd-{self._id_prefix}{next(self._ids):x}"
+        body = embeddings.response(req, prompts, cfg.embedding_dim, rid, int(time.time()))
+        await _send_json(send, 200, body)
+
+    # -- responses ----------------------------------------------------------------------------
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            parsed = responses.parse(await _read_body(receive), self.parser, self.store)
+            injected = self.faults.injected_error()
+            if injected is not None:
+                raise injected
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        resp = responses.Response(parsed)
+        if parsed.req.store:
+            self.store.put(resp)
+        if parsed.req.background:
+            resp.status = "queued"
+            await _send_json(send, 200, resp.body())
+            resp.task = asyncio.create_task(self._background(resp), name=f"sim-{resp.id}")
+            self._background_tasks.add(resp.task)
+            resp.task.add_done_callback(self._background_tasks.discard)
+            return
+        reqs = resp.engine_requests = self._submit(parsed.job)
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, reqs))
+        try:
+            if parsed.job.stream:
+                await self._stream_response(send, resp)
+            elif await self._wait_all(reqs):
+                self._finish_response(resp)
+                await _send_json(send, 200, resp.body())
+        finally:
+            watcher.cancel()
+            self._abort_unfinished(reqs)
+            resp.engine_requests = []
+        self._count_completion(reqs)
+
+    def _finish_response(self, resp: responses.Response) -> None:
+        req = resp.engine_requests[0]
+        resp.finish(req.generated, req.finished_reason, req.cached_tokens)
+
+    async def _stream_response(self, send: Send, resp: responses.Response) -> None:
+        req = resp.engine_requests[0]
+        enc = responses.EventEncoder(resp)
+        await send(_SSE_START)
+        pending = enc.start()
+        sent = 0
+        while True:
+            await self._progress(req, sent)
+            if req.finished_reason == "abort":
+                resp.status = "cancelled"
+                return
+            n = req.generated
+            pending += enc.tokens(sent, n)
+            sent = n
+            if req.finished_reason is not None:
+                self._finish_response(resp)
+                pending += enc.end()
+                await send({"type": "http.response.body", "body": b"".join(pending)})
+                return
+            await send({"type": "http.response.body", "body": b"".join(pending), "more_body": True})
+            pending = []
+
+    async def _background(self, resp: responses.Response) -> None:
+        """A `background: true` response runs with no client attached; cancel ends it."""
+        reqs = resp.engine_requests = self._submit(resp.parsed.job)
+        resp.status = "in_progress"
+        try:
+            if await self._wait_all(reqs):
+                self._finish_response(resp)
+            elif resp.status != "cancelled":
+                resp.status = "failed"
+        finally:
+            self._abort_unfinished(reqs)
+            resp.engine_requests = []
+        self._count_completion(reqs)
+
+    async def _response_by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST .../{id}/cancel."""
+        rest = scope["path"][len(_RESPONSES_PREFIX) :]
+        response_id, _, action = rest.partition("/")
+        method = scope["method"]
+        allowed = {"": ("GET", "DELETE"), "cancel": ("POST",)}.get(action)
+        if not response_id or allowed is None:
+            await _send_error(send, ApiError(404, f"no route for {scope['path']}"))
+            return
+        if method not in allowed:
+            msg = f"{method} not allowed; use {', '.join(allowed)}"
+            await _send_error(send, ApiError(405, msg))
+            return
+        resp = self.store.get(response_id)
+        if resp is None:
+            await _send_error(send, responses.not_found(response_id))
+            return
+        if method == "GET":
+            await _send_json(send, 200, resp.body())
+        elif method == "DELETE":
+            self.store.delete(response_id)
+            body = {"id": response_id, "object": "response.deleted", "deleted": True}
+            await _send_json(send, 200, _encode(body))
+        else:
+            await self._cancel_response(send, resp)
+
+    async def _cancel_response(self, send: Send, resp: responses.Response) -> None:
+        if resp.status not in ("queued", "in_progress") or not resp.parsed.req.background:
+            msg = "Cannot cancel a synchronous response."
+            await _send_error(send, ApiError(400, msg, param="response_id"))
+            return
+        resp.status = "cancelled"
+        for req in resp.engine_requests:
+            self.driver.abort(req)
+        await _send_json(send, 200, resp.body())
 
     # -- everything else ----------------------------------------------------------------------
 

@@ -54,7 +54,21 @@ _FLAGS: list[tuple[str, str, type, str]] = [
         float,
         "on SIGTERM, time in-flight requests get to finish",
     ),
+    ("--embedding-dim", "embedding_dim", int, "length of /v1/embeddings vectors (default 256)"),
+    (
+        "--responses-store-size",
+        "responses_store_size",
+        int,
+        "responses kept for GET /v1/responses/{id} (default 1024)",
+    ),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
+    (
+        "--kv-events-config",
+        "kv_events_config",
+        str,
+        "vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557"}\'',
+    ),
 ]
 _FAULT_FLAGS: list[tuple[str, str, type, str]] = [
     (

@@ -54,11 +54,17 @@ class SimConfig(config.ConfigStruct):
     seed: int = 0
     # Tokens a lorem request without max_tokens produces before its simulated end of sequence.
     default_output_tokens: PositiveInt = 64
+    # Length of /v1/embeddings vectors (a request's `dimensions` may ask for fewer).
+    embedding_dim: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 256
+    # Responses kept for GET /v1/responses/{id} (the oldest are forgotten first).
+    responses_store_size: NonNegInt = 1024
     # Seconds to wait, port closed, before listening (as vLLM does while loading weights).
     startup_seconds: NonNegFloat = 0.0
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.
     drain_seconds: NonNegFloat = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # vLLM's `--kv-events-config` JSON: publish KV cache events over ZMQ in vLLM's format.
+    kv_events_config: str = ""
     faults: FaultConfig = msgspec.field(default_factory=FaultConfig)
 
     @property
@@ -73,6 +79,9 @@ def validate(cfg: SimConfig) -> SimConfig:
             f"kv_blocks * block_size = {cfg.kv_blocks * cfg.block_size} tokens cannot hold one "
             f"request of max_model_len = {cfg.max_model_len}: raise kv_blocks or lower max_model_len"
         )
+    from llmgw.simengine.kvevents import parse_config
+
+    parse_config(cfg.kv_events_config)  # raises ConfigError naming the field
     if any(not name for name in cfg.served_names):
         raise config.ConfigError("served_model_name: names must not be empty")
     return cfg

@@ -57,6 +57,8 @@ class Request:
     # Why the request ends once it has produced max_output tokens: "length" or "stop".
     final_reason: str = "length"
     block_hashes: tuple[int, ...] = ()
+    # The prompt's bytes: the token ids KV events carry are cut from them.
+    prompt: bytes = b""
     # Faults: stop producing (but keep slot and blocks) after this many tokens; delay the first.
     hang_after: int | None = None
     first_token_delay: float = 0.0
@@ -96,6 +98,8 @@ class Engine:
         self._aborts: list[Request] = []
         self._decode_due: float | None = None
         self._seq = 0
+        # Told which prompt blocks became cached (simengine.kvevents.Publisher); None: off.
+        self.kv_events: Any = None
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -184,8 +188,10 @@ class Engine:
             if req.epoch != epoch or req.state is not State.RUNNING:
                 continue
             if self.params.enable_prefix_caching:
-                for block, block_hash in zip(req.blocks, req.block_hashes, strict=False):
-                    self.pool.register(block, block_hash)
+                pairs = zip(req.blocks, req.block_hashes, strict=False)
+                new = [i for i, (b, h) in enumerate(pairs) if self.pool.register(b, h)]
+                if new and self.kv_events is not None:
+                    self.kv_events.stored(req, new)
             if not req.prefilled:
                 req.prefilled = True
                 self.stats.prompt_tokens += req.prompt_tokens

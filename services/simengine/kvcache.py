@@ -10,7 +10,7 @@ which keeps reusable prefixes alive a little longer than vLLM's single free queu
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class BlockPool:
@@ -21,6 +21,7 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}
         self._plain_free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.on_evict: Callable[[int], None] | None = None  # a cached block's hash is forgotten
 
     @property
     def free(self) -> int:
@@ -68,6 +69,8 @@ class BlockPool:
             else:
                 b, _ = self._cached_free.popitem(last=False)
                 del self._by_hash[self._hash[b]]
+                if self.on_evict is not None:
+                    self.on_evict(self._hash[b])
                 self._hash[b] = None
             self._ref[b] = 1
             out.append(b)
@@ -83,8 +86,11 @@ class BlockPool:
                 else:
                     self._cached_free[b] = None
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Make a computed full prompt block findable; a duplicate of a cached one stays plain."""
+    def register(self, block: int, block_hash: int) -> bool:
+        """Make a computed full prompt block findable; a duplicate of a cached one stays plain.
+        True when the block became findable now."""
         if self._hash[block] is None and block_hash not in self._by_hash:
             self._hash[block] = block_hash
             self._by_hash[block_hash] = block
+            return True
+        return False

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from llmgw import config
-from llmgw.simengine import tokens
+from llmgw.simengine import tokens, tools
 
 _encode = msgspec.json.encode
 _MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
@@ -76,6 +76,8 @@ class ContentPart(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    # An assistant turn's calls; they count as prompt text when the history comes back.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -95,28 +97,64 @@ class ChatRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]
     # OpenAI's and vLLM's default for completions; an explicit null means "as many as fit".
     max_tokens: int | None = 16
+    logprobs: int | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
+# The most choices one request may ask for: each is a running sequence in the engine.
+MAX_N = 128
+
+
+@dataclass(slots=True)
+class Output:
+    """One choice: its output pieces (one per token) and why it ends once they are out."""
+
+    pieces: list[str]
+    # "stop" or "length", as the engine counts it; a tool call's is mapped on the wire.
+    final_reason: str
+    # Set when this choice is a tool call: the pieces are its arguments' JSON text.
+    tool: tools.ToolCall | None = None
+    tool_call_id: str = ""
+
+
 @dataclass(slots=True)
 class Job:
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "responses"]
     model: str
     prompt: bytes
     prompt_tokens: int
-    pieces: list[str]
-    final_reason: str
+    outputs: list[Output]
     stream: bool
     include_usage: bool
+    # Chat: top_logprobs to send (0 = the sampled token only); completions: `logprobs`.
+    # None: no logprobs.
+    logprobs: int | None = None
+
+    @property
+    def pieces(self) -> list[str]:
+        return self.outputs[0].pieces
+
+    @property
+    def final_reason(self) -> str:
+        return self.outputs[0].final_reason
+
+    @property
+    def plain(self) -> bool:
+        """One text choice without logprobs: the encoder's fast path."""
+        return len(self.outputs) == 1 and self.logprobs is None and self.outputs[0].tool is None
 
 
 @dataclass(slots=True)
@@ -134,8 +172,8 @@ class RequestParser:
         self._rng = random.Random(seed)
 
     def chat(self, body: bytes) -> Job:
-        req = _decode(_chat_decoder, body)
-        self._common(req)
+        req = decode_body(_chat_decoder, body)
+        self.check_common(req)
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         turns = []
@@ -146,7 +184,10 @@ class RequestParser:
                     f"messages[{i}].role: unknown role {msg.role!r}; expected one of {sorted(ROLES)}",
                     param=f"messages[{i}].role",
                 )
-            turns.append((msg.role, _content_text(msg.content)))
+            text = content_text(msg.content)
+            if msg.tool_calls:
+                text += _encode(msg.tool_calls).decode()
+            turns.append((msg.role, text))
         prompt = tokens.render_chat(turns)
         users = [text for role, text in turns if role == "user"]
         echo = users[-1] if users else turns[-1][1]
@@ -154,17 +195,35 @@ class RequestParser:
         param = "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = req.max_tokens, "max_tokens"
-        return self._job("chat", req, prompt, "messages", echo, max_tokens, param)
+        try:
+            tool = tools.decide(req.tools, req.tool_choice, req.messages[-1].role)
+        except tools.ToolChoiceError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        logprobs = None
+        if req.logprobs:
+            logprobs = _non_negative(req.top_logprobs or 0, "top_logprobs")
+        elif req.top_logprobs:
+            raise ApiError(
+                400,
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                param="top_logprobs",
+            )
+        job = self.build("chat", req, prompt, "messages", echo, max_tokens, param, tool)
+        job.logprobs = logprobs
+        return job
 
     def completion(self, body: bytes) -> Job:
-        req = _decode(_completion_decoder, body)
-        self._common(req)
+        req = decode_body(_completion_decoder, body)
+        self.check_common(req)
         prompt, echo = _completion_prompt(req.prompt)
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        return self._job("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
+        job = self.build("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
+        if req.logprobs is not None:
+            job.logprobs = _non_negative(req.logprobs, "logprobs")
+        return job
 
-    def _common(self, req: _Common) -> None:
+    def check_common(self, req: _Common) -> None:
         if req.model is None:
             raise ApiError(400, "you must provide a model parameter", param="model")
         if req.model not in self.limits.served_names:
@@ -174,22 +233,23 @@ class RequestParser:
                 param="model",
                 code="model_not_found",
             )
-        if req.n not in (None, 1):
-            raise ApiError(400, f"n = {req.n}: only n = 1 is supported", param="n")
+        if req.n is not None and not 1 <= req.n <= MAX_N:
+            raise ApiError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
         if req.stream_options is not None and not req.stream:
             raise ApiError(
                 400, "stream_options is only allowed with stream = true", param="stream_options"
             )
 
-    def _job(
+    def build(
         self,
-        kind: Literal["chat", "completion"],
+        kind: Literal["chat", "completion", "responses"],
         req: ChatRequest | CompletionRequest,
         prompt: bytes,
         prompt_param: str,
         echo: str,
         max_tokens: int | None,
         max_tokens_param: str,
+        tool: tools.ToolCall | None = None,
     ) -> Job:
         lim = self.limits
         n_prompt = tokens.count_tokens(prompt)
@@ -220,35 +280,66 @@ class RequestParser:
                     code="context_length_exceeded",
                 )
         cap = max_tokens if max_tokens is not None else room
-        if lim.mode == "echo":
-            pieces = tokens.echo_pieces(echo)
-            reason = "length" if len(pieces) > cap else "stop"
-            pieces = pieces[:cap]
-        else:
-            want = max_tokens if max_tokens is not None else lim.default_output_tokens
-            rng = self._rng if req.seed is None else random.Random(req.seed)
-            pieces = tokens.lorem_pieces(min(want, cap), rng)
-            # Without max_tokens the simulated model "emits end of sequence" unless cut short.
-            reason = "stop" if max_tokens is None and want <= cap else "length"
-        if req.stop:
-            stops = [req.stop] if isinstance(req.stop, str) else req.stop
-            cut = tokens.cut_at_stop(pieces, stops)
-            if cut is not None:
-                pieces, reason = cut, "stop"
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        outputs = [
+            self._output(i, req.seed, echo, max_tokens, cap, stops, tool) for i in range(req.n or 1)
+        ]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Job(
             kind=kind,
             model=req.model,
             prompt=prompt,
             prompt_tokens=n_prompt,
-            pieces=pieces,
-            final_reason=reason,
+            outputs=outputs,
             stream=bool(req.stream),
             include_usage=include_usage,
         )
 
+    def _output(
+        self,
+        index: int,
+        seed: int | None,
+        echo: str,
+        max_tokens: int | None,
+        cap: int,
+        stops: list[str],
+        tool: tools.ToolCall | None,
+    ) -> Output:
+        lim = self.limits
+        if tool is not None:
+            # The arguments come out a few bytes a token, and max_tokens cuts them short
+            # (invalid JSON then, as a real model's would be).
+            pieces = tokens.echo_pieces(tool.arguments)
+            reason = "length" if len(pieces) > cap else "stop"
+            return Output(pieces[:cap], reason, tool, tools.call_id())
+        if lim.mode == "echo":
+            pieces = tokens.echo_pieces(echo)
+            reason = "length" if len(pieces) > cap else "stop"
+            pieces = pieces[:cap]
+        else:
+            want = max_tokens if max_tokens is not None else lim.default_output_tokens
+            if seed is None:
+                rng = self._rng
+            else:
+                # Choices of one seeded request differ from each other, and repeat exactly.
+                rng = random.Random(seed if index == 0 else f"{seed}:{index}")
+            pieces = tokens.lorem_pieces(min(want, cap), rng)
+            # Without max_tokens the simulated model "emits end of sequence" unless cut short.
+            reason = "stop" if max_tokens is None and want <= cap else "length"
+        if stops:
+            cut = tokens.cut_at_stop(pieces, stops)
+            if cut is not None:
+                pieces, reason = cut, "stop"
+        return Output(pieces, reason)
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+
+def _non_negative(value: int, param: str) -> int:
+    if value < 0:
+        raise ApiError(400, f"`{param}` must be a non-negative value, got {value}", param=param)
+    return value
+
+
+def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -263,7 +354,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
 
 
-def _content_text(content: str | list[ContentPart] | None) -> str:
+def content_text(content: str | list[ContentPart] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):

@@ -210,10 +210,18 @@ async def test_leader_killed_standby_takes_over_nothing_lost_nothing_doubled(
         assert lines[0].split() == ["MODEL", "SHARD", "STATE", "NODE", "URL"]
         ready = [line for line in lines[1:] if line.startswith("orphan ")]
         assert len(ready) == 150 and all(" ready " in line for line in ready)
+        # Each leader term logs a TermStarted first: the catalog starts after those.
         res = await asyncio.to_thread(
-            cli, "events", "export", "--from-seq", "2", "--to-seq", "4", "--api", api
+            cli, "events", "export", "--from-seq", "1", "--to-seq", "10", "--api", api
         )
-        assert [json.loads(line)["seq"] for line in res.stdout.splitlines()] == [2, 3, 4]
+        types = [json.loads(line)["type"] for line in res.stdout.splitlines()]
+        first = types.index("catalog.bands.declared") + 2  # the seq of the model after them
+        res = await asyncio.to_thread(
+            cli, "events", "export", "--from-seq", str(first), "--to-seq", str(first + 2),
+            "--api", api,
+        )  # fmt: skip
+        seqs = [first, first + 1, first + 2]
+        assert [json.loads(line)["seq"] for line in res.stdout.splitlines()] == seqs
         assert json.loads(res.stdout.splitlines()[0])["event"]["name"] == "llama"
         res = await asyncio.to_thread(cli, "get", "models", "--api", "http://127.0.0.1:1")
         assert res.returncode == 1 and "cannot reach the operator API" in res.stderr

@@ -312,3 +312,45 @@ async def test_a_command_without_tls_settings_fails_fast_instead_of_hanging(secu
         assert task.exception() is not None
     finally:
         task.cancel()
+
+
+async def test_kv_events_flow_agent_to_router_and_snapshots_answer_under_mtls(
+    reconciler, clients, violations
+):
+    """An agent relays its own engines' KV events and answers snapshot requests on the
+    router's inbox; it cannot publish events as another node."""
+    from llmgw.agent.kvrelay import KvRelays
+
+    agent = await clients("agent-node-a")
+    router = await clients("router-1")
+    relays = KvRelays("node-a")
+    await relays.attach(agent)
+    relay = relays.open("sh1")
+    try:
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def on_event(msg):
+            await events.put(msg)
+
+        await router.subscribe(s.KV_EVENTS_ALL, cb=on_event)
+        await router.flush()
+        batch = c.KvEvents(node="node-a", shard_id="sh1", epoch="e", seq_first=0, seq_last=0)
+        deadline = time.monotonic() + 15
+        got = None
+        while got is None and time.monotonic() < deadline:
+            await agent.publish(s.subject_for(batch), c.encode(batch))
+            await agent.flush()
+            with contextlib.suppress(TimeoutError):
+                got = await asyncio.wait_for(events.get(), 1)
+        assert got is not None and got.subject == s.kv_events("node-a", "sh1")
+
+        req = c.KvSnapshotRequest(node="node-a", shard_id="sh1")
+        reply = await router.request(s.subject_for(req), c.encode(req), timeout=10)
+        snap = c.decode(reply.data, c.KvSnapshot)
+        assert (snap.shard_id, snap.epoch) == ("sh1", relay.epoch)
+
+        forged = c.KvEvents(node="node-b", shard_id="x", epoch="e", seq_first=0, seq_last=0)
+        await agent.publish(s.subject_for(forged), c.encode(forged))
+        await violations('publish to "llmgw.kv.node-b.x"')
+    finally:
+        await relays.stop()

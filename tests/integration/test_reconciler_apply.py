@@ -87,7 +87,7 @@ async def test_a_concurrent_change_to_the_same_entry_is_refused(js, nats_url, tm
         await bus.publish(js, c.ModelDeclared(name="llama", replicas=9))
         real_read = apply_cli.read_current
 
-        async def read_stale(_js):
+        async def read_stale(_js, _api=None):
             return stale
 
         apply_cli.read_current = read_stale

@@ -135,7 +135,7 @@ def test_errors_are_openai_shaped_and_raised_by_the_sdk(client: openai.OpenAI, s
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=0)
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=MODEL, prompt="word " * 4000, max_tokens=1)
     assert long.value.code == "context_length_exceeded"

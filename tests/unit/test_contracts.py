@@ -69,7 +69,9 @@ def test_unknown_extra_fields_are_tolerated_for_forward_compatibility():
 
 def test_every_published_message_has_a_subject_and_per_node_prefixes():
     for msg in all_examples():
-        if isinstance(msg, (c.ModelEndpoints, c.TenantRecord, c.BandsRecord, c.RouterPresence)):
+        # Projection records live in KV buckets; a KV snapshot is a reply to an inbox.
+        unrouted = (c.ModelEndpoints, c.TenantRecord, c.BandsRecord, c.RouterPresence, c.KvSnapshot)
+        if isinstance(msg, unrouted):
             with pytest.raises(s.SubjectError):
                 s.subject_for(msg)
             continue
@@ -91,3 +93,32 @@ def test_node_ids_that_would_break_subjects_are_refused(bad):
 
 def test_model_names_are_mapped_onto_one_token():
     assert s.catalog_event("model", "org/llama:3.1") == "llmgw.evt.catalog.model.org_llama_3_1"
+
+
+def test_every_channel_has_one_route_and_every_message_one_channel():
+    assert list(s.ROUTES) == list(c.CHANNELS)
+    assert len(c.ALL_MESSAGES) == len(set(c.ALL_MESSAGES)) == len(c.CHANNEL_OF)
+    assert [ch[0] for ch in s.CHANNELS] == list(c.CHANNELS)
+
+
+def test_subjects_are_those_already_on_the_wire():
+    # Streams hold events published under these subjects; a change would split history.
+    def subject(cls, **fields):
+        msg = build(cls)
+        for k, v in fields.items():
+            setattr(msg, k, v)
+        return s.subject_for(msg)
+
+    assert subject(c.ShardStatus, node="n1") == "llmgw.evt.agent.n1.shard"
+    assert subject(c.ModelDeclared, name="m/1") == "llmgw.evt.catalog.model.m_1"
+    assert subject(c.ModelRemoved, name="m") == "llmgw.evt.catalog.model.m"
+    assert subject(c.TenantRemoved, name="t") == "llmgw.evt.catalog.tenant.t"
+    assert subject(c.BandsDeclared) == "llmgw.evt.catalog.bands.all"
+    for cls in (c.PlacementDecided, c.PlacementFailed, c.ReplicaRetired):
+        assert subject(cls, replica_id="m-r1") == "llmgw.evt.control.placement.m-r1"
+    for cls in (c.NodeUnreachable, c.NodeLost, c.NodeRecovered):
+        assert subject(cls, node="n2") == "llmgw.evt.control.node.n2"
+    assert subject(c.Heartbeat, node="n3") == "llmgw.hb.n3"
+    for cls in (c.StartShard, c.StopShard, c.DrainShard):
+        assert subject(cls, node="n4") == "llmgw.cmd.n4"
+    assert subject(c.LoadSample, node="n5") == "llmgw.load.n5"

@@ -119,3 +119,20 @@ def test_without_an_outage_listening_changes_nothing():
     t.seen("a", 1.0)
     assert t.listening(True, 6.0)
     assert names(run(log, t, 6.0)) == [("NodeUnreachable", "a")]
+
+
+def test_a_remembered_heartbeat_is_reported_but_proves_nothing():
+    log = Log().append(node("a"))
+    log.append(c.NodeLost(node="a", last_seen=0.0, based_on_seq=1))
+    t = LivenessTracker(unreachable_after=10, lost_after=30, started_at=100.0)
+    t.remember("a", 5_000.0)  # stored by a clock far ahead of ours
+    assert run(log, t, 101.0) == []  # lost stays lost: no live heartbeat
+    t.seen("a", 102.0, wall=5_001.0)
+    (ev,) = run(log, t, 103.0)
+    assert names([ev]) == [("NodeRecovered", "a")]
+    t2 = LivenessTracker(unreachable_after=10, lost_after=30, started_at=100.0)
+    log2 = Log().append(node("b"))
+    t2.remember("b", -1e9)  # nor death: silence counts from the term's start
+    assert run(log2, t2, 105.0) == []
+    assert names(run(log2, t2, 110.0)) == [("NodeUnreachable", "b")]
+    assert log2.events[-1][1].last_seen == -1e9  # reported as heard

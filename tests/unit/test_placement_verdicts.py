@@ -9,6 +9,7 @@ from llmgw.opcli.explain import render
 from llmgw.reconciler import fold, reconcile, replay, verdicts
 from llmgw.reconciler.placement import place
 from llmgw.reconciler.state import ClusterState
+from llmgw.verdicttext import group_line
 
 from ._cluster import Log, model, node
 
@@ -88,7 +89,7 @@ def test_the_rest_is_grouped_by_kind_of_reason_with_examples():
     # The chosen node and the next best-ranked fitting ones, word for word.
     assert [v.node for v in out.verdicts] == [f"fit-{i:03d}" for i in range(5)]
     assert out.verdicts[0].reason.startswith("chosen for shard 0 (fit-000-GPU-0,fit-000-GPU-1)")
-    lines = [verdicts.group_line(g) for g in out.verdict_groups]
+    lines = [group_line(g) for g in out.verdict_groups]
     assert lines == [
         "35 nodes: fits: 4 free GPUs, 0 shards of this model: "
         "fit-005, fit-006, fit-007, fit-008, fit-009, ...",

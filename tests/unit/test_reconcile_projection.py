@@ -72,3 +72,24 @@ def test_affected_keys_and_comparison_ignore_the_envelope():
     assert p.record_for(log.state, (s.TENANTS_BUCKET, "t")).band == "gold"
     assert p.kv_key((s.TENANTS_BUCKET, "t")) == s.tenant_key("t")
     assert p.record_for(log.state, (s.ENDPOINTS_BUCKET, "gone")) is None
+
+
+def test_a_model_scaled_to_zero_keeps_its_record_and_says_why_it_cannot_start():
+    spec = c.AutoscaleSpec(min=0, max=2)
+    log = Log().append(node("a", 1), c.ModelDeclared(name="z", replicas=0, autoscale=spec))
+    log.append(*reconcile.decide(log.state).events)
+    rec = p.model_record(log.state, "z")
+    assert rec.endpoints == [] and rec.scale_from_zero and rec.unplaceable == ""
+    # Another model takes the only GPU; then the autoscaler asks for a replica of z.
+    log.append(c.ModelDeclared(name="big", replicas=1))
+    log.append(*reconcile.decide(log.state).events)
+    log.append(c.ModelScaled(model="z", from_replicas=0, to_replicas=1, rule="from_zero", ts=5.0))
+    assert p.affected(log.state, {("scaled", "z")}) == {(s.ENDPOINTS_BUCKET, "z")}
+    log.append(*reconcile.decide(log.state).events)
+    rec = p.model_record(log.state, "z")
+    assert "z-r1 cannot be placed" in rec.unplaceable
+    # Scaled back to zero: the stale failure no longer speaks for the model.
+    log.append(c.ModelScaled(model="z", from_replicas=1, to_replicas=0, rule="scale_down", ts=9.0))
+    assert p.model_record(log.state, "z").unplaceable == ""
+    # A fixed count is never scale-from-zero.
+    assert not p.model_record(log.state, "big").scale_from_zero

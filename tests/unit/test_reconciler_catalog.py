@@ -48,7 +48,7 @@ def test_good_catalog_parses_into_contract_types():
     llama = cat.models[0].event()
     assert isinstance(llama, c.ModelDeclared)
     assert llama.profile.gpus_per_shard == 2 and llama.profile.selector == {"fabric": "ib"}
-    assert cat.models[1].deadlines.idle == 5.0 and cat.models[1].replicas == 1
+    assert cat.models[1].deadlines.idle == 5.0 and cat.models[1].event().replicas == 1
     assert cat.tenants[0].event().quotas.rpm == 600
 
 
@@ -125,7 +125,7 @@ def test_names_that_collide_as_subject_tokens_are_rejected():
 
 def test_an_unparseable_entry_is_still_a_known_name_for_references():
     out = problems("models: [{name: a, fallbacks: [b]}, {name: b, replicas: many}]")
-    assert out == ["models[1] (name=b): replicas: expected int, got 'many'"]
+    assert out == ["models[1] (name=b): replicas: expected int or null, got 'many'"]
 
 
 def test_plan_publishes_everything_once_then_nothing():
@@ -159,3 +159,32 @@ def test_a_removed_then_redeclared_model_counts_as_new():
     cur = current_of(cat)
     cur.add("x", 99, c.ModelRemoved(name="qwen"))
     assert [s.summary for s in catalog.plan(cat, cur)] == ["model qwen: declared"]
+
+
+def test_autoscale_is_validated_field_by_field_and_exclusive_with_replicas():
+    out = problems(
+        """
+models:
+  - {name: a, replicas: 2, autoscale: {min: 1, max: 3}}
+  - {name: b, autoscale: {min: 4, max: 2, target: 0, tolerance: 1.5}}
+  - {name: c, autoscale: {min: -1, max: 0, scale_up_after_seconds: -5}}
+  - {name: d, autoscale: {min: 1, max: 2, taget: 0.7}}
+"""
+    )
+    assert out == [
+        "models[3] (name=d): autoscale.taget: unknown field (known: max, min, "
+        "scale_down_after_seconds, scale_up_after_seconds, target, tolerance)",
+        "models[0] (name=a): autoscale: exclusive with replicas (a fixed count); remove one of them",
+        "models[1] (name=b): autoscale.max: must be at least autoscale.min (4), got 2",
+        "models[1] (name=b): autoscale.target: must be positive, got 0.0",
+        "models[1] (name=b): autoscale.tolerance: must be in [0, 1), got 1.5",
+        "models[2] (name=c): autoscale.min: must be 0 or more, got -1",
+        "models[2] (name=c): autoscale.max: must be at least 1, got 0",
+        "models[2] (name=c): autoscale.scale_up_after_seconds: must be 0 or more seconds",
+    ]
+
+
+def test_an_autoscaled_model_starts_at_min():
+    cat = catalog.parse(yaml.safe_load("models: [{name: a, autoscale: {min: 0, max: 3}}]"))
+    ev = cat.models[0].event()
+    assert ev.replicas == 0 and ev.autoscale == c.AutoscaleSpec(min=0, max=3)

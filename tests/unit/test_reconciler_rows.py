@@ -40,6 +40,16 @@ def events() -> list[c.Message]:
             output_tail=["boom"],
         ),  # fmt: skip
         c.NodeUnreachable(node="a", last_seen=1.0),
+        c.ModelDeclared(name="auto", replicas=1, autoscale=c.AutoscaleSpec(min=1, max=3)),
+        c.ModelScaled(
+            model="auto",
+            from_replicas=1,
+            to_replicas=3,
+            rule="scale_up",
+            signals=c.ScaleSignals(load=2.5, in_flight=20, capacity=8, ready=1, routers=2),
+            sustained_seconds=30.0,
+            explanation="scaled 1 → 3",
+        ),
     ]
 
 
@@ -102,7 +112,7 @@ def test_decision_rows_keep_every_verdict():
 
 def test_every_part_of_the_state_has_a_table_whose_columns_are_its_fields():
     """A field added to the state or a view without a projection column fails here first."""
-    covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq"}
+    covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq", "term"}
     assert covered == set(ClusterState.__struct_fields__)
     views = {"node": NodeView, "shard": ShardView, "replica": ReplicaView}
     messages = {"model": c.ModelDeclared, "tenant": c.TenantDeclared, "failure": c.PlacementFailed}

@@ -19,7 +19,7 @@ import msgspec
 
 from llmgw import contracts as c
 from llmgw.opcli import apiclient
-from llmgw.reconciler.verdicts import group_line
+from llmgw.verdicttext import group_line
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,34 @@ def _outdated_mark(rep: dict[str, Any] | None) -> str:
     return "  (OUTDATED: placed with an earlier profile)" if rep and rep.get("outdated") else ""
 
 
+SCALING_SHOWN = 10
+
+
+def _scaling_lines(data: dict[str, Any]) -> list[str]:
+    """An autoscaled model: its bounds, then its latest scaling decisions, oldest first."""
+    spec = data.get("autoscale")
+    if not spec:
+        return []
+    lines = [
+        f"autoscaled: {spec.get('min')} to {spec.get('max')} replica(s), target load "
+        f"{spec.get('target')} (up after {spec.get('scale_up_after_seconds'):g} s, "
+        f"down after {spec.get('scale_down_after_seconds'):g} s)"
+    ]
+    history = data.get("scaling") or []
+    if not history:
+        lines.append("  no scaling decision yet: at min until demand says otherwise")
+    for ev in history[-SCALING_SHOWN:]:
+        lines.append(f"  seq {ev['seq']}: {ev.get('explanation') or ev['rule']}")
+    # A scale-up placement could not meet: say so here, next to the decision.
+    active = sum(1 for r in data.get("replicas") or [] if not r.get("retired"))
+    wanted = data.get("desired_replicas", 0)
+    failed = [d for d in data.get("decisions") or [] if d.get("outcome") == "failed"]
+    if active < wanted and failed:
+        last = max(failed, key=lambda d: d["seq"])
+        lines.append(f"  only {active} of {wanted} placed: {last.get('explanation', '')}")
+    return lines
+
+
 def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     model = data["model"]
     replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
@@ -83,6 +111,7 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
             + (f", selector {p['selector']}" if p.get("selector") else "")
         )
         lines.extend(_roll_line(replicas.values()))
+        lines.extend(_scaling_lines(data))
     else:
         lines.append(f"{model}: not in the catalog (removed); history follows")
     hidden = 0

@@ -28,10 +28,18 @@ from llmgw import contracts
 from .config import DEFAULT_BANDS, AdmissionSettings
 from .errors import AdmissionRejected
 from .queues import BandQueue
-from .saturation import Detector, Pool
+from .saturation import READY, Detector, Pool
 from .tenants import Directory, Tenant, TenantSpec
 
 QUEUED, GRANTED, DONE, REJECTED = "queued", "granted", "done", "rejected"
+
+
+def no_replica(model: str, why: str, retry_after: int) -> AdmissionRejected:
+    return AdmissionRejected(
+        "no_replica",
+        f"Model {model!r} has no replica running and none can be started now: {why}",
+        retry_after=retry_after,
+    )
 
 
 class Metrics:
@@ -190,11 +198,21 @@ class Controller:
             self.metrics.rejected("", "", exc.reason)
             raise
 
-    def admit(self, tenant: Tenant, model: str, endpoints: Sequence[Any], tokens: int) -> Ticket:
+    def admit(
+        self,
+        tenant: Tenant,
+        model: str,
+        endpoints: Sequence[Any],
+        tokens: int,
+        *,
+        cold: bool = False,
+    ) -> Ticket:
         """Quotas, then flow or queue. Returns a GRANTED or QUEUED ticket, or raises.
 
         `tenant` is what `authenticate` returned when the request arrived, before its
         body was read; `endpoints` are the pool's endpoints as the router sees them now.
+        `cold`: the model is scaled to zero and a replica is on its way; the request
+        queues (up to its band's TTL) until an endpoint is ready.
         """
         current = self.directory.by_name.get(tenant.name)
         if current is not tenant:
@@ -224,7 +242,9 @@ class Controller:
         queues = self.queues.get(model)
         if queues is None:
             queues = self.queues[model] = [BandQueue() for _ in self.bands]
-        if self._may_flow(pool, queues, band, now):
+        if cold:
+            pool.cold = True
+        if not pool.cold and self._may_flow(pool, queues, band, now):
             pool.active += 1
             self.metrics.admitted(band_name, tenant.name, None)
             return ticket
@@ -298,8 +318,32 @@ class Controller:
         admission, so requests queued for a model that just scaled up can flow."""
         for model, pool in self.detector.pools.items():
             pool.endpoints = endpoints_of(model)
+            if pool.cold and any(ep.state is READY for ep in pool.endpoints):
+                pool.cold = False  # the first replica is serving: the wait is over
             self.pump(model)
         self.detector.forget_gone()
+
+    def reject_cold(self, model: str, why: str, retry_after: int) -> int:
+        """Requests waiting for a replica that cannot be placed: 503 with Retry-After
+        now, not a 504 at the end of their TTL. Returns how many."""
+        pool = self.detector.pools.get(model)
+        queues = self.queues.get(model)
+        if pool is None or not pool.cold or queues is None:
+            return 0
+        pool.cold = False
+        now = self.clock()
+        n = 0
+        for band, queue in enumerate(queues):
+            for ticket in queue.expire(float("inf")):
+                self.queued -= 1
+                ticket.state = REJECTED
+                self._release_quota(ticket, now, 0)
+                self.metrics.rejected(self._band_names[band], ticket.tenant_name, "no_replica")
+                ticket.error = no_replica(model, why, retry_after)
+                n += 1
+                if ticket.wake is not None:
+                    ticket.wake(ticket)
+        return n
 
     def pump(self, model: str) -> int:
         """Grant queued requests of one pool while its saturation allows; returns how many."""
@@ -307,6 +351,8 @@ class Controller:
         if not self.queued or queues is None:
             return 0
         pool = self.detector.pools[model]
+        if pool.cold:
+            return 0
         now = self.clock()
         granted = 0
         for band, queue in enumerate(queues):

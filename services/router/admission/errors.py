@@ -21,6 +21,8 @@ REASONS: dict[str, tuple[int, str, str | None]] = {
     "request_too_large": (429, "tokens", "rate_limit_exceeded"),
     "queue_full": (503, "server_error", "queue_full"),
     "queue_timeout": (504, "server_error", "queue_timeout"),
+    # Scaled to zero and the control plane cannot place a replica now.
+    "no_replica": (503, "server_error", "no_replica"),
 }
 
 

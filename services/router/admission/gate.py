@@ -23,11 +23,16 @@ from typing import Any
 from llmgw import contracts
 
 from .config import AdmissionSettings
-from .controller import QUEUED, Controller, Metrics, Ticket
+from .controller import QUEUED, Controller, Metrics, Ticket, no_replica
 from .metrics import AdmissionMetrics
+from .saturation import READY
 from .tenants import Tenant, TenantSpec
 
 log = logging.getLogger(__name__)
+
+# Seconds a client is told to wait when no replica of its model can be placed: the
+# control plane restates such a failure about this often.
+UNPLACEABLE_RETRY_AFTER = 10
 
 
 def estimate_tokens(body_bytes: int, max_tokens: int | None, default_max_tokens: int) -> int:
@@ -54,6 +59,10 @@ class AdmissionGate:
         )
         self._timer: asyncio.TimerHandle | None = None
         self._was_open = self.controller.open
+        # The router's current route of a model (view.route): a request that waited for
+        # a model's first replica is dispatched to the endpoints it waited for.
+        self.route_of: Callable[[str], Any] = lambda _model: None
+        self.scale_from_zero = False  # some model may wait for its first replica here
         self.workers = 1  # worker processes of this router, each with its own gate
         if self.controller.open and not quiet:
             log.warning(
@@ -67,6 +76,8 @@ class AdmissionGate:
         no band that can be held back (admission off, or every ceiling above 1)."""
         c = self.controller
         if not c.open:
+            return True
+        if self.settings.enabled and self.scale_from_zero:
             return True
         return self.settings.enabled and any(b.ceiling <= 1.0 for b in c.bands)
 
@@ -82,9 +93,23 @@ class AdmissionGate:
         tokens = estimate_tokens(
             len(request.body), request.max_tokens, self.settings.default_max_tokens
         )
-        ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens)
+        cold = self.settings.enabled and _cold(route)
+        if cold and route.unplaceable:
+            c = self.controller
+            band = c.bands[min(tenant.band, len(c.bands) - 1)].name
+            c.metrics.rejected(band, tenant.name, "no_replica")
+            raise no_replica(route.name, route.unplaceable, UNPLACEABLE_RETRY_AFTER)
+        ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens, cold=cold)
         if ticket.state == QUEUED:
             await self.wait(ticket)
+            if cold:
+                fresh = self.route_of(route.name)
+                if fresh is not None and fresh is not route:
+                    # The route resolved before the wait had no endpoint, and the proxy
+                    # dispatches to the route it passed in: hand it the endpoints that
+                    # ended the wait. (Routes are swapped whole on every change; a proxy
+                    # that re-resolved after admission would not need this.)
+                    object.__setattr__(route, "endpoints", fresh.endpoints)
         return ticket
 
     async def wait(self, ticket: Ticket) -> None:
@@ -144,6 +169,20 @@ class AdmissionGate:
 
     def endpoints_changed(self, endpoints_of: Callable[[str], Sequence[Any]]) -> None:
         self.controller.endpoints_changed(endpoints_of)
+        for model, pool in self.controller.detector.pools.items():
+            route = self.route_of(model) if pool.cold else None
+            if route is not None and route.unplaceable:
+                n = self.controller.reject_cold(model, route.unplaceable, UNPLACEABLE_RETRY_AFTER)
+                log.warning(
+                    "%d request(s) for %s gave up waiting for a replica: %s",
+                    n,
+                    model,
+                    route.unplaceable,
+                )
+
+    def routes_changed(self, scale_from_zero: bool) -> None:
+        """Whether some model is autoscaled from zero now (the gate must then be on)."""
+        self.scale_from_zero = scale_from_zero
 
     def observed(self, endpoint: Any) -> None:
         """The router's scraper stored a new load sample for `endpoint`."""
@@ -170,6 +209,13 @@ class AdmissionGate:
         except Exception:  # a bug here must not strand every queued request
             log.exception("admission tick failed")
         self._arm()
+
+
+def _cold(route: Any) -> bool:
+    """Scaled to zero: the model may get a replica, but none is ready now."""
+    if not getattr(route, "scale_from_zero", False):  # duck-typed routes (tests) lack it
+        return False
+    return not any(ep.state is READY for ep in route.endpoints)
 
 
 def control_plane_gate(config: Any, metrics: AdmissionMetrics | None = None) -> AdmissionGate:

@@ -78,6 +78,12 @@ class BandQueue:
         self.depth -= 1
         return True
 
+    def oldest(self) -> Queued | None:
+        """The item queued longest (arrival order, whatever the tenant rotation)."""
+        for item in self._arrivals:
+            return item
+        return None
+
     def next_deadline(self) -> float | None:
         for item in self._arrivals:
             return item.deadline

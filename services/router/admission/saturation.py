@@ -52,12 +52,15 @@ READY = EndpointState.READY
 
 
 class Pool:
-    __slots__ = ("name", "endpoints", "active")
+    __slots__ = ("name", "endpoints", "active", "cold")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.endpoints: Sequence[Any] = ()  # the latest route's endpoints
         self.active = 0  # granted by admission and not yet finished
+        # Scaled to zero with requests waiting for its first replica: nothing flows
+        # until an endpoint is ready (saturation 0 would let them through to a 503).
+        self.cold = False
 
 
 class Learned:
@@ -208,6 +211,12 @@ class Detector:
         return others if others > 0 else 0.0
 
     def saturation(self, pool: Pool, now: float) -> float:
+        sat = self.unclamped(pool, now)
+        return sat if sat < 1.0 else 1.0
+
+    def unclamped(self, pool: Pool, now: float) -> float:
+        """Saturation before clamping to 1: how far past the healthy limit the pool is
+        (the autoscaler's record of it; admission needs only the clamped value)."""
         n = 0
         in_flight = 0
         capacity = 0.0
@@ -230,5 +239,4 @@ class Detector:
             return 0.0
         own = max(pool.active, in_flight) - capacity
         queued = (own if own > 0 else 0.0) + others
-        sat = max(queued / (self.queue_threshold * n), kv_sum / n / self.kv_threshold)
-        return sat if sat < 1.0 else 1.0
+        return max(queued / (self.queue_threshold * n), kv_sum / n / self.kv_threshold)

@@ -1,0 +1,91 @@
+"""Canonical prompt-block hashes: what routers index and what they compute for a prompt.
+
+Engines hash their blocks their own way (vLLM: sha256 over a random per-process
+seed, unless PYTHONHASHSEED is pinned), so no router can recompute an engine's
+hashes. KV events carry each stored block's token ids instead; the agent's relay
+maps every engine hash to a canonical one, chained over token ids exactly as the
+engine chains its own (block i's hash covers blocks 0..i), and routers hash a
+prompt's token ids the same way. Two processes on any machine agree: the hash is
+blake2b, not Python's salted `hash`.
+
+Canonical hashes are 63-bit non-negative ints, so they survive JSON anywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+ROOT = 0
+_MASK = (1 << 63) - 1
+
+
+def root_for(lora_name: str | None) -> int:
+    """The chain's start: blocks computed under a LoRA adapter never match the base model's."""
+    if not lora_name:
+        return ROOT
+    return int.from_bytes(blake2b(b"lora:" + lora_name.encode(), digest_size=8).digest()) & _MASK
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as what is hashed: little-endian uint32s."""
+    a = array("I", tokens)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def chain_bytes(parent: int, block: bytes) -> int:
+    """The canonical hash of one block (its token_bytes) after the block hashed `parent`."""
+    h = blake2b(parent.to_bytes(8, "little") + block, digest_size=8)
+    return int.from_bytes(h.digest(), "little") & _MASK
+
+
+def chain(parent: int, tokens: Sequence[int]) -> int:
+    return chain_bytes(parent, token_bytes(tokens))
+
+
+def prompt_hashes(
+    tokens: bytes | Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+) -> list[int]:
+    """Canonical hashes of the full blocks of a prompt (at most max_blocks); `tokens` are
+    token ids or their token_bytes (cheaper: the hot path hashes byte slices).
+
+    Only full blocks count, as in vLLM, and the block holding the last prompt token is
+    recomputed anyway, but an engine can still hold it from an earlier, longer prompt.
+    """
+    data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
+    span = 4 * block_size
+    n = min(len(data) // span, max_blocks)
+    out = []
+    h = root
+    for i in range(0, n * span, span):
+        h = chain_bytes(h, data[i : i + span])
+        out.append(h)
+    return out
+
+
+def token_count(tokens: bytes | Sequence[int]) -> int:
+    return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+
+
+def sim_token_bytes(prompt: bytes) -> bytes:
+    """token_bytes(byte_tokens(prompt)), without making the ints."""
+    pad = -len(prompt) % 4
+    if sys.byteorder == "little":
+        return prompt + b"\0" * pad
+    return token_bytes(byte_tokens(prompt))
+
+
+def byte_tokens(prompt: bytes) -> list[int]:
+    """The simulator's token ids: its prompt bytes, 4 per token (little-endian uint32), the
+    last one zero-padded. Token-id prompts, which the simulator packs 4 bytes per id, come
+    back as the same ids."""
+    pad = -len(prompt) % 4
+    a = array("I")
+    a.frombytes(prompt + b"\0" * pad)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()

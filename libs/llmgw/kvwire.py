@@ -1,0 +1,147 @@
+"""vLLM's KV cache event wire format (ZMQ), shared by the simulator and the agent's relay.
+
+vLLM's `ZmqEventPublisher` sends each batch as three frames: the topic, an 8-byte
+big-endian sequence number, and a msgpack `KVEventBatch`, an array
+`[ts, [event, ...], data_parallel_rank]`. Events are msgpack maps tagged by
+`type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) with vLLM's field
+order; vLLM releases before 0.10 sent each event as a tagged array instead
+(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`),
+and `decode_batch` reads both. Block hashes are vLLM's own (bytes for its
+sha256 hashes, ints for the builtin hash): opaque here, only compared for equality.
+
+The encoder mirrors vLLM's msgspec Structs field for field so the simulator's
+bytes are vLLM's bytes (a unit test pins them against bytes a real vLLM 0.32
+produced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+BlockHash = bytes | int
+
+
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(_Event):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(_Event):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(_Event):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(ts: float, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> bytes:
+    return _encoder.encode(_Batch(ts=ts, events=events))
+
+
+def frames(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    return [topic.encode(), seq.to_bytes(8, "big"), payload]
+
+
+class WireError(ValueError):
+    """A message that is not a vLLM KV event batch (the relay counts and skips it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    block_hashes: list[BlockHash]
+    parent: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+def parse_frames(parts: list[bytes]) -> tuple[int, float, list[Event]]:
+    """(sequence, timestamp, events) of one ZMQ message; raises WireError."""
+    if len(parts) != 3 or len(parts[1]) != 8:
+        raise WireError(f"expected 3 frames (topic, 8-byte seq, payload), got {len(parts)}")
+    seq = int.from_bytes(parts[1], "big", signed=True)
+    ts, events = decode_batch(parts[2])
+    return seq, ts, events
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"payload is not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise WireError("payload is not a [ts, [events], ...] batch")
+    ts = raw[0] if isinstance(raw[0], int | float) else 0.0
+    return float(ts), [_event(e) for e in raw[1]]
+
+
+def _hashes(value: Any) -> list[BlockHash]:
+    if not isinstance(value, list) or not all(isinstance(h, bytes | int) for h in value):
+        raise WireError("block_hashes must be a list of bytes or ints")
+    return value
+
+
+def _event(e: Any) -> Event:
+    if isinstance(e, dict):
+        kind = e.get("type")
+        get = e.get
+    elif isinstance(e, list) and e and isinstance(e[0], str):
+        kind = e[0]
+        names = {
+            "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+            "BlockRemoved": ("block_hashes",),
+        }.get(kind, ())
+        fields = dict(zip(names, e[1:], strict=False))
+        get = fields.get
+    else:
+        raise WireError(f"an event must be a tagged map or array, not {type(e).__name__}")
+    if kind == "BlockStored":
+        tokens = get("token_ids")
+        size = get("block_size")
+        if not isinstance(tokens, list) or not isinstance(size, int) or size <= 0:
+            raise WireError("BlockStored needs token_ids (a list) and a positive block_size")
+        parent = get("parent_block_hash")
+        if parent is not None and not isinstance(parent, bytes | int):
+            raise WireError("parent_block_hash must be bytes, an int or null")
+        lora = get("lora_name")
+        return Stored(_hashes(get("block_hashes")), parent, tokens, size, lora or None)
+    if kind == "BlockRemoved":
+        return Removed(_hashes(get("block_hashes")))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    raise WireError(f"unknown event type {kind!r}")

@@ -1,0 +1,316 @@
+"""KV cache events from the node's engines onto the bus, and snapshots on request.
+
+Each vLLM or simulator engine the agent launches gets `--kv-events-config` pointing
+at a ZMQ SUB socket the relay binds on loopback (the engine's PUB connects, as vLLM's
+does for a non-wildcard endpoint). The relay
+
+- keeps the engine's cached block set, each engine block hash mapped to its canonical
+  hash (llmgw.kvblocks: chained over the token ids the event carries), so routers can
+  hash a prompt the same way without knowing the engine's hash seed;
+- publishes the changes, in order, batched every few milliseconds, as `KvEvents` on
+  core NATS (`llmgw.kv.<node>.<shard>`), each batch naming the engine's own sequence
+  numbers it covers and the relay's epoch, so a router sees any gap;
+- answers `KvSnapshotRequest` on `llmgw.kvsnap.<node>.<shard>` with the whole set as
+  of the last engine batch it applied (after publishing what it had pending, so no
+  published batch straddles a snapshot).
+
+Events are fire and forget: a batch lost on the bus is a gap, which routers repair
+with a snapshot. A gap between the engine and the relay (ZMQ drops past its
+high-water mark) cannot be repaired from here: it is counted and logged, and the set
+may miss blocks or keep evicted ones until they are stored or removed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from llmgw import contracts as c
+from llmgw import kvblocks, kvwire, subjects
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+# Bytes per hash in a JSON snapshot, at most (19 digits and a comma), for sizing replies.
+_HASH_JSON_BYTES = 20
+
+
+class BlockSet:
+    """An engine's cached blocks: engine hash -> canonical hash. Pure; no I/O."""
+
+    def __init__(self) -> None:
+        self.canon: dict[kvwire.BlockHash, int] = {}
+        self.block_size = 0
+        self.orphans = 0  # stored blocks whose parent was unknown (not indexed)
+
+    def apply(self, events: list[kvwire.Event]) -> list[c.KvBlockOp]:
+        ops: list[c.KvBlockOp] = []
+        canon = self.canon
+        for ev in events:
+            if isinstance(ev, kvwire.Stored):
+                self.block_size = ev.block_size
+                if ev.parent is None:
+                    h = kvblocks.root_for(ev.lora_name)
+                else:
+                    parent = canon.get(ev.parent)
+                    if parent is None:
+                        # Stored before the relay listened: its chain cannot be rebuilt.
+                        self.orphans += len(ev.block_hashes)
+                        continue
+                    h = parent
+                span = 4 * ev.block_size
+                try:
+                    data = kvblocks.token_bytes(ev.token_ids)
+                except (OverflowError, TypeError):
+                    self.orphans += len(ev.block_hashes)  # token ids outside uint32
+                    continue
+                out = []
+                for i, eh in enumerate(ev.block_hashes):
+                    block = data[i * span : (i + 1) * span]
+                    if len(block) < span:
+                        break
+                    h = kvblocks.chain_bytes(h, block)
+                    canon[eh] = h
+                    out.append(h)
+                if out:
+                    ops.append(c.KvBlockOp(op=c.KvOp.STORED, hashes=out))
+            elif isinstance(ev, kvwire.Removed):
+                out = [h for eh in ev.block_hashes if (h := canon.pop(eh, None)) is not None]
+                if out:
+                    ops.append(c.KvBlockOp(op=c.KvOp.REMOVED, hashes=out))
+            else:
+                canon.clear()
+                ops.append(c.KvBlockOp(op=c.KvOp.CLEARED))
+        return ops
+
+    def hashes(self) -> list[int]:
+        return list(self.canon.values())
+
+
+class EngineRelay:
+    """One engine's socket, block set and outgoing batches."""
+
+    def __init__(
+        self,
+        node: str,
+        shard_id: str,
+        *,
+        publish: Publish,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        flush_seconds: float = 0.01,
+        max_ops: int = 512,
+        metrics=None,
+    ):
+        self.node = node
+        self.shard_id = shard_id
+        self.url = ""
+        self.publish = publish
+        self.metrics = metrics
+        self.flush_seconds = flush_seconds
+        self.max_ops = max_ops
+        self.subject = subjects.kv_events(node, shard_id)
+        self.blocks = BlockSet()
+        self.epoch = secrets.token_hex(6)
+        self.last_seq = -1  # the engine's last batch applied
+        self.engine_gaps = 0
+        self.malformed = 0
+        self.published = 0
+        self._ops: list[c.KvBlockOp] = []
+        self._first = -1
+        self._flush_task: asyncio.Task | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.port = port
+        self.endpoint = f"tcp://{host}:{port}"
+        self.task: asyncio.Task | None = None
+
+    # -- the engine side -------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart()
+            self.receive(parts)
+
+    def receive(self, parts: list[bytes]) -> None:
+        try:
+            seq, _, events = kvwire.parse_frames(parts)
+        except kvwire.WireError as exc:
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning("shard %s: skipped malformed KV events (%s)", self.shard_id, exc)
+            return
+        if seq <= self.last_seq:
+            # Numbering started over: a new engine process behind the same socket.
+            self._new_epoch()
+        elif self.last_seq >= 0 and seq != self.last_seq + 1:
+            self.engine_gaps += 1
+            if self.metrics is not None:
+                self.metrics.kv_engine_gaps.inc()
+            log.warning(
+                "shard %s: engine KV events %d..%d were lost before the relay",
+                self.shard_id,
+                self.last_seq + 1,
+                seq - 1,
+            )
+        self.last_seq = seq
+        ops = self.blocks.apply(events)
+        if self._first < 0:
+            self._first = seq
+        self._ops.extend(ops)
+        if len(self._ops) >= self.max_ops:
+            self._schedule(0.0)
+        else:
+            self._schedule(self.flush_seconds)
+
+    def _new_epoch(self) -> None:
+        self._ops.clear()
+        self._first = -1
+        self.blocks = BlockSet()
+        self.epoch = secrets.token_hex(6)
+        self.last_seq = -1
+
+    # -- the bus side ----------------------------------------------------------------
+
+    def _schedule(self, delay: float) -> None:
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.ensure_future(self._flush_later(delay))
+
+    async def _flush_later(self, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        await self.flush()
+
+    def take_batch(self) -> c.KvEvents | None:
+        """The pending changes as one message (cleared from pending), or None."""
+        if self._first < 0:
+            return None
+        msg = c.KvEvents(
+            node=self.node,
+            shard_id=self.shard_id,
+            url=self.url,
+            epoch=self.epoch,
+            seq_first=self._first,
+            seq_last=self.last_seq,
+            block_size=self.blocks.block_size,
+            ops=self._ops,
+        )
+        self._ops = []
+        self._first = -1
+        return msg
+
+    async def flush(self) -> None:
+        msg = self.take_batch()
+        if msg is None:
+            return
+        try:
+            await self.publish(self.subject, c.encode(msg))
+            self.published += 1
+            if self.metrics is not None:
+                self.metrics.kv_batches.inc()
+        except Exception as exc:  # the bus is down: routers will see the gap and resync
+            log.debug("shard %s: KV events not published: %s", self.shard_id, exc)
+            if self.metrics is not None:
+                self.metrics.publish_failures.labels("kv_events").inc()
+
+    async def snapshot(self, max_payload: int) -> c.KvSnapshot:
+        await self.flush()
+        hashes = self.blocks.hashes()
+        room = max(0, (max_payload - 2048) // _HASH_JSON_BYTES)
+        return c.KvSnapshot(
+            node=self.node,
+            shard_id=self.shard_id,
+            url=self.url,
+            epoch=self.epoch,
+            seq=self.last_seq,
+            block_size=self.blocks.block_size,
+            hashes=hashes[-room:] if len(hashes) > room else hashes,
+            truncated=len(hashes) > room,
+        )
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.run())
+
+    async def close(self) -> None:
+        for task in (self.task, self._flush_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class KvRelays:
+    """The agent's relays, by shard id, and the node's snapshot service."""
+
+    def __init__(self, node: str, host: str = "127.0.0.1", metrics=None):
+        self.node = node
+        self.host = host
+        self.metrics = metrics  # telemetry.AgentMetrics, or None
+        self.relays: dict[str, EngineRelay] = {}
+        self._nc = None
+        self._sub = None
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            raise ConnectionError("not connected to NATS")
+        await nc.publish(subject, data)
+
+    def open(self, shard_id: str, port: int = 0) -> EngineRelay:
+        """Bind a relay for this shard (a free loopback port unless `port`) and start it."""
+        old = self.relays.pop(shard_id, None)
+        if old is not None:
+            asyncio.ensure_future(old.close())
+        relay = EngineRelay(
+            self.node, shard_id, publish=self._publish, port=port, host=self.host,
+            metrics=self.metrics,
+        )  # fmt: skip
+        relay.start()
+        self.relays[shard_id] = relay
+        return relay
+
+    async def close(self, shard_id: str) -> None:
+        relay = self.relays.pop(shard_id, None)
+        if relay is not None:
+            await relay.close()
+
+    async def attach(self, nc) -> None:
+        """Start answering snapshot requests on this connection."""
+        self._nc = nc
+        self._sub = await nc.subscribe(subjects.kv_snapshots_of(self.node), cb=self._on_request)
+
+    async def _on_request(self, msg) -> None:
+        if not msg.reply:
+            return
+        token = msg.subject.rsplit(".", 1)[-1]
+        relay = next(
+            (r for r in self.relays.values() if subjects.safe_token(r.shard_id) == token), None
+        )
+        if relay is None:
+            return  # no such engine here: the asker times out and treats it as silent
+        snap = await relay.snapshot(self._nc.max_payload)
+        with contextlib.suppress(Exception):
+            await msg.respond(c.encode(snap))
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        for shard_id in list(self.relays):
+            await self.close(shard_id)

@@ -1,0 +1,44 @@
+"""The autoscaler as one of the leader's controllers (controller.py).
+
+`AutoscaleController` (autoscaler.py) collects the routers' demand summaries and
+turns them into ModelScaled events; this runs it the way every controller runs:
+a pass every `tick` seconds (summaries arrive on core NATS, not through the fold,
+so it wakes on time rather than on changes), on committed state only, publishing
+through the term-stamping context so an older leader's decision is fenced off
+like any other control event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from llmgw import subjects as s
+
+from .autoscaler import AutoscaleController
+from .changes import ChangeSet
+from .controller import Context, Controller, Result
+from .state import ClusterState
+
+
+class Autoscaler(Controller):
+    name = "autoscale"
+    watches = frozenset()
+
+    def __init__(self, ctx: Context, cfg):  # noqa: ARG002 (the actor's config: not used)
+        super().__init__(ctx)
+        self.inner = AutoscaleController(clock=ctx.clock)
+        self.resync = self.inner.cfg.tick
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.ctx.nc.subscribe(s.DEMAND_ALL, cb=self.inner._on_summary)
+
+    async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
+        await self.inner._tick(state, self.ctx.publish)
+        return Result()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None

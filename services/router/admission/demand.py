@@ -1,0 +1,72 @@
+"""What this router sees of each model's demand: the autoscaler's input.
+
+`summary()` reads the admission controller and the endpoint view as they are
+now, O(models + endpoints), and returns a DemandSummary the router publishes
+about once a second on core NATS (presence.py). Per model:
+
+- in_flight: requests admission granted that have not finished, or the
+  endpoints' in-flight counts if higher (admission may be off: no tenants and
+  no band that holds back, and the proxy still counts what it dispatched);
+- queued: waiting in admission, per band, with the oldest wait;
+- saturation: the pool's saturation as admission computes it, unclamped;
+- capacity and ready: the ready endpoints and their batch slots, as learned
+  from load samples or declared (whole engines: the leader takes them once,
+  not once per router), and whether every one was declared;
+- waiting: what the engines' fresh load samples show waiting in their own
+  queues (whole engines too).
+
+Each router sees only its share of the requests; the leader adds them up.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from llmgw import contracts as c
+from llmgw.contracts import EndpointState
+
+from .controller import Controller
+from .saturation import Pool
+
+
+def model_demand(controller: Controller, model: str, endpoints: Any, now: float) -> c.ModelDemand:
+    detector = controller.detector
+    pool = detector.pools.get(model)
+    if pool is None:
+        # Never admitted here: judge the route's endpoints without creating a pool.
+        pool = Pool(model)
+    pool.endpoints = endpoints
+    ready = [ep for ep in endpoints if ep.state is EndpointState.READY]
+    in_flight = max(pool.active, sum(ep.inflight for ep in endpoints))
+    queued: dict[str, c.BandDemand] = {}
+    for band, queue in zip(controller.bands, controller.queues.get(model, ()), strict=False):
+        if queue.depth:
+            oldest = queue.oldest()
+            wait = now - oldest.created if oldest is not None else 0.0
+            queued[band.name] = c.BandDemand(queued=queue.depth, oldest_wait_seconds=round(wait, 3))
+    fresh = now - detector.stale_after
+    return c.ModelDemand(
+        in_flight=in_flight,
+        queued=queued,
+        saturation=round(detector.unclamped(pool, now), 4),
+        capacity=sum(detector.capacity(ep) for ep in ready),
+        ready=len(ready),
+        capacity_declared=all(ep.spec.max_running for ep in ready),
+        waiting=sum(
+            int(ep.load.waiting) for ep in ready if ep.load is not None and ep.load.at >= fresh
+        ),
+    )
+
+
+def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummary:
+    """This router's demand for every model its view routes (aliases are not models)."""
+    now = controller.clock()
+    models = {}
+    for name, canonical in view.models():
+        if canonical is not None:
+            continue
+        route = view.route(name)
+        if route is not None:
+            models[name] = model_demand(controller, name, route.endpoints, now)
+    return c.DemandSummary(router_id=router_id, process=os.getpid(), models=models)

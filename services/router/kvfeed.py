@@ -1,0 +1,196 @@
+"""Engines' KV events from the bus into the router's BlockIndex (kvindex.py).
+
+Subscribes to `llmgw.kv.>` (core NATS); each `KvEvents` names its shard, which is
+the projection's endpoint id (its URL is the fallback, as for load samples).
+When the index asks for it (a first batch, a gap, a new epoch) the feed requests
+that engine's snapshot from its agent (`llmgw.kvsnap.<node>.<shard>`, request/reply
+with a deadline) and replays what arrived meanwhile. Endpoints that appear in the
+projection get a snapshot request too, so an idle engine's cache is known before
+its next event; endpoints that leave it have their blocks dropped.
+
+One task per snapshot request, owned here and cancelled on stop; at most one per
+endpoint at a time, and a failed one is retried no sooner than `retry_seconds`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from llmgw import contracts as c
+from llmgw import subjects
+from llmgw.router.kvindex import BlockIndex
+from llmgw.router.view import EndpointRuntime, EndpointView
+
+log = logging.getLogger(__name__)
+
+_RELAYED_ENGINES = ("vllm", "sim")
+
+
+class KvEventFeed:
+    def __init__(
+        self,
+        view: EndpointView,
+        index: BlockIndex,
+        nc,
+        *,
+        request_timeout: float = 2.0,
+        retry_seconds: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        metrics=None,
+    ):
+        self.view = view
+        self.index = index
+        self.nc = nc
+        self.request_timeout = request_timeout
+        self.retry_seconds = retry_seconds
+        self.clock = clock
+        self.metrics = metrics  # RouterMetrics, or None
+        self.malformed = 0
+        self.unknown = 0
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._failed_at: dict[str, float] = {}
+        self._by_url: dict[str, str] = {}
+        self._sub = None
+        self._sweeper: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_msg)
+        self.view.subscribe(self.endpoints_changed)
+        self.endpoints_changed()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        tasks = list(self._tasks.values())
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- the projection ------------------------------------------------------------------
+
+    def endpoints_changed(self) -> None:
+        endpoints = self.view.endpoints
+        self._by_url = {e.url: e.id for e in endpoints.values()}
+        for ep_id in [e for e in self.index.endpoints if e not in endpoints]:
+            self.index.drop(ep_id)
+            self._failed_at.pop(ep_id, None)
+            task = self._tasks.pop(ep_id, None)
+            if task is not None:
+                task.cancel()
+        if self._stopped:
+            return
+        self._maybe_sweep()
+        for ep in endpoints.values():
+            if (
+                ep.spec.engine in _RELAYED_ENGINES
+                and ep.spec.node
+                and ep.id not in self.index.endpoints
+                and self.index.resync(ep.id)
+            ):
+                self._fetch(ep.spec.node, ep.id)
+
+    # -- events --------------------------------------------------------------------------
+
+    def endpoint_for(self, batch: c.KvEvents) -> EndpointRuntime | None:
+        ep = self.view.endpoints.get(batch.shard_id)
+        if ep is None and batch.url:
+            ep_id = self._by_url.get(batch.url.rstrip("/"))
+            ep = self.view.endpoints.get(ep_id) if ep_id else None
+        return ep
+
+    async def _on_msg(self, msg) -> None:
+        result = self.handle(msg.data)
+        if self.metrics is not None:
+            self.metrics.kv_events.inc((result,))
+            self.metrics.kv_index_blocks.set((), float(len(self.index)))
+
+    def handle(self, raw: bytes) -> str:
+        """One `KvEvents` message: "applied", "resync", "unknown" or "malformed"."""
+        try:
+            batch = c.decode(raw, c.KvEvents)
+        except c.ContractError as exc:
+            self.malformed += 1
+            if self.malformed == 1 or self.malformed % 1000 == 0:
+                log.warning("skipped malformed KV events (%d so far): %s", self.malformed, exc)
+            return "malformed"
+        ep = self.endpoint_for(batch)
+        if ep is None:
+            self.unknown += 1
+            return "unknown"
+        if self.index.offer(ep.id, batch):
+            self._fetch(batch.node, ep.id)
+            return "resync"
+        self._maybe_sweep()  # a batch may have cleared the engine's blocks
+        return "applied"
+
+    def _maybe_sweep(self) -> None:
+        if self.index.needs_sweep and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Forgotten blocks out of the index, a chunk per turn of the event loop."""
+        while not self.index.sweep(20_000):
+            await asyncio.sleep(0)
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def _fetch(self, node: str, endpoint_id: str) -> None:
+        if endpoint_id in self._tasks or self._stopped:
+            return
+        failed = self._failed_at.get(endpoint_id)
+        delay = 0.0
+        if failed is not None:
+            delay = max(0.0, failed + self.retry_seconds - self.clock())
+        self._tasks[endpoint_id] = asyncio.ensure_future(self._snapshot(node, endpoint_id, delay))
+
+    async def _snapshot(self, node: str, endpoint_id: str, delay: float) -> None:
+        again = False
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            ep = self.view.endpoints.get(endpoint_id)
+            shard_id = endpoint_id
+            req = c.KvSnapshotRequest(node=node, shard_id=shard_id)
+            try:
+                reply = await self.nc.request(
+                    subjects.kv_snapshot(node, shard_id),
+                    c.encode(req),
+                    timeout=self.request_timeout,
+                )
+                snap = c.decode(reply.data, c.KvSnapshot)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # No relay for it (an engine without events), or the agent is away.
+                log.debug("no KV snapshot for %s on %s: %s", endpoint_id, node, exc)
+                self._failed_at[endpoint_id] = self.clock()
+                if self.metrics is not None:
+                    self.metrics.kv_snapshots.inc(("failed",))
+                self.index.snapshot_failed(endpoint_id)
+                self._maybe_sweep()
+                return
+            if ep is None or endpoint_id not in self.view.endpoints:
+                return
+            self._failed_at.pop(endpoint_id, None)
+            if self.metrics is not None:
+                self.metrics.kv_snapshots.inc(("ok",))
+            if snap.truncated:
+                log.warning(
+                    "KV snapshot of %s was truncated to %d blocks", endpoint_id, len(snap.hashes)
+                )
+            again = self.index.snapshot(endpoint_id, snap)
+            self._maybe_sweep()
+        finally:
+            if self._tasks.get(endpoint_id) is asyncio.current_task():
+                del self._tasks[endpoint_id]
+        if again:
+            self._fetch(node, endpoint_id)

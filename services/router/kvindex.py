@@ -1,0 +1,272 @@
+"""Which engine holds which prompt block: an index fed only by engines' KV events.
+
+Agents relay each engine's KV cache events with canonical block hashes
+(llmgw.kvblocks) and the engine's own batch numbers; every router folds the same
+stream into the same index, so every router sees the same caches. Pure: the feed
+(kvfeed.py) does the I/O.
+
+One dict maps a block hash to a bit mask of the endpoints holding it (a slot per
+endpoint), so matching a prompt costs one lookup per prompt block whatever the
+number of endpoints. Memory is bounded by `max_blocks` distinct hashes (stores
+beyond it are dropped and counted); measured at about 90 bytes per block
+(tests/bench/bench_prefix_routing.py prints it).
+
+Forgetting all of one endpoint's blocks (a snapshot, a clear, a removed endpoint)
+would be a scan of the whole index, seconds per million blocks on a busy machine,
+stalling the router. Instead the endpoint moves to a fresh slot at once and its old
+slot is retired: matching only ever looks at live slots, and `sweep` clears retired
+bits in bounded chunks that the feed runs between other work; a retired slot is
+reused only once swept.
+
+Per endpoint the index follows the relay's numbering: a batch must continue where
+the last one ended, in the same epoch. Anything else (a first batch, a restarted
+relay or engine, a lost batch) makes it ask for a snapshot; batches that arrive
+meanwhile are kept and replayed on top of it. Until an endpoint has been synced
+once it "has no events", and schedulers fall back to their approximate guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from llmgw import contracts as c
+
+_MAX_BUFFERED = 4096  # batches kept while a snapshot is awaited
+
+
+@dataclass(slots=True)
+class EndpointBlocks:
+    slot: int
+    epoch: str = ""
+    seq: int = -1
+    block_size: int = 0
+    count: int = 0
+    synced: bool = False
+    resyncing: bool = False
+    buffered: list[c.KvEvents] = field(default_factory=list)
+
+
+class BlockIndex:
+    def __init__(self, max_blocks: int = 4_000_000):
+        self.max_blocks = max_blocks
+        self.blocks: dict[int, int] = {}
+        self.endpoints: dict[str, EndpointBlocks] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._retired = 0  # bit mask of slots whose blocks are still to be swept
+        self._sweeping = 0  # the part of it the sweep under way clears
+        self._sweep_keys: list[int] = []
+        self._sweep_at = 0
+        self.dropped_stores = 0
+        self.gaps = 0
+        self.snapshots = 0
+
+    # -- reading -------------------------------------------------------------------------
+
+    def has_events(self, endpoint_id: str) -> bool:
+        st = self.endpoints.get(endpoint_id)
+        return st is not None and st.synced
+
+    def block_size(self, endpoint_id: str) -> int:
+        st = self.endpoints.get(endpoint_id)
+        return st.block_size if st is not None and st.synced else 0
+
+    def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str]) -> dict[str, int]:
+        """How many leading blocks of `hashes` each endpoint holds (synced ones only)."""
+        slots = {}
+        for ep_id in endpoint_ids:
+            st = self.endpoints.get(ep_id)
+            if st is not None and st.synced:
+                slots[ep_id] = 1 << st.slot
+        out = dict.fromkeys(slots, 0)
+        alive = 0
+        for bit in slots.values():
+            alive |= bit
+        blocks = self.blocks
+        n = 0
+        for h in hashes:
+            m = blocks.get(h, 0) & alive
+            if m != alive:
+                for ep_id, bit in slots.items():
+                    if alive & bit and not m & bit:
+                        out[ep_id] = n
+                alive = m
+                if not alive:
+                    return out
+            n += 1
+        for ep_id, bit in slots.items():
+            if alive & bit:
+                out[ep_id] = n
+        return out
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    # -- events --------------------------------------------------------------------------
+
+    def _new_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = self._next_slot
+        self._next_slot += 1
+        return slot
+
+    def _state(self, endpoint_id: str) -> EndpointBlocks:
+        st = self.endpoints.get(endpoint_id)
+        if st is None:
+            st = self.endpoints[endpoint_id] = EndpointBlocks(slot=self._new_slot())
+        return st
+
+    def offer(self, endpoint_id: str, batch: c.KvEvents) -> bool:
+        """Apply one relayed batch; True when the caller must fetch a snapshot."""
+        st = self._state(endpoint_id)
+        if st.resyncing:
+            if len(st.buffered) < _MAX_BUFFERED:
+                st.buffered.append(batch)
+            return False
+        if st.synced and batch.epoch == st.epoch:
+            if batch.seq_last <= st.seq:
+                return False  # already applied (a snapshot covered it)
+            if batch.seq_first == st.seq + 1:
+                self._apply(st, batch)
+                return False
+        if st.synced:
+            self.gaps += 1
+        st.resyncing = True
+        st.buffered = [batch]
+        return True
+
+    def resync(self, endpoint_id: str) -> bool:
+        """Start a resync without a batch (a router starting, an endpoint appearing); False
+        when one is already under way."""
+        st = self._state(endpoint_id)
+        if st.resyncing:
+            return False
+        st.resyncing = True
+        st.buffered = []
+        return True
+
+    def snapshot(self, endpoint_id: str, snap: c.KvSnapshot) -> bool:
+        """Start over from a snapshot and replay what arrived meanwhile; True when the
+        replay found another gap (fetch again)."""
+        st = self._state(endpoint_id)
+        self._clear(st)
+        bit = 1 << st.slot
+        blocks = self.blocks
+        for h in snap.hashes:
+            self._store(blocks, st, bit, h)
+        st.epoch, st.seq, st.block_size = snap.epoch, snap.seq, snap.block_size
+        st.synced = True
+        st.resyncing = False
+        self.snapshots += 1
+        buffered, st.buffered = st.buffered, []
+        for batch in buffered:
+            if batch.epoch != st.epoch:
+                continue  # older or newer numbering: the next batch decides
+            if batch.seq_last <= st.seq:
+                continue
+            if batch.seq_first != st.seq + 1:
+                self.gaps += 1
+                st.resyncing = True
+                st.buffered = [b for b in buffered if b.seq_last > st.seq]
+                return True
+            self._apply(st, batch)
+        return False
+
+    def snapshot_failed(self, endpoint_id: str) -> None:
+        """No snapshot came (no relay answers for it): forget the endpoint's blocks; its
+        next batch tries again."""
+        st = self.endpoints.get(endpoint_id)
+        if st is None:
+            return
+        self._clear(st)
+        st.synced = False
+        st.resyncing = False
+        st.buffered = []
+
+    def drop(self, endpoint_id: str) -> None:
+        """The endpoint left the projection: its blocks go, its slot is reused."""
+        st = self.endpoints.pop(endpoint_id, None)
+        if st is not None:
+            if st.count:
+                self._retired |= 1 << st.slot
+            else:
+                self._free_slots.append(st.slot)
+
+    def _apply(self, st: EndpointBlocks, batch: c.KvEvents) -> None:
+        blocks = self.blocks
+        if batch.block_size:
+            st.block_size = batch.block_size
+        for op in batch.ops:
+            bit = 1 << st.slot  # a clear moves the endpoint to a new slot
+            if op.op is c.KvOp.STORED:
+                for h in op.hashes:
+                    self._store(blocks, st, bit, h)
+            elif op.op is c.KvOp.REMOVED:
+                for h in op.hashes:
+                    m = blocks.get(h, 0)
+                    if m & bit:
+                        st.count -= 1
+                        m &= ~bit
+                        if m:
+                            blocks[h] = m
+                        else:
+                            del blocks[h]
+            else:
+                self._clear(st)
+        st.seq = batch.seq_last
+
+    def _store(self, blocks: dict[int, int], st: EndpointBlocks, bit: int, h: int) -> None:
+        m = blocks.get(h)
+        if m is None:
+            if len(blocks) >= self.max_blocks:
+                self.dropped_stores += 1
+                return
+            blocks[h] = bit
+            st.count += 1
+        elif not m & bit:
+            blocks[h] = m | bit
+            st.count += 1
+
+    def _clear(self, st: EndpointBlocks) -> None:
+        """Every block of one endpoint out, at once: it moves to a fresh slot."""
+        if not st.count:
+            return
+        self._retired |= 1 << st.slot
+        st.slot = self._new_slot()
+        st.count = 0
+
+    @property
+    def needs_sweep(self) -> bool:
+        return bool(self._retired or self._sweeping)
+
+    def sweep(self, budget: int = 50_000) -> bool:
+        """Clear retired slots' bits from up to `budget` entries; True when none are left."""
+        if not self._sweeping:
+            if not self._retired:
+                return True
+            self._sweeping, self._retired = self._retired, 0
+            self._sweep_keys = list(self.blocks)
+            self._sweep_at = 0
+        keep = ~self._sweeping
+        blocks = self.blocks
+        end = min(self._sweep_at + budget, len(self._sweep_keys))
+        for h in self._sweep_keys[self._sweep_at : end]:
+            m = blocks.get(h)
+            if m is not None and m & self._sweeping:
+                m &= keep
+                if m:
+                    blocks[h] = m
+                else:
+                    del blocks[h]
+        self._sweep_at = end
+        if end < len(self._sweep_keys):
+            return False
+        # Slots retired meanwhile were never given out again, so the keys made since the
+        # list was taken cannot hold the swept slots' bits.
+        sweeping = self._sweeping
+        self._free_slots.extend(i for i in range(self._next_slot) if sweeping >> i & 1)
+        self._sweeping = 0
+        self._sweep_keys = []
+        return not self._retired

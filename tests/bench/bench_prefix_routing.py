@@ -1,0 +1,642 @@
+"""Prefix-aware routing on a multi-turn, multi-tenant chat load: four policies, one run.
+
+    .venv/bin/python tests/bench/bench_prefix_routing.py [--seconds 30] [--clients 24]
+
+Four simulated engines whose prefix caches are small enough to evict (each holds a
+few tenants' system prompts, the fleet holds them all) publish KV events to the
+agent's relay (llmgw.agent.kvrelay) on a real nats-server. Clients run
+conversations (a tenant's long system prompt, then turns that each extend the
+previous prompt with the answer and a new question), streaming, closed loop,
+alternating requests between two router instances (a round-robin split). In turn,
+each on fresh engines:
+
+  round_robin   two vllm-router instances, --policy round_robin
+  approximate   two llmgw routers, the old approximate `prefix` scorer
+  kv_events     two llmgw routers, the `kv_prefix` scorer over relayed KV events
+  cache_aware   two vllm-router instances, --policy cache_aware (PyPI vllm-router
+                0.1.17 in its own venv: --vllm-router or $VLLM_ROUTER, default
+                /root/.cache/llmgw/vllm-router-venv/bin/vllm-router)
+
+Printed per policy: mean and p90 TTFT, throughput, the fleet's prefix cache hit rate
+(from the engines' /metrics counters), and the oracle's hit rate: at each request's
+dispatch, the longest cached prefix any engine holds (from the relayed engine state).
+Also the router index's memory per million blocks.
+
+PASS when the kv_events hit rate is within 5 points of its oracle and its mean TTFT is
+at least 30% below cache_aware's (without vllm-router, the second target is skipped).
+
+    .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
+        --vllm-model DIR [--seconds 20] [--clients 4]
+
+runs the same comparison once on two real vLLM CPU engines (a small load, no targets:
+it shows the events path works there): the tiny random Llama in DIR (see FIELD-NOTES'
+recipe or llmgw.tinymodel), completions requests (a chat would need jinja2 in the
+router's environment to render the template), the routers hashing prompts with the
+model's own tokenizer (`scheduling.tokenizer`), the prefix cache reset between policies
+(vLLM's dev-mode /reset_prefix_cache, which also exercises AllBlocksCleared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+from llmgw import bus, localservers, subjects
+from llmgw import contracts as c
+from llmgw.agent.adapters import LaunchContext, kv_events_args
+from llmgw.agent.kvrelay import KvRelays
+from llmgw.kvblocks import prompt_hashes, token_count
+from llmgw.router.kvindex import BlockIndex
+from llmgw.router.prompttokens import sim_tokens
+from llmgw.router.testing import start_router
+from llmgw.simengine.testing import start_sim
+
+MODEL = "m"
+NODE = "bench"
+BLOCK = 16
+VLLM_ROUTER = os.environ.get("VLLM_ROUTER", "/root/.cache/llmgw/vllm-router-venv/bin/vllm-router")
+HAVE_VLLM_ROUTER = os.path.exists(VLLM_ROUTER)
+SIM = dict(
+    model=MODEL,
+    block_size=BLOCK,
+    kv_blocks=640,  # ~4 tenants' system prompts with their live conversations
+    max_model_len=8192,
+    max_num_seqs=6,
+    ttft_ms=10,
+    prefill_ms_per_token=0.25,
+    itl_ms=10,
+    itl_ms_per_running=1,
+    default_output_tokens=16,
+)
+TENANTS = 10
+SYSTEM_WORDS = 1100  # ~1,500 simulator tokens each
+QUESTION_WORDS = 40
+TURNS = (3, 7)
+TARGET_ORACLE_GAP = 0.05
+TARGET_TTFT_CUT = 0.30
+
+
+def system_prompt(tenant: int) -> str:
+    rng = random.Random(tenant)
+    words = [f"w{rng.randrange(10_000)}" for _ in range(SYSTEM_WORDS)]
+    return f"You are the assistant of tenant {tenant}. Policies follow. " + " ".join(words)
+
+
+@dataclass
+class Result:
+    name: str
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    seconds: float = 0.0
+    hit_rate: float = 0.0
+    oracle: float = 0.0
+    note: str = ""
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.ttfts) if self.ttfts else float("nan")
+
+    @property
+    def p90(self) -> float:
+        if len(self.ttfts) < 10:
+            return float("nan")
+        return statistics.quantiles(self.ttfts, n=10)[-1]
+
+    @property
+    def throughput(self) -> float:
+        return len(self.ttfts) / self.seconds if self.seconds else 0.0
+
+
+def relay_flag(endpoint: str) -> str:
+    ctx = LaunchContext(
+        port=1, gpu_indices=[], bind_host="", command=[], kv_events_endpoint=endpoint
+    )
+    return kv_events_args(ctx)[1]
+
+
+def engine_counters(sims) -> tuple[float, float]:
+    hits = queries = 0.0
+    for sim in sims:
+        for line in sim.metrics_text().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+class Oracle:
+    """The best hit any engine could give each request, from the relays' block sets."""
+
+    def __init__(self, relays: KvRelays, tokenize=sim_tokens, completions: bool = False):
+        self.relays = relays
+        self.tokenize = tokenize
+        self.completions = completions
+        self.best = 0
+        self.total = 0
+
+    def observe(self, prompt_json: bytes) -> None:
+        tokens = self.tokenize(prompt_json) or []
+        count = token_count(tokens)
+        bs = next((r.blocks.block_size for r in self.relays.relays.values()), 0) or BLOCK
+        usable = (count - 1) // bs
+        hashes = prompt_hashes(tokens, bs, usable)
+        best = 0
+        for relay in self.relays.relays.values():
+            held = set(relay.blocks.canon.values())
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            best = max(best, n)
+        self.best += best * bs
+        self.total += count
+
+
+async def client(
+    urls: list[str],
+    counter: list[int],
+    stop_at: float,
+    result: Result,
+    oracle: Oracle,
+    rng: random.Random,
+    session: aiohttp.ClientSession,
+) -> None:
+    import msgspec
+
+    while time.monotonic() < stop_at:
+        tenant = rng.randrange(TENANTS)
+        messages = [{"role": "system", "content": system_prompt(tenant)}]
+        for turn in range(rng.randint(*TURNS)):
+            if time.monotonic() >= stop_at:
+                return
+            question = f"Question {turn} from user {rng.randrange(10**9)}: " + " ".join(
+                f"q{rng.randrange(1000)}" for _ in range(QUESTION_WORDS)
+            )
+            messages.append({"role": "user", "content": question})
+            url = urls[counter[0] % len(urls)]
+            counter[0] += 1
+            if oracle.completions:
+                prompt = "\n".join(m["content"] for m in messages)
+                path = "/v1/completions"
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True}
+                oracle.observe(msgspec.json.encode(prompt))
+            else:
+                path = "/v1/chat/completions"
+                body = {"model": MODEL, "messages": messages, "max_tokens": 16, "stream": True}
+                oracle.observe(msgspec.json.encode(messages))
+            began = time.monotonic()
+            first = None
+            text = []
+            try:
+                async with session.post(url + path, json=body) as resp:
+                    if resp.status != 200:
+                        result.errors += 1
+                        await resp.read()
+                        break
+                    async for line in resp.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                            continue
+                        chunk = msgspec.json.decode(line[6:])
+                        for ch in chunk.get("choices", []):
+                            piece = (ch.get("delta") or {}).get("content") or ch.get("text")
+                            if piece:
+                                if first is None:
+                                    first = time.monotonic() - began
+                                text.append(piece)
+            except (aiohttp.ClientError, TimeoutError):
+                result.errors += 1
+                break
+            if first is not None:
+                result.ttfts.append(first)
+            messages.append({"role": "assistant", "content": "".join(text)})
+
+
+async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
+    result = Result(name)
+    oracle = oracle or Oracle(relays)
+    counter = [0]
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        began = time.monotonic()
+        stop_at = began + seconds
+        await asyncio.gather(
+            *(
+                client(urls, counter, stop_at, result, oracle, random.Random(i), session)
+                for i in range(clients)
+            )
+        )
+        result.seconds = time.monotonic() - began
+    result.oracle = oracle.best / oracle.total if oracle.total else 0.0
+    return result
+
+
+@contextlib.asynccontextmanager
+async def engines(nats_url: str):
+    nc = await bus.connect(nats_url, name=f"agent-{NODE}")
+    relays = KvRelays(NODE)
+    await relays.attach(nc)
+    sims = []
+    try:
+        for i in range(4):
+            relay = relays.open(f"e{i}")
+            sim = await asyncio.to_thread(
+                start_sim, kv_events_config=relay_flag(relay.endpoint), **SIM
+            )
+            relay.url = sim.url
+            sims.append(sim)
+        yield relays, sims
+    finally:
+        for sim in sims:
+            await asyncio.to_thread(sim.stop)
+        await relays.stop()
+        await bus.close_quietly(nc)
+
+
+def vllm_routers(policy: str, sims, directory: Path) -> list[subprocess.Popen]:
+    procs = []
+    for _ in range(2):
+        port = localservers.free_port()
+        log = open(directory / f"vllm-router-{port}.log", "wb")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [
+                    VLLM_ROUTER,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--policy",
+                    policy,
+                    "--log-level",
+                    "warning",
+                    "--prometheus-port",
+                    str(localservers.free_port()),
+                    "--worker-urls",
+                    *[s.url for s in sims],
+                ],  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        procs[-1].url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    for p in procs:
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {p.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(p.url + "/health", timeout=1).status_code == 200:  # type: ignore[attr-defined]
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm-router did not become healthy")
+            time.sleep(0.1)
+    return procs
+
+
+async def run_policy(name, args, nats_url, js, directory) -> Result:
+    async with engines(nats_url) as (relays, sims):
+        stop = []
+        try:
+            if name in ("round_robin", "cache_aware"):
+                procs = vllm_routers(name, sims, directory)
+                stop = [p.terminate for p in procs]
+                urls = [p.url for p in procs]  # type: ignore[attr-defined]
+            else:
+                scorers = {"queue": 2.0, "kv": 2.0, "inflight": 1.0}
+                if name == "approximate":
+                    scorers["prefix"] = 3.0
+                else:
+                    scorers["kv_prefix"] = args.kv_weight
+                rec = c.ModelEndpoints(
+                    model=MODEL,
+                    endpoints=[
+                        c.Endpoint(id=f"e{i}", url=s.url, node=NODE, engine="sim")
+                        for i, s in enumerate(sims)
+                    ],
+                    scheduling=c.SchedulingSpec(scorers=scorers),
+                )
+                kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
+                await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                routers = []
+                for _ in range(2):
+                    routers.append(
+                        await asyncio.to_thread(
+                            start_router,
+                            directory,
+                            f"nats_url: {nats_url}\nlog_level: warning\naccess_log: false\n",
+                        )
+                    )
+                stop = [r.stop for r in routers]
+                urls = [r.url for r in routers]
+                await wait_routed(urls)
+            before = engine_counters(sims)
+            result = await drive(urls, args.seconds, args.clients, relays, name)
+            after = engine_counters(sims)
+            hits, queries = after[0] - before[0], after[1] - before[1]
+            result.hit_rate = hits / queries if queries else 0.0
+            return result
+        finally:
+            for s in stop:
+                with contextlib.suppress(Exception):
+                    s()
+
+
+async def wait_routed(urls) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with httpx.AsyncClient(timeout=5) as http:
+        for url in urls:
+            for _ in range(200):
+                with contextlib.suppress(httpx.HTTPError):
+                    if (
+                        await http.post(url + "/v1/chat/completions", json=body)
+                    ).status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError(f"router {url} never served the model")
+
+
+def index_bytes_per_million() -> float:
+    """The router index's memory per million blocks (two endpoints holding each block)."""
+    n = 200_000
+    index = BlockIndex(max_blocks=n)
+    batch = c.KvEvents(node="n", shard_id="a", epoch="e", seq_first=0, seq_last=0, ops=[])
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    hashes = [random.getrandbits(63) for _ in range(n)]
+    for ep in ("a", "b"):
+        index.offer(ep, batch)
+        index.snapshot(
+            ep, c.KvSnapshot(node="n", shard_id=ep, epoch="e", seq=0, block_size=16, hashes=[])
+        )
+    for ep in ("a", "b"):
+        st = index.endpoints[ep]
+        for h in hashes:
+            index._store(index.blocks, st, 1 << st.slot, h)
+    del hashes  # the list goes; its ints live on as the index's keys, and are counted
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / n * 1_000_000
+
+
+async def main_async(args) -> int:
+    directory = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
+    server = localservers.NatsServer(directory / "nats").start()
+    results: list[Result] = []
+    try:
+        nc = await bus.connect(server.url, name="bench")
+        js = nc.jetstream()
+        await bus.provision(js)
+        policies = args.policies.split(",")
+        have_vllm_router = HAVE_VLLM_ROUTER
+        for name in policies:
+            if name in ("round_robin", "cache_aware") and not have_vllm_router:
+                print(f"{name}: skipped, no vllm-router at {VLLM_ROUTER}", flush=True)
+                continue
+            print(f"running {name} for {args.seconds:.0f}s ...", flush=True)
+            results.append(await run_policy(name, args, server.url, js, directory))
+        await bus.close_quietly(nc)
+    finally:
+        server.stop()
+    print(
+        f"\n{len(results)} policies, 4 sim engines ({SIM['kv_blocks']} blocks of {BLOCK} tokens, "
+        f"max_num_seqs {SIM['max_num_seqs']}), {TENANTS} tenants, {args.clients} clients, "
+        "2 routers round-robin\n"
+    )
+    print(
+        f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
+        f"{'oracle':>7} {'errors':>6}"
+    )
+    for r in results:
+        print(
+            f"{r.name:<12} {r.mean * 1000:>8.0f}ms {r.p90 * 1000:>8.0f}ms {r.throughput:>7.1f} "
+            f"{r.hit_rate:>8.1%} {r.oracle:>7.1%} {r.errors:>6}"
+        )
+    per_million = index_bytes_per_million()
+    print(f"\nrouter block index: {per_million / 1e6:.0f} MB per million blocks")
+    by = {r.name: r for r in results}
+    ok = True
+    kv = by.get("kv_events")
+    if kv is None:
+        return 1
+    gap = kv.oracle - kv.hit_rate
+    good = gap <= TARGET_ORACLE_GAP
+    ok &= good
+    print(
+        f"{'PASS' if good else 'FAIL'}: kv_events hit rate {kv.hit_rate:.1%} is "
+        f"{gap * 100:.1f} points below its oracle {kv.oracle:.1%} (target <= 5)"
+    )
+    ca = by.get("cache_aware")
+    if ca is not None and ca.ttfts:
+        cut = 1 - kv.mean / ca.mean
+        good = cut >= TARGET_TTFT_CUT
+        ok &= good
+        print(
+            f"{'PASS' if good else 'FAIL'}: kv_events mean TTFT {kv.mean * 1000:.0f}ms is "
+            f"{cut:.0%} below cache_aware's {ca.mean * 1000:.0f}ms (target >= 30%)"
+        )
+    else:
+        print("SKIP: no vllm-router cache_aware run to compare TTFT with")
+    errors = sum(r.errors for r in results)
+    if errors:
+        print(f"note: {errors} failed requests")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------ real vLLM
+
+
+def engine_counters_text(texts: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def start_vllm(python: str, model: str, endpoint: str, directory: Path):
+    port = localservers.free_port()
+    log = open(directory / f"vllm-{port}.log", "wb")  # noqa: SIM115
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+        "--kv-events-config", relay_flag(endpoint),
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    proc.log_path = directory / f"vllm-{port}.log"  # type: ignore[attr-defined]
+    return proc
+
+
+async def run_vllm(args) -> int:
+    from llmgw.router.prompttokens import hf_tokens
+
+    # Prompts that fit the tiny model's 1,024 tokens, whole conversations included.
+    global SYSTEM_WORDS, QUESTION_WORDS, TURNS
+    SYSTEM_WORDS, QUESTION_WORDS, TURNS = 80, 10, (2, 4)
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-prefix-vllm-"))
+    server = localservers.NatsServer(directory / "nats").start()
+    nc = await bus.connect(server.url, name=f"agent-{NODE}")
+    relays = KvRelays(NODE)
+    await relays.attach(nc)
+    js = nc.jetstream()
+    await bus.provision(js)
+    tok = hf_tokens(args.vllm_model)
+    assert tok is not None, "cannot load the model's tokenizer"
+    procs = []
+    results = []
+    block_size = 0
+    try:
+        for i in range(2):
+            relay = relays.open(f"v{i}")
+            procs.append(start_vllm(args.vllm_python, args.vllm_model, relay.endpoint, directory))
+            relay.url = procs[-1].url
+        began = time.monotonic()
+        async with httpx.AsyncClient(timeout=5) as http:
+            for p in procs:
+                while True:
+                    if p.poll() is not None:
+                        raise RuntimeError(f"vLLM exited: see {p.log_path}")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await http.get(p.url + "/health")).status_code == 200:
+                            break
+                    if time.monotonic() - began > 300:
+                        raise RuntimeError("vLLM did not become healthy in 300s")
+                    await asyncio.sleep(0.5)
+        print(f"2 vLLM engines healthy after {time.monotonic() - began:.0f}s", flush=True)
+        have_vllm_router = HAVE_VLLM_ROUTER
+        for name in ("round_robin", "approximate", "kv_events", "cache_aware"):
+            if name in ("round_robin", "cache_aware") and not have_vllm_router:
+                continue
+            async with httpx.AsyncClient(timeout=10) as http:
+                for p in procs:
+                    (await http.post(p.url + "/reset_prefix_cache")).raise_for_status()
+            stop = []
+            try:
+                if name in ("round_robin", "cache_aware"):
+                    routers = vllm_routers(name, procs, directory)
+                    stop = [r.terminate for r in routers]
+                    urls = [r.url for r in routers]  # type: ignore[attr-defined]
+                else:
+                    scorers = {"queue": 2.0, "kv": 2.0, "inflight": 1.0}
+                    scorers["prefix" if name == "approximate" else "kv_prefix"] = args.kv_weight
+                    rec = c.ModelEndpoints(
+                        model=MODEL,
+                        endpoints=[
+                            c.Endpoint(id=f"v{i}", url=p.url, node=NODE, engine="vllm")
+                            for i, p in enumerate(procs)
+                        ],
+                        scheduling=c.SchedulingSpec(scorers=scorers, tokenizer=args.vllm_model),
+                    )
+                    kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
+                    await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                    routers = []
+                    for _ in range(2):
+                        routers.append(
+                            await asyncio.to_thread(
+                                start_router,
+                                directory,
+                                f"nats_url: {server.url}\nlog_level: warning\n",
+                            )
+                        )
+                    stop = [r.stop for r in routers]
+                    urls = [r.url for r in routers]
+                    await wait_routed(urls)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    texts = [(await http.get(p.url + "/metrics")).text for p in procs]
+                before = engine_counters_text(texts)
+                published = sum(r.published for r in relays.relays.values())
+                oracle = Oracle(relays, tok.tokens, completions=True)
+                result = await drive(urls, args.seconds, args.clients, relays, name, oracle)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    texts = [(await http.get(p.url + "/metrics")).text for p in procs]
+                after = engine_counters_text(texts)
+                hits, queries = after[0] - before[0], after[1] - before[1]
+                result.hit_rate = hits / queries if queries else 0.0
+                batches = sum(r.published for r in relays.relays.values()) - published
+                held = [len(r.blocks.canon) for r in relays.relays.values()]
+                result.note = f"{batches} event batches relayed; blocks held {held}"
+                block_size = next(iter(relays.relays.values())).blocks.block_size
+                if name == "kv_events":
+                    # What the routers' indexes hold, per engine: the events reached them.
+                    async with httpx.AsyncClient(timeout=10) as http:
+                        for r in routers:
+                            eps = (await http.get(r.admin_url + "/debug/endpoints")).json()
+                            seen = [e.get("kv_events_blocks") for e in eps["endpoints"]]
+                            result.note += f"; router index {seen}"
+                results.append(result)
+            finally:
+                for s in stop:
+                    with contextlib.suppress(Exception):
+                        s()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.wait(30)
+        await relays.stop()
+        await bus.close_quietly(nc)
+        server.stop()
+    print(
+        f"\nreal vLLM: 2 CPU engines, {args.clients} clients, completions, "
+        f"block size {block_size}\n"
+    )
+    print(f"{'policy':<12} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
+          f"{'oracle':>7} {'errors':>6}  events")  # fmt: skip
+    for r in results:
+        print(
+            f"{r.name:<12} {r.mean * 1000:>8.0f}ms {r.p90 * 1000:>8.0f}ms {r.throughput:>7.1f} "
+            f"{r.hit_rate:>8.1%} {r.oracle:>7.1%} {r.errors:>6}  {r.note}"
+        )
+    ok = all(not r.errors for r in results) and any(
+        r.name == "kv_events" and "0 event batches" not in r.note for r in results
+    )
+    print("PASS: events flow from real vLLM" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, default=24)
+    parser.add_argument(
+        "--policies", default="round_robin,approximate,kv_events,cache_aware", help="a subset"
+    )
+    parser.add_argument("--kv-weight", type=float, default=6.0, help="the kv_prefix weight")
+    parser.add_argument("--vllm-python", help="a vLLM environment's python: run on real vLLM")
+    parser.add_argument("--vllm-model", help="the model directory vLLM serves (with a tokenizer)")
+    args = parser.parse_args()
+    if args.vllm_python:
+        if not args.vllm_model:
+            parser.error("--vllm-python needs --vllm-model")
+        return asyncio.run(run_vllm(args))
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

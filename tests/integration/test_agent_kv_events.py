@@ -1,0 +1,138 @@
+"""The agent relays its engines' KV events: a sim it launches gets --kv-events-config, its
+events reach the bus with canonical hashes, and a snapshot request is answered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from llmgw import bus, kvblocks, subjects
+from llmgw import contracts as c
+from llmgw.kvblocks import byte_tokens
+
+from . import test_agent_lifecycle as life
+from .test_agent_lifecycle import S, agent_config, running_agent, start_cmd, status
+
+watch = life.watch  # the fixture
+
+PROMPT = "The same long prompt, block after block, for the prefix cache. " * 8
+
+
+async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
+    nats, nats_url, watch, tmp_path
+):
+    js = nats.jetstream()
+    events = []
+
+    async def on_msg(msg) -> None:
+        events.append(msg)
+
+    sub = await nats.subscribe(subjects.KV_EVENTS_ALL, cb=on_msg)
+    cfg = agent_config("n-kv", nats_url, tmp_path / "state")
+    async with running_agent(cfg) as agent:
+        await bus.publish(js, start_cmd("n-kv", "kv"))
+        ready = await watch.wait_for(status("kv", S.READY))
+        argv = agent.shards["kv"].rec.argv
+        assert "--kv-events-config" in argv
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(
+                f"{ready.url}/v1/completions",
+                json={"model": "model-kv", "prompt": PROMPT, "max_tokens": 2},
+            )
+            r.raise_for_status()
+        # The sim's default block is 16 tokens of 4 bytes: the prompt's full blocks, hashed
+        # as any router hashes this prompt.
+        expected = kvblocks.prompt_hashes(byte_tokens(PROMPT.encode()), 16, 1000)
+        relayed: list[int] = []
+        for _ in range(400):
+            relayed = [
+                h
+                for m in events
+                for op in c.decode(m.data, c.KvEvents).ops
+                if op.op is c.KvOp.STORED
+                for h in op.hashes
+            ]
+            if len(relayed) >= len(expected):
+                break
+            await nats.flush()
+            await asyncio.sleep(0.05)
+        assert relayed[: len(expected)] == expected
+        line = next(
+            ln
+            for ln in agent.metrics.text().decode().splitlines()
+            if ln.startswith("llmgw_agent_kv_event_batches_published_total ")
+        )
+        assert float(line.split()[1]) >= 1
+        batch = c.decode(events[0].data, c.KvEvents)
+        assert (batch.node, batch.shard_id, batch.url) == ("n-kv", "kv", ready.url)
+        reply = await nats.request(
+            subjects.kv_snapshot("n-kv", "kv"),
+            c.encode(c.KvSnapshotRequest(node="n-kv", shard_id="kv")),
+            timeout=5,
+        )
+        snap = c.decode(reply.data, c.KvSnapshot)
+        assert set(expected) <= set(snap.hashes) and snap.epoch == batch.epoch
+        assert snap.seq >= c.decode(events[-1].data, c.KvEvents).seq_last
+        # Stopping the engine closes its relay.
+        await bus.publish(js, c.StopShard(key="stop-kv", node="n-kv", shard_id="kv"))
+        await watch.wait_for(status("kv", S.STOPPED))
+        for _ in range(100):
+            if "kv" not in agent.kv_relays.relays:
+                break
+            await asyncio.sleep(0.05)
+        assert "kv" not in agent.kv_relays.relays
+    await sub.unsubscribe()
+
+
+async def test_a_restarted_agent_rebinds_the_relay_and_the_adopted_engine_reconnects(
+    nats, nats_url, watch, tmp_path
+):
+    from pathlib import Path
+
+    from llmgw.agent import engines
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.inventory import discover
+    from llmgw.agent.state import StateDir
+
+    js = nats.jetstream()
+    cfg = agent_config("n-kv2", nats_url, tmp_path / "state")
+
+    def new_agent():
+        sd = StateDir(Path(cfg.state_dir)).open()
+        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
+        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
+
+    first, sd1 = new_agent()
+    task = asyncio.create_task(first.run())
+    await asyncio.wait_for(first.registered.wait(), 20)
+    await bus.publish(js, start_cmd("n-kv2", "kv2"))
+    ready = await watch.wait_for(status("kv2", S.READY))
+    port = first.shards["kv2"].rec.kv_events_port
+    assert port
+    first.stop()  # engines keep running
+    await asyncio.wait_for(task, 20)
+    sd1.close()
+
+    second, sd2 = new_agent()
+    task = asyncio.create_task(second.run())
+    try:
+        await asyncio.wait_for(second.registered.wait(), 20)
+        relay = second.kv_relays.relays["kv2"]
+        assert relay.port == port and relay.url == ready.url
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(100):  # the engine's ZMQ publisher reconnects on its own
+                r = await client.post(
+                    f"{ready.url}/v1/completions",
+                    json={"model": "model-kv2", "prompt": PROMPT + str(_), "max_tokens": 1},
+                )
+                r.raise_for_status()
+                if relay.blocks.hashes():
+                    break
+                await asyncio.sleep(0.1)
+        assert relay.blocks.hashes(), "no KV events reached the re-bound relay"
+    finally:
+        second.stop()
+        await asyncio.wait_for(task, 20)
+        sd2.close()
+        life.kill_engines(second)

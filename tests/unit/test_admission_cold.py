@@ -1,0 +1,146 @@
+"""A model scaled to zero: its first requests wait in admission for a replica, and the
+router's demand summary shows them to the autoscaler."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from llmgw import contracts
+from llmgw.contracts import EndpointState
+from llmgw.router.admission import AdmissionGate, AdmissionRejected, AdmissionSettings
+from llmgw.router.admission.controller import GRANTED
+from llmgw.router.admission.demand import model_demand
+from llmgw.router.load import Load
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Ep:
+    def __init__(self, ident="e1"):
+        self.id = ident
+        self.state = EndpointState.READY
+        self.inflight = 0
+        self.load = None
+        self.spec = contracts.Endpoint(id=ident, url=f"http://{ident}", max_running=4)
+
+
+@dataclass
+class Route:
+    name: str = "m"
+    endpoints: tuple = ()
+    scale_from_zero: bool = True
+    unplaceable: str = ""
+
+
+class Request:
+    body = b"x" * 40
+    max_tokens = 10
+
+
+def open_gate(clock) -> AdmissionGate:
+    bands = [contracts.Band(name="default", ceiling=2.0, queue_ttl_seconds=30)]
+    g = AdmissionGate(AdmissionSettings(), bands, (), clock=clock, quiet=True)
+    g.routes_changed(True)
+    return g
+
+
+async def admit(g, route):
+    return await g.admit(Request(), route, g.authenticate({}))
+
+
+async def test_an_open_gate_turns_on_for_a_model_that_scales_from_zero():
+    g = AdmissionGate(AdmissionSettings(), (), (), quiet=True)
+    assert not g.active  # no tenants, no band that holds back: the router skips it
+    g.routes_changed(True)
+    assert g.active
+
+
+async def test_a_request_waits_for_the_first_replica_then_goes_to_it():
+    clock = Clock()
+    g = open_gate(clock)
+    cold = Route()
+    current = {"m": cold}
+    g.route_of = current.get
+    waiter = asyncio.ensure_future(admit(g, cold))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and g.controller.queued == 1
+    # The demand summary shows it waiting, with no replica ready.
+    clock.t += 2.5
+    d = model_demand(g.controller, "m", cold.endpoints, clock())
+    assert d.queued["default"].queued == 1 and d.queued["default"].oldest_wait_seconds == 2.5
+    assert (d.ready, d.capacity) == (0, 0)
+    g.controller.tick()  # a tick with no endpoint keeps it waiting (saturation 0 would not)
+    assert not waiter.done()
+    ready = Route(endpoints=(Ep(),))
+    current["m"] = ready
+    g.endpoints_changed(lambda m: current[m].endpoints)
+    ticket = await asyncio.wait_for(waiter, 5)
+    assert ticket.state == GRANTED
+    # The proxy dispatches to the route it resolved before the wait: it now has the endpoint.
+    assert [ep.id for ep in cold.endpoints] == ["e1"]
+
+
+async def test_no_replica_can_be_placed_503_with_retry_after():
+    g = open_gate(Clock())
+    route = Route(unplaceable="no node has a free GPU")
+    with pytest.raises(AdmissionRejected) as exc:
+        await admit(g, route)
+    assert exc.value.status == 503 and exc.value.reason == "no_replica"
+    assert (b"retry-after", b"10") in exc.value.headers
+    assert "no node has a free GPU" in exc.value.message
+
+
+async def test_a_waiting_request_gets_503_when_placement_fails_meanwhile():
+    g = open_gate(Clock())
+    cold = Route()
+    current = {"m": cold}
+    g.route_of = current.get
+    waiter = asyncio.ensure_future(admit(g, cold))
+    await asyncio.sleep(0.01)
+    current["m"] = Route(unplaceable="no node has a free GPU")
+    g.endpoints_changed(lambda m: current[m].endpoints)
+    with pytest.raises(AdmissionRejected) as exc:
+        await asyncio.wait_for(waiter, 5)
+    assert exc.value.status == 503 and exc.value.reason == "no_replica"
+    assert g.controller.queued == 0
+
+
+async def test_the_wait_is_bounded_by_the_band_ttl():
+    clock = Clock()
+    g = open_gate(clock)
+    waiter = asyncio.ensure_future(admit(g, Route()))
+    await asyncio.sleep(0.01)
+    clock.t += 31
+    g.controller.tick()
+    with pytest.raises(AdmissionRejected) as exc:
+        await asyncio.wait_for(waiter, 5)
+    assert exc.value.status == 504
+
+
+async def test_demand_counts_in_flight_and_capacity_of_ready_endpoints():
+    clock = Clock()
+    g = open_gate(clock)
+    eps = (Ep("e1"), Ep("e2"))
+    eps[0].inflight = 3
+    draining = Ep("e3")
+    draining.state = EndpointState.DRAINING
+    d = model_demand(g.controller, "m", (*eps, draining), clock())
+    assert (d.in_flight, d.ready, d.capacity, d.capacity_declared) == (3, 2, 8, True)
+    assert d.queued == {} and d.waiting == 0
+    # An engine without a declared batch size, whose fresh sample shows a queue.
+    learned = Ep("e4")
+    learned.spec = contracts.Endpoint(id="e4", url="http://e4")
+    learned.load = Load(waiting=5, running=2, kv_usage=0.1, at=clock())
+    d = model_demand(g.controller, "m", (*eps, learned), clock())
+    assert (d.capacity_declared, d.waiting) == (False, 5)
+    learned.load = Load(waiting=5, running=2, kv_usage=0.1, at=clock() - 60)  # stale
+    assert model_demand(g.controller, "m", (*eps, learned), clock()).waiting == 0

@@ -1,0 +1,225 @@
+"""The router's block index fed by relayed KV events, and the kv_prefix scorer over it."""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw import contracts as c
+from llmgw.contracts import Endpoint, SchedulingSpec
+from llmgw.kvblocks import byte_tokens, prompt_hashes, token_bytes
+from llmgw.router import scheduling as sc
+from llmgw.router.kvindex import BlockIndex
+from llmgw.router.load import Load
+from llmgw.router.prefix import block_hashes
+from llmgw.router.prompttokens import sim_tokens
+from llmgw.router.view import EndpointRuntime, ViewSettings
+from llmgw.simengine.protocol import Limits, RequestParser
+
+NOW = 1000.0
+BS = 4
+
+
+def batch(first, last=None, *ops, epoch="e1", shard="a"):
+    return c.KvEvents(
+        node="n1",
+        shard_id=shard,
+        epoch=epoch,
+        seq_first=first,
+        seq_last=first if last is None else last,
+        block_size=BS,
+        ops=list(ops),
+    )
+
+
+def stored(*hashes):
+    return c.KvBlockOp(op=c.KvOp.STORED, hashes=list(hashes))
+
+
+def removed(*hashes):
+    return c.KvBlockOp(op=c.KvOp.REMOVED, hashes=list(hashes))
+
+
+def snap(seq, *hashes, epoch="e1", shard="a"):
+    return c.KvSnapshot(
+        node="n1", shard_id=shard, epoch=epoch, seq=seq, block_size=BS, hashes=list(hashes)
+    )
+
+
+def synced(index, shard="a", *hashes, seq=0):
+    assert index.offer(shard, batch(seq, shard=shard))  # first batch: snapshot needed
+    assert not index.snapshot(shard, snap(seq, *hashes, shard=shard))
+
+
+def test_match_counts_leading_blocks_held_per_endpoint():
+    index = BlockIndex()
+    synced(index, "a", 1, 2, 3)
+    synced(index, "b", 1, 2)
+    synced(index, "c", 2, 3)  # holds later blocks but not the first: no prefix
+    assert index.match([1, 2, 3, 4], ["a", "b", "c", "unsynced"]) == {"a": 3, "b": 2, "c": 0}
+    assert index.match([], ["a"]) == {"a": 0}
+
+
+def test_batches_apply_in_order_and_a_gap_asks_for_a_snapshot_then_replays():
+    index = BlockIndex()
+    assert index.offer("a", batch(5, 5, stored(1)))
+    assert not index.has_events("a")
+    # Arrives while the snapshot is awaited: kept for the replay.
+    assert not index.offer("a", batch(6, 7, stored(2), removed(1)))
+    assert not index.snapshot("a", snap(5, 1))
+    assert index.has_events("a")
+    assert index.match([1], ["a"]) == {"a": 0}  # removed by the replayed batch
+    assert index.match([2], ["a"]) == {"a": 1}
+    assert not index.offer("a", batch(7, 7, stored(99)))  # already applied: ignored
+    assert index.match([99], ["a"]) == {"a": 0}
+    assert not index.offer("a", batch(8, 8, stored(3)))
+    assert index.match([2], ["a"]) == {"a": 1} and index.match([3], ["a"]) == {"a": 1}
+    # A lost batch (9) and a new epoch both resync.
+    assert index.offer("a", batch(10, 10, stored(4)))
+    assert index.gaps == 1
+    assert not index.snapshot("a", snap(10, 2, 3, 4))
+    assert index.offer("a", batch(0, 0, stored(5), epoch="e2"))
+
+
+def test_a_replay_that_finds_a_gap_asks_again():
+    index = BlockIndex()
+    index.offer("a", batch(1))
+    index.offer("a", batch(4, 4, stored(7)))
+    assert index.snapshot("a", snap(2))  # 3 is missing between the snapshot and 4
+
+
+def test_dropping_an_endpoint_removes_its_blocks_and_reuses_its_slot():
+    index = BlockIndex()
+    synced(index, "a", 1, 2)
+    synced(index, "b", 2, 3)
+    index.drop("a")
+    assert index.match([2], ["b"]) == {"b": 1}
+    # a's slot is retired at once; its bits go in bounded sweeps, then the slot is reused.
+    assert index.needs_sweep
+    swept = [index.sweep(budget=1) for _ in range(3)]
+    assert swept == [False, False, True] and not index.needs_sweep
+    assert 1 not in index.blocks and index.blocks[2] == 1 << index.endpoints["b"].slot
+    synced(index, "c", 9)
+    assert index.endpoints["c"].slot == 0  # a's slot, with none of a's blocks
+    assert index.match([1, 2], ["c"]) == {"c": 0}
+    index.snapshot_failed("b")
+    assert not index.has_events("b") and index.match([2], ["b"]) == {}
+
+
+def test_a_snapshot_replaces_blocks_at_once_and_the_sweep_catches_up():
+    index = BlockIndex()
+    synced(index, "a", 1, 2, 3)
+    synced(index, "b", 2)
+    assert index.offer("a", batch(5))  # a gap
+    assert not index.snapshot("a", snap(5, 3, 4))
+    assert index.match([1], ["a"]) == {"a": 0} and index.match([3], ["a"]) == {"a": 1}
+    assert index.match([2], ["a", "b"]) == {"a": 0, "b": 1}
+    # A clear inside a batch takes effect for the rest of the batch too.
+    cleared = c.KvBlockOp(op=c.KvOp.CLEARED)
+    assert not index.offer("a", batch(6, 6, stored(7), cleared, stored(8)))
+    assert index.match([7], ["a"]) == {"a": 0} and index.match([8], ["a"]) == {"a": 1}
+    while not index.sweep(budget=2):
+        pass
+    assert set(index.blocks) == {2, 8}
+
+
+def test_memory_is_bounded_by_max_blocks():
+    index = BlockIndex(max_blocks=3)
+    synced(index, "a", 1, 2, 3, 4, 5)
+    assert len(index) == 3 and index.dropped_stores == 2
+
+
+# ------------------------------------------------------------------ the scorer
+
+
+def endpoint(name, engine="sim", waiting=0, max_running=None):
+    e = EndpointRuntime(
+        Endpoint(id=name, url=f"http://{name}", engine=engine, max_running=max_running),
+        ViewSettings(),
+    )
+    e.models = frozenset({"m"})
+    e.load = Load(waiting=waiting, running=0, kv_usage=0.0, at=NOW)
+    return e
+
+
+def chat(*contents: str) -> bytes:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return msgspec.json.encode(
+        [{"role": r, "content": t} for r, t in zip(roles, contents, strict=False)]
+    )
+
+
+def context(messages: bytes, key=0):
+    return sc.Context(NOW, "m", prefix=block_hashes(messages, 256, 128), key=key)
+
+
+def sim_blocks(messages: bytes) -> list[int]:
+    return prompt_hashes(sim_tokens(messages), BS, 10_000)
+
+
+def test_the_router_tokenizes_a_chat_exactly_as_the_simulator_does():
+    messages = chat("You are terse. " * 10, "hello", "hi", "and again")
+    body = b'{"model":"m","messages":' + messages + b"}"
+    job = RequestParser(Limits(frozenset({"m"}), 100_000, "lorem", 16)).chat(body)
+    assert sim_tokens(messages) == token_bytes(byte_tokens(job.prompt))
+    assert sim_tokens(b'"plain prompt"') == token_bytes(byte_tokens(b"plain prompt"))
+    assert sim_tokens(b"[1, 2, 3]") == token_bytes([1, 2, 3])
+    # Hashing the bytes or the ids is the same.
+    ids = byte_tokens(job.prompt)
+    assert prompt_hashes(ids, BS, 99) == prompt_hashes(token_bytes(ids), BS, 99)
+    assert sim_tokens(b"[{bad json") is None
+
+
+def pipeline(index, **settings):
+    spec = SchedulingSpec(scorers={"kv_prefix": 3, "queue": 1, "inflight": 1})
+    return sc.Pipeline(spec, sc.Settings(stale_after=1.0, kv_index=index, **settings))
+
+
+def test_the_engine_holding_the_prefix_wins_and_two_pipelines_agree():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "question one")
+    index = BlockIndex()
+    synced(index, "b", *sim_blocks(turn1))
+    synced(index, "a")
+    synced(index, "c")
+    eps = [endpoint("a"), endpoint("b"), endpoint("c")]
+    turn2 = chat(system, "question one", "answer", "question two")
+    picks = set()
+    for _ in range(2):  # a second router: same index contents, same inputs, same pick
+        p = pipeline(index)
+        picks.add(p.pick(eps, context(turn2, key=1)).id)
+    assert picks == {"b"}
+    # Without a shared system prompt the load decides (b is now the busiest).
+    eps[1].inflight = 3
+    assert pipeline(index).pick(eps, context(chat("other", "x" * 600), key=1)).id != "b"
+
+
+def test_a_busy_warm_engine_loses_its_affinity():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(turn1))
+    synced(index, "cold")
+    cold, warm = endpoint("cold"), endpoint("warm", waiting=5)
+    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "cold"
+    warm.load = Load(waiting=4, running=0, kv_usage=0.0, at=NOW)
+    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "warm"
+    # In flight from this router beyond the engine's capacity counts as pending too.
+    warm.load = None
+    warm.spec = Endpoint(id="warm", url="http://warm", engine="sim", max_running=2)
+    warm.inflight = 7
+    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "cold"
+
+
+def test_endpoints_without_events_fall_back_to_the_approximate_guess():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    quiet_a, quiet_b = endpoint("qa", engine="sglang"), endpoint("qb", engine="sglang")
+    p = pipeline(index)
+    first = p.pick([quiet_a, quiet_b], context(turn1, key=1))
+    # The approximate guess remembers where this router sent the prefix.
+    again = pipeline(index).pick([quiet_a, quiet_b], context(chat(system, "q2"), key=2))
+    # A fresh pipeline shares the per-endpoint LRU (it lives on the endpoint).
+    assert again.id == first.id
+    # With no index at all (router-only mode) the scorer is the approximate one.
+    assert pipeline(None).pick([quiet_a, quiet_b], context(turn1, key=5)).id == first.id
