@@ -83,6 +83,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for the catalog's models to serve (default 90; 600 with vLLM)",
     )
     parser.add_argument(
+        "--engine-port-base",
+        type=int,
+        default=20000,
+        metavar="PORT",
+        help="agent N's engines listen on PORT+100*(N-1) .. +99 (default 20000); give each "
+        "dev cluster on one machine its own",
+    )
+    parser.add_argument(
         "--engine",
         choices=("sim", "vllm"),
         default="sim",
@@ -281,7 +289,7 @@ class DevCluster:
                 self._wait_http(f"http://{admin}/healthz", name, 60)
 
         for i, name in enumerate(agents, start=1):
-            first = 20000 + (i - 1) * 100
+            first = (getattr(args, "engine_port_base", None) or 20000) + (i - 1) * 100
             argv = procs.llmgw_argv(
                 "agent",
                 "--node-id", f"node-{i}",
