@@ -22,7 +22,8 @@ import httpx
 import openai
 import yaml
 
-from llmgw import devcluster, procs
+from llmgw import procs
+from llmgw.dev import cluster as devcluster
 
 
 def start_cluster(

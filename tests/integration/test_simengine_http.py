@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.simengine.testing import SimProcess, start_sim
+from llmgw.dev.simkit import SimProcess, start_sim
 
 MODEL = "sim-model"
 # Slow enough that a long stream is still running when the test looks at it, fast enough to

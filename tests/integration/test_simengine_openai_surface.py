@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from llmgw.simengine.testing import SimProcess, start_sim
+from llmgw.dev.simkit import SimProcess, start_sim
 
 MODEL = "sim-model"
 WEATHER = {

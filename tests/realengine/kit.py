@@ -16,9 +16,10 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import contracts as c
-from llmgw import devcatalog, enginemetrics
+from llmgw import enginemetrics
 from llmgw.agent import adapters
-from llmgw.localservers import free_port
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev.servers import free_port
 
 MODEL = "tiny"
 # A random model may pick its end-of-sequence token first and answer nothing; tests that

@@ -18,9 +18,9 @@ import openai
 import pytest
 import yaml
 
-from llmgw import devcatalog
 from llmgw.agent import procs as engine_procs
 from llmgw.agent.state import StateDir
+from llmgw.dev import catalog as devcatalog
 from tests.e2e import clusterkit as ck
 from tests.realengine import kit
 

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw.localservers import free_port
-from llmgw.simengine.testing import SimProcess, start_sim
+from llmgw.dev.servers import free_port
+from llmgw.dev.simkit import SimProcess, start_sim
 from tests.realengine import parity
 
 pytestmark = pytest.mark.real_engine

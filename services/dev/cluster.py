@@ -9,7 +9,7 @@ process's log with a [name] prefix, and stops everything on Ctrl-C / SIGTERM.
 
 `--engine vllm --vllm-python PATH` runs real vLLM engines instead (from the vLLM
 environment whose Python is PATH) serving a tiny random Llama made on the fly
-(`llmgw.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
+(`llmgw.dev.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
 or `--catalog`), the model, key and try-it line printed are that catalog's.
 
 The data dir is reusable: NATS and Postgres keep their data and the demo keys
@@ -44,7 +44,10 @@ from typing import Any
 import httpx
 import yaml
 
-from llmgw import certs, devcatalog, keys, localservers, natsconfig, procs, tinymodel
+from llmgw import certs, keys, natsconfig, procs
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev import servers as localservers
+from llmgw.dev import tinymodel
 
 DEFAULT_DATA_DIR = ".llmgw"
 DEMO_MODELS = ("demo-chat", "demo-small")
