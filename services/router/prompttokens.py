@@ -5,7 +5,7 @@ Engines publish which blocks they hold as canonical hashes of token ids
 way the engine makes them:
 
 - the simulator (`engine: sim`): its own byte tokens of the prompt it renders (its
-  ChatML-like template, llmgw.simengine.tokens), computed here exactly;
+  ChatML-like template, llmgw.chatprompt), computed here exactly;
 - vLLM with a tokenizer the catalog names (`scheduling.tokenizer`: a tokenizer.json
   or a directory holding one): completions prompts are encoded with the
   `tokenizers` package (special tokens added, as vLLM does); chat requests are
@@ -23,12 +23,11 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
+from llmgw.chatprompt import message_text, pack_token_ids, render_chat
 from llmgw.kvblocks import sim_token_bytes
-from llmgw.simengine.tokens import pack_token_ids, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +49,6 @@ def _messages(raw: bytes) -> list[dict] | None:
     return msgs if all(isinstance(m, dict) for m in msgs) else None
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
 def _completion(raw: bytes) -> str | list[int] | None:
     try:
         prompt = _json.decode(raw)
@@ -82,7 +67,10 @@ def sim_tokens(raw: bytes) -> bytes | None:
     """The simulator's tokens of this prompt, as kvblocks.token_bytes."""
     msgs = _messages(raw)
     if msgs is not None:
-        turns = [(str(m.get("role", "")), _content_text(m.get("content"))) for m in msgs]
+        turns = [
+            (str(m.get("role", "")), message_text(m.get("content"), m.get("tool_calls")))
+            for m in msgs
+        ]
         return sim_token_bytes(render_chat(turns))
     prompt = _completion(raw)
     if isinstance(prompt, str):
