@@ -126,15 +126,19 @@ class EngineRelay:
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        # One context per process (its I/O thread serves every relay's socket).
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        try:
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sock.setsockopt(zmq.RCVHWM, 100_000)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
         self.port = port
         self.endpoint = f"tcp://{host}:{port}"
         self.task: asyncio.Task | None = None
@@ -245,6 +249,12 @@ class EngineRelay:
     def start(self) -> None:
         self.task = asyncio.ensure_future(self.run())
 
+    def close_socket(self) -> None:
+        for task in (self.task, self._flush_task):
+            if task is not None:
+                task.cancel()
+        self._sock.close(linger=0)
+
     async def close(self) -> None:
         for task in (self.task, self._flush_task):
             if task is not None:
@@ -252,7 +262,6 @@ class EngineRelay:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class KvRelays:
@@ -265,6 +274,7 @@ class KvRelays:
         self.relays: dict[str, EngineRelay] = {}
         self._nc = None
         self._sub = None
+        self._closing: set[asyncio.Future] = set()
 
     async def _publish(self, subject: str, data: bytes) -> None:
         nc = self._nc
@@ -273,10 +283,16 @@ class KvRelays:
         await nc.publish(subject, data)
 
     def open(self, shard_id: str, port: int = 0) -> EngineRelay:
-        """Bind a relay for this shard (a free loopback port unless `port`) and start it."""
+        """Bind a relay for this shard (a free loopback port unless `port`) and start it.
+
+        Raises zmq.ZMQError when the port cannot be bound (another process holds it)."""
         old = self.relays.pop(shard_id, None)
         if old is not None:
-            asyncio.ensure_future(old.close())
+            # Its socket closes now; stop() awaits the rest of its shutdown.
+            old.close_socket()
+            task = asyncio.ensure_future(old.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         relay = EngineRelay(
             self.node, shard_id, publish=self._publish, port=port, host=self.host,
             metrics=self.metrics,
@@ -314,3 +330,5 @@ class KvRelays:
                 await self._sub.unsubscribe()
         for shard_id in list(self.relays):
             await self.close(shard_id)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
