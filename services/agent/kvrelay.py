@@ -11,8 +11,9 @@ does for a non-wildcard endpoint). The relay
   core NATS (`llmgw.kv.<node>.<shard>`), each batch naming the engine's own sequence
   numbers it covers and the relay's epoch, so a router sees any gap;
 - answers `KvSnapshotRequest` on `llmgw.kvsnap.<node>.<shard>` with the whole set as
-  of the last engine batch it applied (after publishing what it had pending, so no
-  published batch straddles a snapshot).
+  of the last engine batch it applied, taken together with the pending batch (which
+  is published first), so no published batch straddles a snapshot; a set too large
+  for one message keeps its oldest blocks, whole prefixes from their roots.
 
 Events are fire and forget: a batch lost on the bus is a gap, which routers repair
 with a snapshot. A gap between the engine and the relay (ZMQ drops past its
@@ -218,7 +219,9 @@ class EngineRelay:
         return msg
 
     async def flush(self) -> None:
-        msg = self.take_batch()
+        await self._send(self.take_batch())
+
+    async def _send(self, msg: c.KvEvents | None) -> None:
         if msg is None:
             return
         try:
@@ -231,20 +234,35 @@ class EngineRelay:
             if self.metrics is not None:
                 self.metrics.publish_failures.labels("kv_events").inc()
 
-    async def snapshot(self, max_payload: int) -> c.KvSnapshot:
-        await self.flush()
+    def take_snapshot(self, max_payload: int) -> tuple[c.KvEvents | None, c.KvSnapshot]:
+        """The pending batch and the set as of its last sequence number, taken together
+        with no await between them: engine batches arriving while the pending one is
+        published go into the next batch, after the snapshot, never across it.
+
+        Past `max_payload` the oldest blocks are kept: they are stored before the blocks
+        chained on them, so the set stays whole prefixes (roots first) and a router
+        still matches the start of every prompt, where the leaves would match none.
+        """
+        pending = self.take_batch()
         hashes = self.blocks.hashes()
         room = max(0, (max_payload - 2048) // _HASH_JSON_BYTES)
-        return c.KvSnapshot(
+        snap = c.KvSnapshot(
             node=self.node,
             shard_id=self.shard_id,
             url=self.url,
             epoch=self.epoch,
             seq=self.last_seq,
             block_size=self.blocks.block_size,
-            hashes=hashes[-room:] if len(hashes) > room else hashes,
+            hashes=hashes[:room] if len(hashes) > room else hashes,
             truncated=len(hashes) > room,
         )
+        return pending, snap
+
+    async def snapshot(self, max_payload: int) -> c.KvSnapshot:
+        """The snapshot, after publishing the batch that preceded it."""
+        pending, snap = self.take_snapshot(max_payload)
+        await self._send(pending)
+        return snap
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self.run())
