@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from llmgw import contracts as c
 
 _MAX_BUFFERED = 4096  # batches kept while a snapshot is awaited
+# Blocks hashed before the first lookups of a lazily hashed prompt: a cold prompt
+# usually misses within the first few (after the chat template's shared opening).
+_FIRST_CHUNK = 4
 
 
 @dataclass(slots=True)
@@ -73,7 +76,11 @@ class BlockIndex:
         return st.block_size if st is not None and st.synced else 0
 
     def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        """How many leading blocks of `hashes` each endpoint holds (synced ones only)."""
+        """How many leading blocks of `hashes` each endpoint holds (synced ones only).
+
+        `hashes` may be a kvblocks.LazyPromptHashes: then blocks are hashed in chunks
+        that grow as long as some endpoint still holds every block so far, so a prompt
+        no engine holds costs one chunk of hashing, not the whole prompt."""
         slots = {}
         for ep_id in endpoint_ids:
             st = self.endpoints.get(ep_id)
@@ -84,17 +91,27 @@ class BlockIndex:
         for bit in slots.values():
             alive |= bit
         blocks = self.blocks
+        upto = getattr(hashes, "upto", None)
+        total = len(hashes)
         n = 0
-        for h in hashes:
-            m = blocks.get(h, 0) & alive
-            if m != alive:
-                for ep_id, bit in slots.items():
-                    if alive & bit and not m & bit:
-                        out[ep_id] = n
-                alive = m
-                if not alive:
-                    return out
-            n += 1
+        want = _FIRST_CHUNK
+        while n < total:
+            if upto is None:
+                chunk, end = hashes, total
+            else:
+                chunk = upto(want)
+                end = len(chunk)
+                want *= 4
+            for i in range(n, end):
+                m = blocks.get(chunk[i], 0) & alive
+                if m != alive:
+                    for ep_id, bit in slots.items():
+                        if alive & bit and not m & bit:
+                            out[ep_id] = i
+                    alive = m
+                    if not alive:
+                        return out
+            n = end
         for ep_id, bit in slots.items():
             if alive & bit:
                 out[ep_id] = n

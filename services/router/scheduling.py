@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import prompt_hashes
+from llmgw.kvblocks import LazyPromptHashes
 from llmgw.router.circuit import CLOSED
 from llmgw.router.prompttokens import tokens_for
 
@@ -46,7 +46,7 @@ class Settings:
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude", "key")
+    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv")
 
     def __init__(
         self,
@@ -63,6 +63,9 @@ class Context:
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
         self.key = key  # request_key(body): the pickers' only source of chance
+        # kv_prefix's work on this prompt, kept for the request's retries: token ids by
+        # engine kind, lazily computed block hashes by (engine kind, block size).
+        self.kv: dict | None = None
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
@@ -270,51 +273,76 @@ class CachedPrefixScorer(_Stateless):
         beyond = ep.inflight - cap if cap else 0
         return max(waiting, beyond)
 
-    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None]:
-        """Per candidate: the cached share from events, or None where there are none."""
-        out: list[float | None] = [None] * len(cands)
+    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None] | None:
+        """Per candidate: the cached share from events, or None where there are none;
+        None (nothing allocated) when no candidate has events.
+
+        Hashes are computed while matching and only as far as some candidate holds the
+        prompt (a cold prompt costs one block hash), and kept on the context with the
+        token ids, so a retry of the request recomputes nothing.
+        """
         index = self.index
-        prompt = getattr(ctx.prefix, "prompt", None)
-        if index is None or prompt is None:
-            return out
-        tokens_by_engine: dict[str, list[int] | None] = {}
-        groups: dict[tuple[str, int], list[int]] = {}
+        if index is None or not index.endpoints:
+            return None
+        sizes = None
         for i, ep in enumerate(cands):
             bs = index.block_size(ep.id)
+            if bs:
+                if sizes is None:
+                    sizes = [0] * len(cands)
+                sizes[i] = bs
+        if sizes is None:
+            return None
+        out: list[float | None] = [None] * len(cands)
+        prompt = getattr(ctx.prefix, "prompt", None)
+        if prompt is None:
+            return out
+        memo = ctx.kv
+        if memo is None:
+            memo = ctx.kv = {}
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, bs in enumerate(sizes):
             if not bs:
                 continue
-            engine = ep.spec.engine
-            if engine not in tokens_by_engine:
-                tokens_by_engine[engine] = tokens_for(engine, self.tokenizer, prompt)
-            if tokens_by_engine[engine] is not None:
+            engine = cands[i].spec.engine
+            if engine not in memo:
+                memo[engine] = tokens_for(engine, self.tokenizer, prompt)
+            if memo[engine] is not None:
                 groups.setdefault((engine, bs), []).append(i)
-        for (engine, bs), members in groups.items():
-            tokens = tokens_by_engine[engine]
-            hashes = prompt_hashes(tokens, bs, self.max_blocks)
-            if not hashes:
+        for key, members in groups.items():
+            hashes = memo.get(key)
+            if hashes is None:
+                hashes = memo[key] = LazyPromptHashes(memo[key[0]], key[1], self.max_blocks)
+            n = len(hashes)
+            if not n:
                 for i in members:
                     out[i] = 0.0
                 continue
             found = index.match(hashes, [cands[i].id for i in members])
             for i in members:
-                out[i] = found.get(cands[i].id, 0) / len(hashes)
+                out[i] = found.get(cands[i].id, 0) / n
         return out
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         overlaps = self.overlaps(cands, ctx)
-        approx = ctx.prefix
-        n = len(approx)
+        approx = None  # the approximate hashes, made only if some candidate needs them
+        n = 0
         now = ctx.now
         for i, ep in enumerate(cands):
-            share = overlaps[i]
+            share = overlaps[i] if overlaps is not None else None
             if share is None:
+                if approx is None:
+                    approx = ctx.prefix
+                    n = len(approx)
                 share = ep.prefix.match(approx) / n if n else 0.0
             if share and self.pending(ep, now) > self.max_pending:
                 share = 0.0
             out[i] = share
 
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        if ctx.prefix:
+        # The guess is fed only for engines without events: it stands in for them alone,
+        # and hashing it for every request would cost what the lazy match saves.
+        if ctx.prefix and not (self.index is not None and self.index.block_size(ep.id)):
             ep.prefix.insert(ctx.prefix)
 
 

@@ -223,3 +223,38 @@ def test_endpoints_without_events_fall_back_to_the_approximate_guess():
     assert again.id == first.id
     # With no index at all (router-only mode) the scorer is the approximate one.
     assert pipeline(None).pick([quiet_a, quiet_b], context(turn1, key=5)).id == first.id
+
+
+def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_per_request():
+    system = "You are a careful assistant. " * 40
+    warm_prompt = chat(system, "q")
+    index = BlockIndex()
+    held = sim_blocks(warm_prompt)
+    synced(index, "a", *held)
+    synced(index, "b")
+    eps = [endpoint("a"), endpoint("b")]
+    p = pipeline(index)
+    # A cold prompt: two blocks hashed (every chat opens with the template's
+    # "<|im_start|>syst" block), not its hundreds, and none of the approximate hashes.
+    cold = context(chat("Something else entirely. " * 40, "q"))
+    assert p.pick(eps, cold) is not None
+    assert len(cold.kv[("sim", BS)]._done) == 2 < len(cold.kv[("sim", BS)])
+    assert cold.prefix._hashes is None
+    # A warm prompt: hashed up to the first block no engine holds, kept for a retry.
+    warm = context(chat(system, "q", "a", "q2"))
+    assert p.pick(eps, warm).id == "a"
+    lazy = warm.kv[("sim", BS)]
+    hashed = len(lazy._done)
+    assert len(held) - 1 <= hashed <= len(held) + 1 < len(lazy)
+    warm.exclude = ["a"]
+    p.pick(eps, warm)  # the retry
+    assert warm.kv[("sim", BS)] is lazy and len(lazy._done) == hashed
+    assert warm.prefix._hashes is None
+
+
+def test_no_endpoint_with_events_means_no_precise_work():
+    index = BlockIndex()
+    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    ctx = context(chat("sys " * 200, "q"))
+    assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
+    assert ctx.kv is None
