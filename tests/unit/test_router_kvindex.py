@@ -234,18 +234,19 @@ def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_pe
     synced(index, "b")
     eps = [endpoint("a"), endpoint("b")]
     p = pipeline(index)
-    # A cold prompt: two blocks hashed (every chat opens with the template's
-    # "<|im_start|>syst" block), not its hundreds, and none of the approximate hashes.
+    # A cold prompt: one small first chunk hashed, not its hundreds of blocks, and
+    # none of the approximate hashes.
     cold = context(chat("Something else entirely. " * 40, "q"))
     assert p.pick(eps, cold) is not None
-    assert len(cold.kv[("sim", BS)]._done) == 2 < len(cold.kv[("sim", BS)])
+    assert len(cold.kv[("sim", BS)]._done) <= 4 < len(cold.kv[("sim", BS)])
     assert cold.prefix._hashes is None
     # A warm prompt: hashed up to the first block no engine holds, kept for a retry.
-    warm = context(chat(system, "q", "a", "q2"))
+    warm = context(chat(system, "q", "a long answer. " * 300, "q2"))
     assert p.pick(eps, warm).id == "a"
     lazy = warm.kv[("sim", BS)]
     hashed = len(lazy._done)
-    assert len(held) - 1 <= hashed <= len(held) + 1 < len(lazy)
+    # (in chunks of 4, 16, 64, 256 blocks: as far as the chunk the first miss is in)
+    assert len(held) - 1 <= hashed < len(lazy)
     warm.exclude = ["a"]
     p.pick(eps, warm)  # the retry
     assert warm.kv[("sim", BS)] is lazy and len(lazy._done) == hashed
