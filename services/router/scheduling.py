@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from llmgw.contracts import EndpointState, SchedulingSpec
 from llmgw.kvblocks import LazyPromptHashes
 from llmgw.router.circuit import CLOSED
-from llmgw.router.prompttokens import tokens_for
+from llmgw.router.prompttokens import TOKENIZERS, tokens_for
 
 if TYPE_CHECKING:
     from llmgw.router.view import EndpointRuntime
@@ -265,6 +265,8 @@ class CachedPrefixScorer(_Stateless):
 
     def configure(self, spec: SchedulingSpec) -> None:
         self.tokenizer = spec.tokenizer
+        # Loaded in a thread now, so no request waits for it (approximate until then).
+        TOKENIZERS.want(spec.tokenizer)
 
     def pending(self, ep: EndpointRuntime, now: float) -> int:
         load = ep.load
