@@ -250,7 +250,8 @@ class CachedPrefixScorer(_Stateless):
 
     Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity) scores 0 here, so load alone decides until it drains.
+    beyond its batch capacity, declared or learned) scores 0 here, so load alone
+    decides until it drains.
     """
 
     name = "kv_prefix"
@@ -269,9 +270,21 @@ class CachedPrefixScorer(_Stateless):
         TOKENIZERS.want(spec.tokenizer)
 
     def pending(self, ep: EndpointRuntime, now: float) -> int:
+        """Requests waiting at the engine: its queue from a fresh load sample, or this
+        router's in flight beyond the engine's batch capacity, whichever is larger.
+
+        The capacity is the catalog's `max_running`, else the one learned from load
+        samples: the largest running batch seen while requests queued (the batch was
+        full then). So a burst onto the warm engine is limited between samples too,
+        not only by a sample a few hundred milliseconds old."""
         load = ep.load
-        waiting = load.waiting if load is not None and load.at >= now - self.stale_after else 0
-        cap = ep.spec.max_running
+        waiting = 0
+        if load is not None:
+            if load.waiting > 0 and load.running > ep.batch_capacity:
+                ep.batch_capacity = load.running
+            if load.at >= now - self.stale_after:
+                waiting = load.waiting
+        cap = ep.spec.max_running or ep.batch_capacity
         beyond = ep.inflight - cap if cap else 0
         return max(waiting, beyond)
 

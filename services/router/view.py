@@ -61,6 +61,7 @@ class EndpointRuntime:
         "targets",
         "pushed_at",
         "headers",
+        "batch_capacity",
     )
 
     def __init__(self, spec: Endpoint, settings: ViewSettings):
@@ -78,6 +79,9 @@ class EndpointRuntime:
         self.targets = {path: URL(self.url + path) for path in PATHS}
         self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
         self.headers = resolve_headers(spec.upstream)  # added to every request to it
+        # The engine's running batch at its largest while requests queued: its capacity
+        # when the catalog declares none (learned from load samples by kv_prefix).
+        self.batch_capacity = 0
 
     def target(self, path: str) -> URL:
         url = self.targets.get(path)

@@ -259,3 +259,19 @@ def test_no_endpoint_with_events_means_no_precise_work():
     ctx = context(chat("sys " * 200, "q"))
     assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
     assert ctx.kv is None
+
+
+def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(turn1))
+    synced(index, "cold")
+    cold, warm = endpoint("cold"), endpoint("warm")
+    p = pipeline(index, affinity_max_pending=4)
+    # A sample from when the engine was full: 8 running, 2 queued. It is stale now.
+    warm.load = Load(waiting=2, running=8, kv_usage=0.5, at=NOW - 5)
+    warm.inflight = 8 + 4
+    assert p.pick([cold, warm], context(turn1)).id == "warm"  # 4 beyond: at the limit
+    warm.inflight = 8 + 5  # this router's burst: 5 beyond the learned capacity
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
