@@ -15,8 +15,9 @@ Forgetting all of one endpoint's blocks (a snapshot, a clear, a removed endpoint
 would be a scan of the whole index, seconds per million blocks on a busy machine,
 stalling the router. Instead the endpoint moves to a fresh slot at once and its old
 slot is retired: matching only ever looks at live slots, and `sweep` clears retired
-bits in bounded chunks that the feed runs between other work; a retired slot is
-reused only once swept.
+bits in bounded chunks that the feed runs between other work (the dict is set aside
+whole and its entries moved back a chunk at a time; lookups read both meanwhile);
+a retired slot is reused only once swept.
 
 Per endpoint the index follows the relay's numbering: a batch must continue where
 the last one ended, in the same epoch. Anything else (a first batch, a restarted
@@ -59,8 +60,9 @@ class BlockIndex:
         self._next_slot = 0
         self._retired = 0  # bit mask of slots whose blocks are still to be swept
         self._sweeping = 0  # the part of it the sweep under way clears
-        self._sweep_keys: list[int] = []
-        self._sweep_at = 0
+        # While a sweep runs: the entries it has not reached yet (lookups fall back to
+        # them; an entry that is written moves to `blocks`, its swept bits cleared).
+        self._old: dict[int, int] = {}
         self.dropped_stores = 0
         self.gaps = 0
         self.snapshots = 0
@@ -90,7 +92,7 @@ class BlockIndex:
         alive = 0
         for bit in slots.values():
             alive |= bit
-        blocks = self.blocks
+        blocks, old = self.blocks, self._old
         upto = getattr(hashes, "upto", None)
         total = len(hashes)
         n = 0
@@ -103,7 +105,10 @@ class BlockIndex:
                 end = len(chunk)
                 want *= 4
             for i in range(n, end):
-                m = blocks.get(chunk[i], 0) & alive
+                m = blocks.get(chunk[i])
+                if m is None:
+                    m = old.get(chunk[i], 0) if old else 0
+                m &= alive
                 if m != alive:
                     for ep_id, bit in slots.items():
                         if alive & bit and not m & bit:
@@ -118,7 +123,7 @@ class BlockIndex:
         return out
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + len(self._old)
 
     # -- events --------------------------------------------------------------------------
 
@@ -222,7 +227,9 @@ class BlockIndex:
                     self._store(blocks, st, bit, h)
             elif op.op is c.KvOp.REMOVED:
                 for h in op.hashes:
-                    m = blocks.get(h, 0)
+                    m = blocks.get(h)
+                    if m is None:
+                        m = self._migrate(blocks, h)
                     if m & bit:
                         st.count -= 1
                         m &= ~bit
@@ -234,10 +241,23 @@ class BlockIndex:
                 self._clear(st)
         st.seq = batch.seq_last
 
+    def _migrate(self, blocks: dict[int, int], h: int) -> int:
+        """An entry the running sweep has not reached, moved to `blocks` with the swept
+        slots' bits cleared (0, and not moved, when there is none)."""
+        m = self._old.pop(h, None) if self._old else None
+        if m is None:
+            return 0
+        m &= ~self._sweeping
+        if m:
+            blocks[h] = m
+        return m
+
     def _store(self, blocks: dict[int, int], st: EndpointBlocks, bit: int, h: int) -> None:
         m = blocks.get(h)
+        if m is None and self._old:
+            m = self._migrate(blocks, h) or None
         if m is None:
-            if len(blocks) >= self.max_blocks:
+            if len(blocks) + len(self._old) >= self.max_blocks:
                 self.dropped_stores += 1
                 return
             blocks[h] = bit
@@ -259,31 +279,29 @@ class BlockIndex:
         return bool(self._retired or self._sweeping)
 
     def sweep(self, budget: int = 50_000) -> bool:
-        """Clear retired slots' bits from up to `budget` entries; True when none are left."""
+        """Clear retired slots' bits from up to `budget` entries; True when none are left.
+
+        A sweep starts by setting the whole dict aside (O(1)) and a fresh one in its
+        place; each call moves up to `budget` entries back, their retired bits cleared.
+        No call costs more than its budget, however large the index."""
         if not self._sweeping:
             if not self._retired:
                 return True
             self._sweeping, self._retired = self._retired, 0
-            self._sweep_keys = list(self.blocks)
-            self._sweep_at = 0
+            self._old, self.blocks = self.blocks, {}
         keep = ~self._sweeping
-        blocks = self.blocks
-        end = min(self._sweep_at + budget, len(self._sweep_keys))
-        for h in self._sweep_keys[self._sweep_at : end]:
-            m = blocks.get(h)
-            if m is not None and m & self._sweeping:
-                m &= keep
-                if m:
-                    blocks[h] = m
-                else:
-                    del blocks[h]
-        self._sweep_at = end
-        if end < len(self._sweep_keys):
+        old, blocks = self._old, self.blocks
+        for _ in range(min(budget, len(old))):
+            h, m = old.popitem()
+            m &= keep
+            if m:
+                n = blocks.get(h)
+                blocks[h] = m if n is None else n | m
+        if old:
             return False
-        # Slots retired meanwhile were never given out again, so the keys made since the
-        # list was taken cannot hold the swept slots' bits.
+        # Slots retired meanwhile were never given out again, so entries written since
+        # the sweep began cannot hold the swept slots' bits.
         sweeping = self._sweeping
         self._free_slots.extend(i for i in range(self._next_slot) if sweeping >> i & 1)
         self._sweeping = 0
-        self._sweep_keys = []
         return not self._retired

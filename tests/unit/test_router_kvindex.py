@@ -275,3 +275,23 @@ def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale()
     assert p.pick([cold, warm], context(turn1)).id == "warm"  # 4 beyond: at the limit
     warm.inflight = 8 + 5  # this router's burst: 5 beyond the learned capacity
     assert p.pick([cold, warm], context(turn1)).id == "cold"
+
+
+def test_events_and_matches_during_a_sweep_see_one_consistent_index():
+    index = BlockIndex()
+    synced(index, "a", *range(1, 101))
+    synced(index, "b", *range(1, 51))
+    assert index.offer("a", batch(5))  # a gap: a's old blocks are retired, then swept
+    assert not index.snapshot("a", snap(5, *range(1, 11)))
+    assert not index.sweep(budget=10)  # ten entries moved back, the rest still set aside
+    assert index.match(list(range(1, 101)), ["a", "b"]) == {"a": 10, "b": 50}
+    # Writes during the sweep: a removal, a store, on entries it has not reached yet.
+    assert not index.offer("b", batch(1, 1, removed(3), stored(60)))
+    assert not index.offer("a", batch(6, 6, stored(11)))
+    assert index.match(list(range(1, 101)), ["a", "b"]) == {"a": 11, "b": 2}
+    while not index.sweep(budget=7):
+        pass
+    a, b = 1 << index.endpoints["a"].slot, 1 << index.endpoints["b"].slot
+    assert {h for h, m in index.blocks.items() if m & a} == set(range(1, 12))
+    assert {h for h, m in index.blocks.items() if m & b} == set(range(1, 51)) - {3} | {60}
+    assert len(index) == 51  # 1..50 but 3, then 11 (a) and 60 (b): nothing stale left
