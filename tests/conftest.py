@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import localservers
+from llmgw.dev import servers as localservers
 
 
 class _External:

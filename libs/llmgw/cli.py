@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reconciler": ("llmgw.reconciler.cli", "run the reconciler (leader or standby)"),
     "agent": ("llmgw.agent.cli", "run a node agent"),
     "sim-engine": ("llmgw.simengine.cli", "run a vLLM-compatible engine simulator"),
-    "dev": ("llmgw.devcluster", "run a whole local cluster with one command"),
+    "dev": ("llmgw.dev.cluster", "run a whole local cluster with one command"),
     "migrate": ("llmgw.reconciler.migrate_cli", "upgrade the database schema to head"),
     "apply": ("llmgw.reconciler.apply_cli", "validate a catalog file and publish its changes"),
     "get": ("llmgw.opcli.get", "list nodes, models, replicas, endpoints or tenants"),

@@ -233,14 +233,19 @@ class UpstreamSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     secret_headers: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env var
 
 
+AUTOSCALE_SIGNALS = ("load", "queue")  # what an autoscale target can be in
+
+
 class AutoscaleSpec(msgspec.Struct, kw_only=True):
     """Replicas that follow demand, between `min` and `max` (docs/autoscale.md).
 
-    The signal is the pool's load: requests in flight plus queued in admission, over
-    the batch capacity of its ready replicas, summed over every router. `target` is
-    the load to aim for; the count rises when the load stays above it for
-    `scale_up_after_seconds` and falls when it stays below target * (1 - tolerance)
-    for `scale_down_after_seconds` (which is also the cool-down after any change).
+    `signal` is what `target` is in: `load` (requests in flight plus queued in
+    admission, over the batch capacity of the ready replicas, summed over every
+    router) or `queue` (requests waiting, in admission and in the engines' own
+    queues, per ready replica). The count rises when the signal stays above
+    `target` for `scale_up_after_seconds` and falls when it stays below
+    target * (1 - tolerance) for `scale_down_after_seconds` (which is also the
+    cool-down after any change).
     """
 
     min: int = 1
@@ -249,6 +254,7 @@ class AutoscaleSpec(msgspec.Struct, kw_only=True):
     scale_up_after_seconds: float = 30.0
     scale_down_after_seconds: float = 120.0
     tolerance: float = 0.2
+    signal: str = "load"  # load | queue
 
 
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
@@ -420,6 +426,15 @@ class ScaleSignals(msgspec.Struct, kw_only=True):
     routers: int = 0  # routers whose summaries were combined
     capacity_declared: bool = True  # every router saw a declared batch size on every replica
     waiting: int = 0  # waiting in the engines' own queues (their load samples)
+    queue: float = 0.0  # (queued + waiting) / ready; 0 with no ready replica
+
+
+class RouterInput(msgspec.Struct, kw_only=True):
+    """One router's summary of one model, as the autoscaler combined it."""
+
+    router_id: str
+    process: int = 0
+    demand: ModelDemand | None = None  # None: that router does not route the model
 
 
 class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
@@ -438,6 +453,14 @@ class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
     sustained_seconds: float = 0.0
     based_on_seq: int = 0
     explanation: str = ""
+    signal: str = "load"  # what the target was in (AutoscaleSpec.signal)
+    # The summaries `signals` were combined from, by router id, at most 64 of
+    # them (`signals.routers` says how many there were): replay combines them again.
+    # Empty in events written before they were recorded.
+    inputs: list[RouterInput] = msgspec.field(default_factory=list)
+    # Seconds since the model's previous change, on the leader's monotonic clock (the
+    # cool-down); None in older events, where replay compares the events' wall times.
+    since_last_change_seconds: float | None = None
     term: int = 0
 
 

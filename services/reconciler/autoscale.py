@@ -1,15 +1,28 @@
-"""The autoscaler's decisions: replica counts from demand. Pure, with a given clock.
+"""The autoscaler's decisions: replica counts from demand. Pure, with given clocks.
 
 Input: the folded state (each autoscaled model's spec, its desired count, its
 latest ModelScaled) and the routers' demand summaries, combined per model into
 `ScaleSignals` (`combine`). Output: ModelScaled events.
 
-The rule (`propose`) reads one number, the pool's *load*: requests in flight
-plus queued in admission, over the batch capacity of the ready replicas.
-1.0 is every batch slot busy with nothing waiting. Admission's saturation is
-recorded too, but cannot drive the count alone: it is 0 whenever nothing
-queues, so a fleet at 95% of its batch capacity would look idle and shrink
-until it queued again (flapping).
+The rule (`propose`) reads one number, the spec's `signal`:
+
+- `load` (the default): requests in flight plus queued in admission, over the
+  batch capacity of the ready replicas. 1.0 is every batch slot busy with
+  nothing waiting.
+- `queue`: requests waiting (in admission, every band, and in the engines' own
+  queues) per ready replica. It rises only once the replicas are full, so it
+  scales up late but never on a learned capacity's guess; it cannot say how
+  many replicas could go (it is 0 at 95% of capacity as at 5%), so scale-down
+  reads the load: to the fewest replicas that hold what is in flight at
+  1 - tolerance of their capacity.
+
+Admission's saturation is recorded too, but cannot drive the count alone: it is
+0 whenever nothing queues, so a fleet at 95% of its batch capacity would look
+idle and shrink until it queued again (flapping). TTFT is not a signal: routers
+see only the first token of what they proxy, after admission's wait, and a
+percentile over a second of a share of the traffic is noise (docs/autoscale.md).
+
+With `load` (`queue` reads the same with its own number, except scale-down):
 
 - load > target: scale up to ceil(ready * load / target), at least one more,
   at most max, once it held for `scale_up_after_seconds`. With a capacity only
@@ -31,7 +44,10 @@ until it queued again (flapping).
 
 A condition is timed from the first summary that showed it (`Track`); a gap in
 the summaries longer than `max_gap` or another outcome restarts the timing.
-Each event records the signals, the rule and how long it held, so
+Durations (how long a condition held, the cool-down) are measured on the
+leader's monotonic clock (`now`); the wall clock (`wall`) only stamps the
+events. Each event records the signals, the per-router inputs they were
+combined from (at most INPUTS_CAP), the rule and how long it held, so
 `llmgw audit replay` re-derives it (`check`) from the log alone.
 """
 
@@ -52,6 +68,9 @@ FROM_ZERO = "from_zero"
 
 # A summary is combined while it is younger than this (routers send one a second).
 SUMMARY_TTL = 3.0
+# The most per-router inputs a ModelScaled records (the count is in signals.routers):
+# an event stays small with any number of routers; replay re-combines only complete ones.
+INPUTS_CAP = 64
 
 
 @dataclass(frozen=True)
@@ -75,12 +94,19 @@ def _ceil(x: float) -> int:
     return math.ceil(x - 1e-9)  # 2.0000000001 from float noise is 2, not 3
 
 
+def value(spec: c.AutoscaleSpec, sig: c.ScaleSignals) -> float:
+    """The number the spec's target is in."""
+    return sig.queue if spec.signal == "queue" else sig.load
+
+
 def propose(spec: c.AutoscaleSpec, desired: int, sig: c.ScaleSignals) -> Proposal | None:
     """What the rule says for these signals, ignoring time (replay calls this too)."""
     if desired == 0:
         if sig.in_flight + sig.queued > 0:
             return Proposal(FROM_ZERO, min(spec.max, max(1, spec.min)), 0.0)
         return None
+    if spec.signal == "queue":
+        return _propose_queue(spec, desired, sig)
     if sig.ready == 0 or sig.capacity <= 0:
         return None  # nothing serves yet: there is no load to measure
     if sig.load > spec.target:
@@ -99,6 +125,23 @@ def propose(spec: c.AutoscaleSpec, desired: int, sig: c.ScaleSignals) -> Proposa
     return None
 
 
+def _propose_queue(spec: c.AutoscaleSpec, desired: int, sig: c.ScaleSignals) -> Proposal | None:
+    if sig.ready == 0:
+        return None  # nothing serves yet: a queue says nothing of the replicas' size
+    if sig.queue > spec.target:
+        if sig.ready < desired:
+            return None  # the last scale-up is still arriving (or cannot be placed)
+        to = min(spec.max, max(desired + 1, _ceil(sig.ready * sig.queue / spec.target)))
+        return Proposal(SCALE_UP, to, spec.scale_up_after_seconds) if to > desired else None
+    if sig.queue < spec.target * (1 - spec.tolerance) and sig.capacity > 0:
+        # No queue says nothing of how full the replicas are: size down by the load, to
+        # the fewest that hold it at 1 - tolerance of their capacity (so it does not queue
+        # again at once and scale back up).
+        to = max(spec.min, _ceil(sig.ready * sig.load / (1 - spec.tolerance)))
+        return Proposal(SCALE_DOWN, to, spec.scale_down_after_seconds) if to < desired else None
+    return None
+
+
 def step(
     spec: c.AutoscaleSpec,
     desired: int,
@@ -109,7 +152,8 @@ def step(
     *,
     max_gap: float = SUMMARY_TTL,
 ) -> tuple[Proposal | None, Track]:
-    """One evaluation: the proposal that fires now (or None), and the track to keep."""
+    """One evaluation: the proposal that fires now (or None), and the track to keep.
+    `now` and `last_scaled_at` are on one monotonic clock."""
     prop = propose(spec, desired, sig) if sig is not None else None
     if prop is None:
         return None, Track()
@@ -159,6 +203,7 @@ def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
         saturation += d.saturation
     demand = in_flight + queued
     return c.ScaleSignals(
+        queue=round((queued + waiting) / ready, 4) if ready else 0.0,
         load=round(demand / capacity, 4) if capacity else 0.0,
         saturation=round(saturation / routers, 4) if routers else 0.0,
         queued=queued,
@@ -172,20 +217,55 @@ def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
     )
 
 
+def inputs_of(summaries: Iterable[c.DemandSummary], model: str) -> list[c.RouterInput]:
+    """What each router said of `model`, by router id, at most INPUTS_CAP of them."""
+    ordered = sorted(summaries, key=lambda sm: (sm.router_id, sm.process))[:INPUTS_CAP]
+    return [
+        c.RouterInput(router_id=sm.router_id, process=sm.process, demand=sm.models.get(model))
+        for sm in ordered
+    ]
+
+
+def recombine(ev: c.ModelScaled) -> c.ScaleSignals | None:
+    """The signals `ev`'s recorded inputs combine to; None when they are not all there
+    (events from before inputs were recorded, or more routers than INPUTS_CAP)."""
+    if not ev.inputs or len(ev.inputs) != ev.signals.routers:
+        return None
+    summaries = [
+        c.DemandSummary(
+            router_id=i.router_id,
+            process=i.process,
+            models={} if i.demand is None else {ev.model: i.demand},
+        )
+        for i in ev.inputs
+    ]
+    return combine(summaries, ev.model)
+
+
 def explanation(ev: c.ModelScaled, spec: c.AutoscaleSpec) -> str:
     s = ev.signals
     head = f"scaled {ev.from_replicas} → {ev.to_replicas} at {clock_text(ev.ts)}: "
     held = f"for {ev.sustained_seconds:.0f} s"
     if ev.rule == FROM_ZERO:
         why = f"{s.in_flight + s.queued} request(s) waiting and no replica"
+    elif ev.rule == SCALE_UP and ev.signal == "queue":
+        why = f"queue {s.queue:.2f} per replica over target {spec.target:g} {held}"
     elif ev.rule == SCALE_UP:
         why = f"load {s.load:.2f} over target {spec.target:g} {held}"
+    elif ev.signal == "queue":
+        low = spec.target * (1 - spec.tolerance)
+        why = (
+            f"queue {s.queue:.2f} per replica under {low:.2f} (target {spec.target:g} less "
+            f"{spec.tolerance:.0%}) {held}, load {s.load:.2f} fits {ev.to_replicas} "
+            f"replica(s) at {1 - spec.tolerance:.0%}"
+        )
     else:
         low = spec.target * (1 - spec.tolerance)
         why = f"load {s.load:.2f} under {low:.2f} (target {spec.target:g} less {spec.tolerance:.0%}) {held}"
     learned = "" if s.capacity_declared else " learned"
+    other = f"load {s.load:.2f}" if ev.signal == "queue" else f"queue {s.queue:.2f} per replica"
     detail = (
-        f" (saturation {s.saturation:.2f}, {s.in_flight} in flight, {s.queued} queued, "
+        f" ({other}, saturation {s.saturation:.2f}, {s.in_flight} in flight, {s.queued} queued, "
         f"{s.waiting} waiting in engines, {s.ready} ready of{learned} capacity {s.capacity}, "
         f"{s.routers} router(s))"
     )
@@ -197,9 +277,18 @@ def decide(
     signals: dict[str, c.ScaleSignals],
     tracks: dict[str, Track],
     now: float,
+    *,
+    wall: float | None = None,
+    changed_at: dict[str, float] | None = None,
+    inputs: dict[str, list[c.RouterInput]] | None = None,
 ) -> tuple[list[c.ModelScaled], dict[str, Track]]:
     """ModelScaled events for every autoscaled model whose rule fires now, and the new
-    tracks. A model without signals (no live router) is left as it is."""
+    tracks. A model without signals (no live router) is left as it is.
+
+    `now` measures (monotonic); `wall` stamps the events (default `now`). `changed_at`:
+    when each model last changed, on the clock of `now` (default: the previous event's
+    wall time, for callers whose `now` is a wall time). `inputs`: the per-router
+    summaries each model's signals were combined from, recorded in the event."""
     events: list[c.ModelScaled] = []
     new_tracks: dict[str, Track] = {}
     for model in sorted(state.models):
@@ -207,14 +296,13 @@ def decide(
         if spec is None:
             continue
         desired = state.desired_replicas(model)
-        last = state.scaled.get(model)
+        if changed_at is not None:
+            last_at = changed_at.get(model)
+        else:
+            last = state.scaled.get(model)
+            last_at = last.ts if last is not None else None
         prop, track = step(
-            spec,
-            desired,
-            signals.get(model),
-            tracks.get(model, Track()),
-            now,
-            last.ts if last is not None else None,
+            spec, desired, signals.get(model), tracks.get(model, Track()), now, last_at
         )
         if track.rule:
             new_tracks[model] = track
@@ -222,7 +310,7 @@ def decide(
             continue
         ev = c.ModelScaled(
             id=event_id("scaled", model, state.last_seq, desired, prop.to),
-            ts=now,
+            ts=now if wall is None else wall,
             model=model,
             from_replicas=desired,
             to_replicas=prop.to,
@@ -230,6 +318,9 @@ def decide(
             signals=signals[model],
             sustained_seconds=round(now - track.since, 3),
             based_on_seq=state.last_seq,
+            signal=spec.signal,
+            inputs=(inputs or {}).get(model, []),
+            since_last_change_seconds=round(now - last_at, 3) if last_at is not None else None,
         )
         ev.explanation = explanation(ev, spec)
         events.append(ev)
@@ -247,6 +338,16 @@ def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
     desired = state.desired_replicas(ev.model)
     if desired != ev.from_replicas:
         out.append(f"from: recorded {ev.from_replicas}, the log says {desired} were wanted")
+    if ev.signal != spec.signal:
+        out.append(f"signal: recorded {ev.signal}, the model's autoscale.signal is {spec.signal}")
+    combined = recombine(ev)
+    if combined is not None and combined != ev.signals:
+        fields = [
+            f"{f} {getattr(ev.signals, f)!r} (inputs give {getattr(combined, f)!r})"
+            for f in ev.signals.__struct_fields__
+            if getattr(ev.signals, f) != getattr(combined, f)
+        ]
+        out.append("signals: recorded " + ", ".join(fields))
     prop = propose(spec, ev.from_replicas, ev.signals)
     if prop is None:
         out.append(f"rule: recorded {ev.rule} to {ev.to_replicas}, now no rule fires")
@@ -257,7 +358,10 @@ def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
         out.append(f"held {ev.sustained_seconds:g} s, the rule needs {prop.after:g} s")
     last = state.scaled.get(ev.model)
     if prop.rule == SCALE_DOWN and last is not None:
-        gap = ev.ts - last.ts
+        # Measured on the leader's monotonic clock; older events only have wall times.
+        gap = ev.since_last_change_seconds
+        if gap is None:
+            gap = ev.ts - last.ts
         if gap + 1e-6 < spec.scale_down_after_seconds:
             out.append(
                 f"cool-down: {gap:.1f} s after the previous change, "

@@ -26,7 +26,7 @@ class Autoscaler(Controller):
 
     def __init__(self, ctx: Context, cfg):  # noqa: ARG002 (the actor's config: not used)
         super().__init__(ctx)
-        self.inner = AutoscaleController(clock=ctx.clock)
+        self.inner = AutoscaleController(clock=ctx.clock, monotonic=ctx.monotonic)
         self.resync = self.inner.cfg.tick
         self._sub = None
 

@@ -7,31 +7,33 @@ and asks the pure `autoscale.decide` what to do. Each decision goes into the
 log as a ModelScaled event; the fold turns it into the model's desired count,
 and reconcile places or retires replicas from there (retired ones drain
 first). Summaries are not persisted: the event records the combined values
-it was decided on, which is what `llmgw audit replay` checks.
+it was decided on and the per-router inputs they were combined from (at most
+`autoscale.INPUTS_CAP`), which is what `llmgw audit replay` checks.
 
-The controller is one task: `run()` subscribes, ticks and unsubscribes when
-cancelled, so the actor owns it like its other tasks. It publishes through the
-actor's publisher, so the actor's reconcile loop waits for the fold to catch
-up with a scaling decision as it does with its own. It does not decide again
-until the fold has seen its last event (the desired count it reads must be
-the one its decision made).
+Time is measured on the monotonic clock (`monotonic`): a summary's age, how
+long a condition held, the cool-down since the model's last change and the
+wait for the fold. The wall clock (`clock`) only stamps events; a change made
+before this leader took over is placed on the monotonic clock once, from its
+event's wall time, when first seen.
+
+The leader runs it as one of its controllers (autoscale_controller.py), which
+subscribes `_on_summary` to the summaries and calls `_tick` every `tick`
+seconds with the committed state and the term-stamping publisher. It does not
+decide again until the fold has seen its last event (the desired count it
+reads must be the one its decision made).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from llmgw import config
 from llmgw import contracts as c
-from llmgw import subjects as s
 
 from . import autoscale
 from .state import ClusterState
@@ -42,6 +44,14 @@ SCALED = Counter("llmgw_reconciler_model_scaled_total", "Autoscaling decisions",
 SUMMARIES = Counter(
     "llmgw_reconciler_demand_summaries_total", "Router demand summaries received", ["result"]
 )
+TICKS = Counter(
+    "llmgw_reconciler_autoscale_evaluations_total",
+    "Autoscaler evaluations (ticks not spent waiting for the fold)",
+)
+
+
+def _order(summary: c.DemandSummary) -> tuple[str, int]:
+    return (summary.router_id, summary.process)
 
 
 class AutoscaleConfig(config.ConfigStruct, kw_only=True):
@@ -51,38 +61,22 @@ class AutoscaleConfig(config.ConfigStruct, kw_only=True):
 
 class AutoscaleController:
     def __init__(
-        self, cfg: AutoscaleConfig | None = None, *, clock: Callable[[], float] = time.time
+        self,
+        cfg: AutoscaleConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg or AutoscaleConfig()
-        self.clock = clock  # wall clock: event times are wall times, cool-downs compare them
-        # (router id, worker process) -> (arrival, latest summary)
+        self.clock = clock  # wall clock: stamps events, never measures time
+        self.monotonic = monotonic  # measures: summary age, conditions held, cool-down, waits
+        # (router id, worker process) -> (arrival (monotonic), latest summary)
         self.summaries: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
         self.tracks: dict[str, autoscale.Track] = {}
+        # model -> (id of its latest ModelScaled, when it happened on the monotonic clock)
+        self.changed: dict[str, tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
-
-    async def run(
-        self,
-        nc: NATS,
-        state_of: Callable[[], ClusterState],
-        publish: Callable[[c.Message], Awaitable[int]],
-    ) -> None:
-        """Until cancelled: collect summaries, decide every tick, publish decisions."""
-        self.summaries.clear()
-        self.tracks.clear()
-        self._awaiting = None
-        sub = await nc.subscribe(s.DEMAND_ALL, cb=self._on_summary)
-        try:
-            while True:
-                await asyncio.sleep(self.cfg.tick)
-                try:
-                    await self._tick(state_of(), publish)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("autoscale tick failed; retrying next tick")
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
 
     async def _on_summary(self, msg: Msg) -> None:
         try:
@@ -92,33 +86,60 @@ class AutoscaleController:
             log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
             return
         SUMMARIES.labels("ok").inc()
-        self.summaries[(summary.router_id, summary.process)] = (self.clock(), summary)
+        self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
 
-    def signals(self, state: ClusterState, now: float) -> dict[str, c.ScaleSignals]:
-        """Combined signals per autoscaled model, from the summaries still fresh."""
+    def signals(
+        self, state: ClusterState, now: float
+    ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
+        """Combined signals per autoscaled model from the summaries still fresh at
+        monotonic `now` (older ones are forgotten), and the inputs they came from."""
         for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
             del self.summaries[key]
-        live = [summary for _, summary in self.summaries.values()]
+        # In router order, the order replay re-combines the recorded inputs in: the
+        # saturation is a float sum, and float sums depend on their order.
+        live = [sm for _, sm in sorted(self.summaries.values(), key=lambda x: _order(x[1]))]
         if not live:
-            return {}  # no router speaks: nothing is known, nothing is decided
-        return {
-            model: autoscale.combine(live, model)
-            for model, decl in state.models.items()
-            if decl.autoscale is not None
-        }
+            return {}, {}  # no router speaks: nothing is known, nothing is decided
+        models = [m for m, decl in state.models.items() if decl.autoscale is not None]
+        return (
+            {m: autoscale.combine(live, m) for m in models},
+            {m: autoscale.inputs_of(live, m) for m in models},
+        )
+
+    def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
+        """When each model last changed, on the monotonic clock. A change this controller
+        did not see made (an earlier leader's) is placed once from its event's age; a
+        wall-clock step after that moves nothing."""
+        for model, ev in state.scaled.items():
+            known = self.changed.get(model)
+            if known is None or known[0] != ev.id:
+                self.changed[model] = (ev.id, now - max(0.0, wall - ev.ts))
+        return {model: at for model, (_, at) in self.changed.items()}
 
     async def _tick(
         self, state: ClusterState, publish: Callable[[c.Message], Awaitable[int]]
     ) -> None:
-        now = self.clock()
+        now, wall = self.monotonic(), self.clock()
         if self._awaiting is not None:
             seq, since = self._awaiting
             if state.last_seq < seq and now - since < self.cfg.fold_wait_timeout:
                 return
             self._awaiting = None
-        events, self.tracks = autoscale.decide(state, self.signals(state, now), self.tracks, now)
+        signals, inputs = self.signals(state, now)
+        events, self.tracks = autoscale.decide(
+            state,
+            signals,
+            self.tracks,
+            now,
+            wall=wall,
+            changed_at=self.changed_at(state, now, wall),
+            inputs=inputs,
+        )
+        self.ticks += 1
+        TICKS.inc()
         for ev in events:
             seq = await publish(ev)
             self._awaiting = (seq, now)
+            self.changed[ev.model] = (ev.id, now)
             SCALED.labels(ev.rule).inc()
             log.info("%s: %s", ev.model, ev.explanation)

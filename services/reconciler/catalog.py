@@ -253,6 +253,11 @@ def _check_autoscale(label: str, a: c.AutoscaleSpec) -> list[str]:
         out.append(f"{label}: autoscale.max: must be at least 1, got {a.max}")
     elif a.max < a.min:
         out.append(f"{label}: autoscale.max: must be at least autoscale.min ({a.min}), got {a.max}")
+    if a.signal not in c.AUTOSCALE_SIGNALS:
+        out.append(
+            f"{label}: autoscale.signal: {a.signal!r} is not one of "
+            f"{', '.join(c.AUTOSCALE_SIGNALS)}"
+        )
     if not a.target > 0:
         out.append(f"{label}: autoscale.target: must be positive, got {a.target}")
     if not 0 <= a.tolerance < 1:

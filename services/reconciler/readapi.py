@@ -340,6 +340,9 @@ async def scaling_history(
         if ev.model != model:  # another name mapped to the same subject token
             continue
         item = msgspec.to_builtins(ev)
+        # The per-router inputs (up to 64 routers) are for `llmgw audit replay`, which
+        # reads the log; the explanation and the combined signals say what explain shows.
+        item.pop("inputs", None)
         item["seq"] = row["seq"]
         out.append(item)
     return out

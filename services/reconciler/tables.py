@@ -120,6 +120,10 @@ class ModelScaling(Base):
     explanation: Mapped[str] = mapped_column(Text)
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
+    signal: Mapped[str] = mapped_column(Text, server_default="load")
+    inputs: Mapped[list[Any]] = mapped_column(server_default="[]")  # at most 64 routers
+    since_last_change_seconds: Mapped[float | None]
+    term: Mapped[int] = mapped_column(BigInteger, server_default="0")  # the leader's
 
 
 class Tenant(Base):

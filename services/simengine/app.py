@@ -252,11 +252,11 @@ class SimApp:
     @staticmethod
     async def _progress_any(reqs: list[Request], seen: list[int], done: list[bool]) -> None:
         """Wait until a choice not yet `done` has more than its `seen` tokens or has finished."""
-        waiting = [r for r, s, d in zip(reqs, seen, done, strict=True) if not d]
-        if any(
-            r.generated > s or r.finished for r, s, d in zip(reqs, seen, done, strict=True) if not d
-        ):
+        live = [(r, s) for r, s, d in zip(reqs, seen, done, strict=True) if not d]
+        if any(r.generated > s or r.finished for r, s in live):
             return
+        waiting = [r for r, _ in live]
+        # One future for all of them: the driver releases it for whichever moves first.
         fut = asyncio.get_running_loop().create_future()
         for req in waiting:
             req.waiter = fut

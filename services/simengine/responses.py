@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from llmgw.chatprompt import content_text
-from llmgw.simengine import tokens, tools
+from llmgw.simengine import logprobs, tokens, tools
 from llmgw.simengine.protocol import (
     ROLES,
     ApiError,
@@ -68,6 +68,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
 
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -159,6 +161,10 @@ def parse(body: bytes, parser: RequestParser, previous: ResponseStore) -> Parsed
     job = parser.build(
         "responses", shim, prompt, "input", echo, req.max_output_tokens, "max_output_tokens", tool
     )
+    if req.include and "message.output_text.logprobs" in req.include:
+        if req.top_logprobs is not None and req.top_logprobs < 0:
+            raise ApiError(400, "top_logprobs must be non-negative", param="top_logprobs")
+        job.logprobs = req.top_logprobs or 0
     return Parsed(req, job, turns)
 
 
@@ -197,6 +203,14 @@ class Response:
     def text(self) -> str:
         return "".join(self.parsed.job.outputs[0].pieces[: self.generated])
 
+    def logprobs(self, start: int, end: int) -> list | None:
+        """Output-text logprobs of tokens [start, end), or None unless the request
+        `include`s them."""
+        job = self.parsed.job
+        if job.logprobs is None:
+            return None
+        return logprobs.chat_content(job.outputs[0].pieces[:end], start, job.logprobs)["content"]
+
     def finish(self, generated: int, reason: str, cached_tokens: int) -> None:
         self.generated, self.reason, self.cached_tokens = generated, reason, cached_tokens
         self.status = "incomplete" if reason == "length" else "completed"
@@ -216,7 +230,7 @@ class Response:
             }
         return {
             "id": self.item_id,
-            "content": [_part(text, None)] if done else [],
+            "content": [_part(text, self.logprobs(0, self.generated))] if done else [],
             "role": "assistant",
             "status": "completed" if done else "in_progress",
             "type": "message",
@@ -270,7 +284,7 @@ class Response:
             "service_tier": req.service_tier or "auto",
             "status": self.status,
             "text": req.text,
-            "top_logprobs": None,
+            "top_logprobs": job.logprobs,
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
@@ -284,6 +298,20 @@ class Response:
 
 def _part(text: str, logprobs: list | None) -> dict:
     return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
+
+
+def _stream_logprobs(entries: list | None) -> list:
+    """A delta's logprobs are the delta event's type: no `bytes`, as vLLM sends them."""
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]
+            ],
+        }
+        for e in entries or ()
+    ]
 
 
 class EventEncoder:
@@ -332,7 +360,7 @@ class EventEncoder:
                         },
                     )
                 )
-        for piece in out.pieces[start:end]:
+        for i, piece in enumerate(out.pieces[start:end], start):
             if out.tool is not None:
                 body = {"delta": piece, "item_id": resp.item_id, "output_index": 0}
                 events.append(self._event("response.function_call_arguments.delta", body))
@@ -341,7 +369,7 @@ class EventEncoder:
                     "content_index": 0,
                     "delta": piece,
                     "item_id": resp.item_id,
-                    "logprobs": [],
+                    "logprobs": _stream_logprobs(resp.logprobs(i, i + 1)),
                     "output_index": 0,
                 }
                 events.append(self._event("response.output_text.delta", body))
@@ -364,16 +392,18 @@ class EventEncoder:
                 events.append(self._event("response.function_call_arguments.done", body))
             else:
                 ids = {"content_index": 0, "item_id": resp.item_id}
+                lps = resp.logprobs(0, resp.generated)
                 events.append(
                     self._event(
                         "response.output_text.done",
+                        # vLLM leaves these empty; the part below carries them.
                         {**ids, "logprobs": [], "output_index": 0, "text": text},
                     )
                 )
                 events.append(
                     self._event(
                         "response.content_part.done",
-                        {**ids, "output_index": 0, "part": _part(text, None)},
+                        {**ids, "output_index": 0, "part": _part(text, lps)},
                     )
                 )
             events.append(

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.localservers import free_port, wait_for_port
+from llmgw.dev.servers import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -132,7 +132,7 @@ class Proc:
 
 def fast_upstream() -> Proc:
     port = free_port()
-    return Proc("upstream", [PY, "-m", "llmgw.router.testing", "fast", str(port)], port)
+    return Proc("upstream", [PY, "-m", "llmgw.dev.routerkit", "fast", str(port)], port)
 
 
 def router(tmp: Path, upstreams: list[int], workers: int = 1, extra: str = "") -> Proc:
@@ -191,7 +191,7 @@ def bare_relay(upstream: int, workers: int) -> Proc:
     return Proc(
         "bare",
         [
-            PY, "-m", "uvicorn", "--factory", "llmgw.router.testing:bare_relay_app",
+            PY, "-m", "uvicorn", "--factory", "llmgw.dev.routerkit:bare_relay_app",
             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
             "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
         ],

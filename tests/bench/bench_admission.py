@@ -35,9 +35,9 @@ from pathlib import Path
 import aiohttp
 
 from llmgw import keys
-from llmgw.localservers import free_port
-from llmgw.router.testing import metric_sum
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import metric_sum
+from llmgw.dev.servers import free_port
+from llmgw.dev.simkit import start_sim
 
 MAX_NUM_SEQS = 32
 SIM = dict(max_num_seqs=MAX_NUM_SEQS, itl_ms=10, itl_ms_per_running=0.02, ttft_ms=5)

@@ -23,13 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from llmgw import bus, localservers, subjects  # noqa: E402
+from llmgw import bus, subjects  # noqa: E402
 from llmgw import contracts as c  # noqa: E402
 from llmgw.agent import engines, procs  # noqa: E402
 from llmgw.agent.agent import Agent  # noqa: E402
 from llmgw.agent.config import AgentConfig  # noqa: E402
 from llmgw.agent.inventory import discover  # noqa: E402
 from llmgw.agent.state import StateDir  # noqa: E402
+from llmgw.dev import servers as localservers  # noqa: E402
 
 S = c.ShardState
 NODE = "bench-node"

@@ -32,9 +32,10 @@ from pathlib import Path
 import asyncpg
 from nats.js import api as jsapi
 
-from llmgw import bus, localservers
+from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
+from llmgw.dev import servers as localservers
 from llmgw.reconciler import consumer, rebuild, schema, store, verify
 from llmgw.reconciler.folder import Folder
 

@@ -33,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw import bus, localservers
+from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
+from llmgw.dev import servers as localservers
 from llmgw.reconciler import fold, placement, reconcile, replay
 from llmgw.reconciler.actor import Actor, ActorConfig
 from llmgw.reconciler.state import ClusterState, Liveness

@@ -30,7 +30,7 @@ at least 30% below cache_aware's (without vllm-router, the second target is skip
 
 runs the same comparison once on two real vLLM CPU engines (a small load, no targets:
 it shows the events path works there): the tiny random Llama in DIR (default: built by
-llmgw.tinymodel under ~/.cache/llmgw/models), completions requests (a chat would need
+llmgw.dev.tinymodel under ~/.cache/llmgw/models), completions requests (a chat would need
 jinja2 in the router's environment to render the template), the routers hashing prompts with the
 model's own tokenizer (`scheduling.tokenizer`), the prefix cache reset between policies
 (vLLM's dev-mode /reset_prefix_cache, which also exercises AllBlocksCleared).
@@ -55,15 +55,16 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw import bus, localservers, subjects
+from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
+from llmgw.dev import servers as localservers
+from llmgw.dev.routerkit import start_router
+from llmgw.dev.simkit import start_sim
 from llmgw.kvblocks import prompt_hashes, token_count
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.prompttokens import sim_tokens
-from llmgw.router.testing import start_router
-from llmgw.simengine.testing import start_sim
 
 MODEL = "m"
 NODE = "bench"
@@ -634,7 +635,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.vllm_python:
         if not args.vllm_model:
-            from llmgw import tinymodel
+            from llmgw.dev import tinymodel
 
             cache = Path.home() / ".cache" / "llmgw" / "models"
             args.vllm_model = str(tinymodel.ensure(args.vllm_python, cache))

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from llmgw import bus, localservers, subjects
+from llmgw import bus, subjects
 from llmgw import contracts as c
-from llmgw.router.testing import RouterProcess, start_router
+from llmgw.dev import servers as localservers
+from llmgw.dev.routerkit import RouterProcess, start_router
 
 MODEL = "m"
 TARGET_P99 = 1.0

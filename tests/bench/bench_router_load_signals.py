@@ -27,10 +27,11 @@ from pathlib import Path
 
 import httpx
 
-from llmgw import bus, localservers, subjects
+from llmgw import bus, subjects
 from llmgw import contracts as c
-from llmgw.router.testing import RouterProcess, start_router
-from llmgw.simengine.testing import start_sim
+from llmgw.dev import servers as localservers
+from llmgw.dev.routerkit import RouterProcess, start_router
+from llmgw.dev.simkit import start_sim
 
 MODEL = "m"
 SAMPLE_INTERVAL = 0.25

@@ -27,8 +27,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw.router.testing import start_router
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import start_router
+from llmgw.dev.simkit import start_sim
 
 
 async def stream(session, url: str, i: int, tokens: int, leave_after: int | None) -> str:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.simkit import start_sim
 
 TARGET_RPS = 3000
 TOKENS = 16

@@ -143,7 +143,7 @@ def wait_leader_is(cluster, name: str, timeout: float = 60) -> None:
 
 async def events_accounted(cluster) -> tuple[int, int, int, int]:
     """(stream messages, archived, dead-lettered, sequences missing or doubled)."""
-    nc = await nats.connect(cluster.info["nats_url"])
+    nc = await nats.connect(servers=cluster.info["nats_url"].split(","))
     try:
         info = await nc.jetstream().stream_info("LLMGW_EVENTS")
     finally:
@@ -186,6 +186,10 @@ def main() -> int:
                 failed_total += len(traffic.failures)
                 verdict = "PASS" if not traffic.failures else "FAIL"
                 rows.append((name, f"{traffic.ok} ok / {len(traffic.failures)} failed", verdict))
+                print(
+                    f"== {name}: {traffic.ok} ok / {len(traffic.failures)} failed {note}",
+                    flush=True,
+                )
                 if note:
                     rows.append(("  " + note, "", ""))
                 for f in traffic.failures[:3]:

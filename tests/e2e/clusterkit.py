@@ -8,7 +8,6 @@ a test can say "no request failed during this fault".
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import subprocess
@@ -22,27 +21,16 @@ import httpx
 import openai
 import yaml
 
-from llmgw import devcluster, procs
+from llmgw import procs
+from llmgw.dev import cluster as devcluster
 
 
 def start_cluster(
     data_dir: Path, *, env: dict[str, str] | None = None, **overrides
 ) -> devcluster.DevCluster:
-    args = argparse.Namespace(
-        data_dir=data_dir,
-        fresh=True,
-        routers=2,
-        agents=2,
-        reconcilers=2,
-        gpus="4x80GiB",
-        catalog=None,
-        ready_timeout=90.0,
-        log_level="info",
-        quiet=True,
-    )
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    cluster = devcluster.DevCluster(args, env=env)
+    defaults = {"fresh": True, "ready_timeout": 90.0, "quiet": True}
+    spec = devcluster.ClusterSpec(data_dir=data_dir, **{**defaults, **overrides})
+    cluster = devcluster.DevCluster(spec, env=env)
     try:
         cluster.start()
     except BaseException:

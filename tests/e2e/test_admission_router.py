@@ -21,9 +21,9 @@ import openai
 import pytest
 
 from llmgw import keys
-from llmgw.localservers import free_port
-from llmgw.router.testing import metric_sum
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import metric_sum
+from llmgw.dev.servers import free_port
+from llmgw.dev.simkit import start_sim
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.localservers import free_port
+from llmgw.dev.servers import free_port
 from llmgw.reconciler import schema, verify
 from llmgw.reconciler import tables as t
 

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import keys
+from llmgw.dev.routerkit import start_router
+from llmgw.dev.simkit import start_sim
 from llmgw.router import validation as v
-from llmgw.router.testing import start_router
-from llmgw.simengine.testing import start_sim
 
 pytestmark = pytest.mark.e2e
 

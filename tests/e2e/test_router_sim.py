@@ -15,8 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.router.testing import start_router
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import start_router
+from llmgw.dev.simkit import start_sim
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from llmgw.router.testing import start_router
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import start_router
+from llmgw.dev.simkit import start_sim
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from llmgw.localservers import free_port
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.servers import free_port
+from llmgw.dev.simkit import start_sim
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 
-from llmgw import localservers
+from llmgw.dev import servers as localservers
 from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
 from llmgw.reconciler.service import Reconciler
 

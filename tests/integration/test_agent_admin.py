@@ -11,9 +11,10 @@ import sys
 
 import httpx
 
-from llmgw import bus, localservers
+from llmgw import bus
 from llmgw import contracts as c
 from llmgw.agent import procs
+from llmgw.dev import servers as localservers
 from tests.integration.test_agent_lifecycle import WAIT, Watch, start_cmd, status
 from tests.integration.test_agent_restarts import AgentProcess, engine_pids
 from tests.unit.test_agent_telemetry import samples, value

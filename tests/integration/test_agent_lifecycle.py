@@ -14,13 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw import bus, localservers, subjects
+from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent import engines, procs
 from llmgw.agent.agent import Agent
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.inventory import discover
 from llmgw.agent.state import StateDir
+from llmgw.dev import servers as localservers
 
 S = c.ShardState
 WAIT = 20.0  # generous deadlines: a shared 2-core machine

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from llmgw import bus, certs, localservers, natsconfig, subjects, tlsconfig
+from llmgw import bus, certs, natsconfig, subjects, tlsconfig
 from llmgw import contracts as c
+from llmgw.dev import servers as localservers
 from tests.integration.test_agent_lifecycle import (
     Watch,
     agent_config,

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import bus, localservers
+from llmgw import bus
 from llmgw import contracts as c
 from llmgw.agent import procs
 from llmgw.agent.state import StateDir
+from llmgw.dev import servers as localservers
 from tests.integration.test_agent_lifecycle import (
     WAIT,
     Watch,

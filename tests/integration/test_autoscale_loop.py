@@ -17,6 +17,8 @@ from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler import replay
+from llmgw.reconciler.actor import CONTROLLERS
+from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.autoscaler import AutoscaleConfig, AutoscaleController
 from llmgw.reconciler.reconcile import is_ready
 from tests.integration.test_control_loop import Cluster, wait_kv
@@ -32,12 +34,24 @@ SPEC = c.AutoscaleSpec(
 SLOTS = 8  # the simulated agents report max_running=8
 
 
+class FastAutoscaler(Autoscaler):
+    """The leader's autoscaler, evaluating five times a second."""
+
+    def __init__(self, ctx, cfg):
+        super().__init__(ctx, cfg)
+        self.inner.cfg = AutoscaleConfig(tick=0.2)
+        self.resync = self.inner.cfg.tick
+
+
 @pytest.fixture
 async def cluster(nats):
     js = nats.jetstream()
     await bus.provision(js)
     cl = Cluster(nats, js)
-    cl.leader.actor.autoscaler = AutoscaleController(AutoscaleConfig(tick=0.2))
+    cl.leader.actor.factories = (
+        *(f for f in CONTROLLERS if f is not Autoscaler),
+        FastAutoscaler,
+    )
     await cl.leader.start()
     try:
         yield cl
@@ -81,6 +95,14 @@ class Routers:
         self._task.cancel()
 
 
+async def evaluations(autoscaler: AutoscaleController, n: int, timeout: float = 60.0) -> None:
+    """Until the autoscaler has made `n` more evaluations (not counting fold waits)."""
+    target = autoscaler.ticks + n
+    async with asyncio.timeout(timeout):
+        while autoscaler.ticks < target:
+            await asyncio.sleep(0.05)
+
+
 async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
     leader, js = cluster.leader, cluster.js
     agent = await cluster.add("node-a", n_gpus=2)
@@ -97,6 +119,8 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         assert (up.rule, up.from_replicas, up.to_replicas) == ("scale_up", 1, 4)
         assert (up.signals.in_flight, up.signals.capacity, up.signals.routers) == (16, 8, 2)
         assert "load 2.00 over target 0.5" in up.explanation
+        # What each router said is recorded with it (the malformed summary is not).
+        assert [(i.router_id, i.demand.in_flight) for i in up.inputs] == [("r0", 8), ("r1", 8)]
 
         # One more replica fits on the second GPU; the third cannot be placed.
         await leader.until(
@@ -107,15 +131,20 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         assert [v.reason for v in failed.verdicts] == ["0 free GPUs of 2, needs 1"]
         rec = await wait_kv(js, "m", lambda r: r is not None and r.unplaceable, "the reason")
         assert rec.unplaceable == failed.explanation
-        # Demand stays high, but with 2 of 4 replicas ready the autoscaler does not ask again.
-        await asyncio.sleep(2.0)
+        # Demand stays high, but with 2 of 4 replicas ready the autoscaler does not ask again:
+        # ten evaluations (each on live summaries, each past scale_up_after) decide nothing.
+        autoscaler = leader.actor.controller("autoscale")
+        assert isinstance(autoscaler, FastAutoscaler)
+        await evaluations(autoscaler.inner, 10)
         assert len(leader.of(c.ModelScaled)) == 1
 
         routers.in_flight = 2  # 2 of 16 slots: under the low mark of 0.4
         await leader.until("a scale-down", lambda st: st.desired_replicas("m") == 1)
         down = leader.of(c.ModelScaled)[-1]
         assert (down.rule, down.from_replicas, down.to_replicas) == ("scale_down", 4, 1)
-        assert down.ts - up.ts >= SPEC.scale_down_after_seconds  # the cool-down held
+        # The cool-down held, measured on the leader's monotonic clock.
+        assert down.since_last_change_seconds is not None
+        assert down.since_last_change_seconds >= SPEC.scale_down_after_seconds
 
     # The newest ready replica drains before it stops; the older one keeps serving.
     await leader.until("m-r2 retired", lambda st: st.replicas["m-r2"].retired)
@@ -127,6 +156,7 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
     rec = await wait_kv(js, "m", lambda r: r is not None and not r.unplaceable, "no reason left")
     assert [e.replica_id for e in rec.endpoints if e.state == c.EndpointState.READY] == ["m-r1"]
 
-    # Audit replay re-derives both decisions from what the log recorded.
+    # Audit replay re-derives both decisions from what the log recorded, the combined
+    # signals from the routers' recorded inputs included.
     result = replay.replay(leader.events)
     assert len(result.scaling) == 2 and result.differing() == []

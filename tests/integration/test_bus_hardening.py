@@ -25,7 +25,7 @@ from nats.js.errors import BadRequestError
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.localservers import free_port
+from llmgw.dev.servers import free_port
 from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
 from llmgw.reconciler.service import Reconciler
 

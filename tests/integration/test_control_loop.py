@@ -398,7 +398,7 @@ async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
 async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
     """The part-1 reconciler (Postgres fold, leadership, operator API) driving the actor
     with FAST timings; yields its operator API's URL."""
-    from llmgw import localservers
+    from llmgw.dev import servers as localservers
     from llmgw.reconciler import schema
     from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
     from llmgw.reconciler.service import Reconciler

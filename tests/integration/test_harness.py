@@ -69,7 +69,7 @@ def test_a_server_whose_port_is_taken_fails_instead_of_using_the_other_one(tmp_p
 
     import pytest
 
-    from llmgw import localservers
+    from llmgw.dev import servers as localservers
 
     with socket.socket() as other:
         other.bind(("127.0.0.1", localservers.free_port()))

@@ -19,11 +19,11 @@ from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
+from llmgw.dev.routerkit import running_router
+from llmgw.dev.simkit import start_sim
 from llmgw.router import config as rc
 from llmgw.router import scheduling as sc
 from llmgw.router.prefix import block_hashes
-from llmgw.router.testing import running_router
-from llmgw.simengine.testing import start_sim
 
 MODEL = "m"
 NODE = "n1"

@@ -13,7 +13,7 @@ import asyncio
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.localservers import NatsServer
+from llmgw.dev.servers import NatsServer
 
 from .test_control_loop import FAST, Cluster
 

@@ -20,9 +20,10 @@ import time
 import httpx
 import pytest
 
-from llmgw import bus, localservers, procs
+from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
+from llmgw.dev import servers as localservers
 from llmgw.reconciler import schema
 
 pytestmark = pytest.mark.e2e

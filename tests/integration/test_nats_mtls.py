@@ -21,9 +21,10 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from llmgw import bus, certs, localservers, natsconfig, tlsconfig
+from llmgw import bus, certs, natsconfig, tlsconfig
 from llmgw import contracts as c
 from llmgw import subjects as s
+from llmgw.dev import servers as localservers
 
 DENIED_WAIT = 0.5  # a denied request never gets an answer: wait this long for it
 

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from llmgw import contracts, keys
+from llmgw.dev.routerkit import config_for, fake_engines, running_router
 from llmgw.router.admission.config import AdmissionSettings, TenantConfig
-from llmgw.router.testing import config_for, fake_engines, running_router
 
 KEY = "sk-auth-test-acme"
 WRONG = "sk-auth-test-wrong"

@@ -17,11 +17,12 @@ import msgspec
 import openai
 import pytest
 
-from llmgw import bus, certs, keys, localservers, natsconfig, subjects, tlsconfig
+from llmgw import bus, certs, keys, natsconfig, subjects, tlsconfig
 from llmgw import contracts as c
+from llmgw.dev import servers as localservers
+from llmgw.dev.routerkit import running_router, start_router
+from llmgw.dev.simkit import start_sim
 from llmgw.router import config as rc
-from llmgw.router.testing import running_router, start_router
-from llmgw.simengine.testing import start_sim
 
 MODEL = "m"
 KEY = "sk-acme-test"

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.dev.routerkit import config_for, fake_engines, running_router
 from llmgw.router import config as rc
-from llmgw.router.testing import config_for, fake_engines, running_router
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 

@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from llmgw import contracts, keys
+from llmgw.dev.routerkit import config_for, fake_engines, response_events, running_router
 from llmgw.router import config as rc
 from llmgw.router.admission.config import AdmissionSettings, TenantConfig
-from llmgw.router.testing import config_for, fake_engines, response_events, running_router
 
 HI = [{"role": "user", "content": "hello"}]
 # Nothing here tests a deadline: generous ones keep a busy machine from failing a test.

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from llmgw.contracts import DeadlineSpec
+from llmgw.dev.routerkit import FakeEngine, chat_chunks, config_for, fake_engines, running_router
 from llmgw.router import config as rc
-from llmgw.router.testing import FakeEngine, chat_chunks, config_for, fake_engines, running_router
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 

@@ -15,8 +15,8 @@ import pytest
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
-from llmgw.router.testing import running_router
-from llmgw.simengine.testing import start_sim
+from llmgw.dev.routerkit import running_router
+from llmgw.dev.simkit import start_sim
 from tests.integration.test_router_controlplane import config, put_model, wait_for
 
 

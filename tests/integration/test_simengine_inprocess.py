@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from llmgw.simengine.testing import sim_in_process
+from llmgw.dev.simkit import sim_in_process
 
 
 async def test_in_process_sim_serves_the_async_sdk_and_exposes_its_engine():

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from llmgw.simengine.testing import SimProcess, start_sim
+from llmgw.dev.simkit import SimProcess, start_sim
 
 MODEL = "sim-model"
 WEATHER = {
@@ -381,3 +381,22 @@ def test_background_response_completes_and_is_retrieved(client: openai.OpenAI):
         assert time.monotonic() < deadline, got.status
         time.sleep(0.02)
     assert got.status == "incomplete" and got.usage.output_tokens == 3
+
+
+def test_responses_output_text_logprobs_when_included(client: openai.OpenAI):
+    include = ["message.output_text.logprobs"]
+    r = client.responses.create(
+        model=MODEL, input="x", max_output_tokens=3, include=include, top_logprobs=2
+    )
+    lps = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in lps) == r.output_text and len(lps) == 3
+    assert all(len(lp.top_logprobs) == 2 for lp in lps) and r.top_logprobs == 2
+    plain = client.responses.create(model=MODEL, input="x", max_output_tokens=3)
+    assert plain.output[0].content[0].logprobs is None and plain.top_logprobs is None
+    events = list(
+        client.responses.create(
+            model=MODEL, input="x", max_output_tokens=3, include=include, stream=True
+        )
+    )
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(len(e.logprobs) == 1 and e.logprobs[0].token == e.delta for e in deltas)

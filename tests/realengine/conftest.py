@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import tinymodel
+from llmgw.dev import tinymodel
 from tests.realengine import kit
 
 

@@ -16,9 +16,10 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import contracts as c
-from llmgw import devcatalog, enginemetrics
+from llmgw import enginemetrics
 from llmgw.agent import adapters
-from llmgw.localservers import free_port
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev.servers import free_port
 
 MODEL = "tiny"
 # A random model may pick its end-of-sequence token first and answer nothing; tests that
@@ -186,13 +187,18 @@ class Traffic:
                 messages = [{"role": "user", "content": f"worker {i} request {n}"}]
                 kw = dict(model=self.model, messages=messages, max_tokens=self.max_tokens)
                 if stream:
-                    got = 0
+                    # Whole means every token, counted by the engine's closing usage: a
+                    # random model's few tokens may decode to no text at all.
+                    usage = None
                     async for chunk in await client.chat.completions.create(
-                        **kw, stream=True, extra_body=NO_EOS
+                        **kw,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                        extra_body=NO_EOS,
                     ):
-                        got += sum(1 for ch in chunk.choices if ch.delta.content)
-                    if got == 0:
-                        raise RuntimeError("stream ended without content")
+                        usage = chunk.usage or usage
+                    if usage is None or usage.completion_tokens != self.max_tokens:
+                        raise RuntimeError(f"stream ended short: {usage}")
                 else:
                     resp = await client.chat.completions.create(**kw, extra_body=NO_EOS)
                     if resp.usage.completion_tokens != self.max_tokens:

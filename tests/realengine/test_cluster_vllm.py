@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 
@@ -17,9 +18,9 @@ import openai
 import pytest
 import yaml
 
-from llmgw import devcatalog
 from llmgw.agent import procs as engine_procs
 from llmgw.agent.state import StateDir
+from llmgw.dev import catalog as devcatalog
 from tests.e2e import clusterkit as ck
 from tests.realengine import kit
 
@@ -59,6 +60,9 @@ def cluster(vllm_python, tiny_model, tmp_path_factory):
         model_path=str(tiny_model),
         catalog=first,
         ready_timeout=60.0,
+        # Ports of our own: an engine of another cluster on this machine taking a killed
+        # engine's port would answer the routers' stale requests with its own 404.
+        engine_port_base=random.randrange(20200, 23000, 200),
     )
     try:
         yield c
@@ -161,8 +165,12 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
             )
 
         status = ck.wait(failed, 60, "the kill to be reported")
+        # By shard, not URL: the replacement may well get the freed port back.
         ck.wait(
-            lambda: len(ready_urls(cluster)) == 2 and victim.url not in ready_urls(cluster),
+            lambda: (
+                len(ready := ck.ready_endpoints(cluster, MODEL)) == 2
+                and victim.shard_id not in {e["shard_id"] for e in ready}
+            ),
             600,
             "a replacement engine",
         )

@@ -20,7 +20,7 @@ from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
 from llmgw.router.prompttokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
-from tests.realengine.test_sim_parity import MODEL, Vllm, _started, _vllm_python
+from tests.realengine.test_sim_parity import MODEL, Vllm, _started
 
 tiny = parity_test.tiny  # the fixture: the tiny model, built once per module
 
@@ -43,6 +43,7 @@ STORED_KEYS = [
 async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
     nats,
     tiny,
+    vllm_python,
     tmp_path,
 ):
     relays = KvRelays("n-real")
@@ -64,7 +65,7 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
     sub = await nats.subscribe(subjects.kv_events("n-real", "v0"), cb=on_msg)
     ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
     flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
-    python = _vllm_python()
+    python = vllm_python
     vllm = await asyncio.to_thread(
         lambda: _started(Vllm(python, tiny, tmp_path / "vllm.log", *flags))
     )

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from llmgw.router.testing import start_router
+from llmgw.dev.routerkit import start_router
 from tests.realengine import kit
 from tests.realengine.kit import MODEL, NO_EOS
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from llmgw.router.testing import start_router
+from llmgw.dev.routerkit import start_router
 from tests.realengine.kit import MODEL
 
 pytestmark = pytest.mark.real_engine

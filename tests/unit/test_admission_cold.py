@@ -57,6 +57,13 @@ async def admit(g, route):
     return await g.admit(Request(), route, g.authenticate({}))
 
 
+async def queued(g, n: int) -> None:
+    """Until `n` requests wait in admission (the waiter task has started and queued)."""
+    async with asyncio.timeout(10):
+        while g.controller.queued < n:
+            await asyncio.sleep(0)
+
+
 async def test_an_open_gate_turns_on_for_a_model_that_scales_from_zero():
     g = AdmissionGate(AdmissionSettings(), (), (), quiet=True)
     assert not g.active  # no tenants, no band that holds back: the router skips it
@@ -71,7 +78,7 @@ async def test_a_request_waits_for_the_first_replica_then_goes_to_it():
     current = {"m": cold}
     g.route_of = current.get
     waiter = asyncio.ensure_future(admit(g, cold))
-    await asyncio.sleep(0.01)
+    await queued(g, 1)
     assert not waiter.done() and g.controller.queued == 1
     # The demand summary shows it waiting, with no replica ready.
     clock.t += 2.5
@@ -105,7 +112,7 @@ async def test_a_waiting_request_gets_503_when_placement_fails_meanwhile():
     current = {"m": cold}
     g.route_of = current.get
     waiter = asyncio.ensure_future(admit(g, cold))
-    await asyncio.sleep(0.01)
+    await queued(g, 1)
     current["m"] = Route(unplaceable="no node has a free GPU")
     g.endpoints_changed(lambda m: current[m].endpoints)
     with pytest.raises(AdmissionRejected) as exc:
@@ -118,7 +125,7 @@ async def test_the_wait_is_bounded_by_the_band_ttl():
     clock = Clock()
     g = open_gate(clock)
     waiter = asyncio.ensure_future(admit(g, Route()))
-    await asyncio.sleep(0.01)
+    await queued(g, 1)
     clock.t += 31
     g.controller.tick()
     with pytest.raises(AdmissionRejected) as exc:
@@ -144,3 +151,18 @@ async def test_demand_counts_in_flight_and_capacity_of_ready_endpoints():
     assert (d.capacity_declared, d.waiting) == (False, 5)
     learned.load = Load(waiting=5, running=2, kv_usage=0.1, at=clock() - 60)  # stale
     assert model_demand(g.controller, "m", (*eps, learned), clock()).waiting == 0
+
+
+async def test_the_summary_does_not_change_the_endpoints_admission_decides_on():
+    clock = Clock()
+    g = open_gate(clock)
+    serving = Route(endpoints=(Ep("e1"),))
+    ticket = await admit(g, serving)  # admission now has a pool for m, on e1
+    assert ticket.state == GRANTED
+    pool = g.controller.detector.pools["m"]
+    before = pool.endpoints
+    # The presence tick's view may differ from admission's (a route change not yet
+    # applied): the summary judges it, and leaves admission's pool as it was.
+    d = model_demand(g.controller, "m", (Ep("e1"), Ep("e2")), clock())
+    assert (d.ready, d.capacity, d.in_flight) == (2, 8, 1)
+    assert g.controller.detector.pools["m"].endpoints is before

@@ -18,7 +18,8 @@ import subprocess
 import pytest
 import yaml
 
-from llmgw import config, localservers
+from llmgw import config
+from llmgw.dev import servers as localservers
 
 from .deploy_checks import (
     DEPLOY,

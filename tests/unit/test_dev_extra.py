@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import localservers
+from llmgw.dev import servers as localservers
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,8 +2,10 @@
 
 import json
 
-from llmgw import config, devcatalog, devcluster, keys
+from llmgw import config, keys
 from llmgw.agent.config import AgentConfig
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev import cluster as devcluster
 
 DEMO_KEYS = {"demo": "sk-llmgw-demo-1", "batch": "sk-llmgw-batch-2"}
 

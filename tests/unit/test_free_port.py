@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from llmgw import localservers
+from llmgw.dev import servers as localservers
 
 
 def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range():

@@ -173,11 +173,12 @@ models:
   - {name: b, autoscale: {min: 4, max: 2, target: 0, tolerance: 1.5}}
   - {name: c, autoscale: {min: -1, max: 0, scale_up_after_seconds: -5}}
   - {name: d, autoscale: {min: 1, max: 2, taget: 0.7}}
+  - {name: e, autoscale: {min: 1, max: 2, signal: saturation}}
 """
     )
     assert out == [
         "models[3] (name=d): autoscale.taget: unknown field (known: max, min, "
-        "scale_down_after_seconds, scale_up_after_seconds, target, tolerance)",
+        "scale_down_after_seconds, scale_up_after_seconds, signal, target, tolerance)",
         "models[0] (name=a): autoscale: exclusive with replicas (a fixed count); remove one of them",
         "models[1] (name=b): autoscale.max: must be at least autoscale.min (4), got 2",
         "models[1] (name=b): autoscale.target: must be positive, got 0.0",
@@ -185,7 +186,18 @@ models:
         "models[2] (name=c): autoscale.min: must be 0 or more, got -1",
         "models[2] (name=c): autoscale.max: must be at least 1, got 0",
         "models[2] (name=c): autoscale.scale_up_after_seconds: must be 0 or more seconds",
+        "models[4] (name=e): autoscale.signal: 'saturation' is not one of load, queue",
     ]
+
+
+def test_autoscale_signal_defaults_to_load_and_takes_queue():
+    cat = catalog.parse(
+        yaml.safe_load(
+            "models: [{name: a, autoscale: {max: 3}}, "
+            "{name: b, autoscale: {max: 3, signal: queue, target: 2}}]"
+        )
+    )
+    assert [m.event().autoscale.signal for m in cat.models] == ["load", "queue"]
 
 
 def test_an_autoscaled_model_starts_at_min():

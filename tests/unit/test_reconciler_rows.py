@@ -49,6 +49,11 @@ def events() -> list[c.Message]:
             signals=c.ScaleSignals(load=2.5, in_flight=20, capacity=8, ready=1, routers=2),
             sustained_seconds=30.0,
             explanation="scaled 1 → 3",
+            inputs=[
+                c.RouterInput(router_id="r1", process=7, demand=c.ModelDemand(in_flight=20)),
+                c.RouterInput(router_id="r2"),
+            ],
+            since_last_change_seconds=42.5,
         ),
     ]
 
@@ -115,7 +120,12 @@ def test_every_part_of_the_state_has_a_table_whose_columns_are_its_fields():
     covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq", "term"}
     assert covered == set(ClusterState.__struct_fields__)
     views = {"node": NodeView, "shard": ShardView, "replica": ReplicaView}
-    messages = {"model": c.ModelDeclared, "tenant": c.TenantDeclared, "failure": c.PlacementFailed}
+    messages = {
+        "model": c.ModelDeclared,
+        "tenant": c.TenantDeclared,
+        "failure": c.PlacementFailed,
+        "scaled": c.ModelScaled,
+    }
     for kind, proj in rows.PROJECTIONS.items():
         columns = {col.name for col in proj.table.columns}
         if kind in views:

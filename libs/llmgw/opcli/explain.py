@@ -78,8 +78,10 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
     spec = data.get("autoscale")
     if not spec:
         return []
+    signal = spec.get("signal") or "load"
+    target = "queued request(s) per replica" if signal == "queue" else "load"
     lines = [
-        f"autoscaled: {spec.get('min')} to {spec.get('max')} replica(s), target load "
+        f"autoscaled: {spec.get('min')} to {spec.get('max')} replica(s), target {target} "
         f"{spec.get('target')} (up after {spec.get('scale_up_after_seconds'):g} s, "
         f"down after {spec.get('scale_down_after_seconds'):g} s)"
     ]

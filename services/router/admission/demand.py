@@ -32,11 +32,13 @@ from .saturation import Pool
 
 def model_demand(controller: Controller, model: str, endpoints: Any, now: float) -> c.ModelDemand:
     detector = controller.detector
-    pool = detector.pools.get(model)
-    if pool is None:
-        # Never admitted here: judge the route's endpoints without creating a pool.
-        pool = Pool(model)
+    # Judged on a local pool: admission's own (if any) is only read. Its endpoints are
+    # admission's to set (on its ticks and route changes); writing the presence tick's
+    # view into it would change what admission decides on between its own updates.
+    live = detector.pools.get(model)
+    pool = Pool(model)
     pool.endpoints = endpoints
+    pool.active = live.active if live is not None else 0
     ready = [ep for ep in endpoints if ep.state is EndpointState.READY]
     in_flight = max(pool.active, sum(ep.inflight for ep in endpoints))
     queued: dict[str, c.BandDemand] = {}

@@ -2,7 +2,7 @@
 
 Two ways, both stopping what they start even when the test fails:
 
-    from llmgw.simengine.testing import start_sim, sim_in_process
+    from llmgw.dev.simkit import start_sim, sim_in_process
 
     with start_sim(max_num_seqs=4, itl_ms=5) as sim:      # a real `llmgw sim-engine` process
         httpx.get(f"{sim.url}/v1/models"); sim.state(); sim.set_faults(error_rate=1)

@@ -9,7 +9,7 @@ process's log with a [name] prefix, and stops everything on Ctrl-C / SIGTERM.
 
 `--engine vllm --vllm-python PATH` runs real vLLM engines instead (from the vLLM
 environment whose Python is PATH) serving a tiny random Llama made on the fly
-(`llmgw.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
+(`llmgw.dev.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
 or `--catalog`), the model, key and try-it line printed are that catalog's.
 
 The data dir is reusable: NATS and Postgres keep their data and the demo keys
@@ -38,13 +38,17 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from llmgw import certs, devcatalog, keys, localservers, natsconfig, procs, tinymodel
+from llmgw import certs, keys, natsconfig, procs
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev import servers as localservers
+from llmgw.dev import tinymodel
 
 DEFAULT_DATA_DIR = ".llmgw"
 DEMO_MODELS = ("demo-chat", "demo-small")
@@ -81,6 +85,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="seconds to wait for the catalog's models to serve (default 90; 600 with vLLM)",
+    )
+    parser.add_argument(
+        "--engine-port-base",
+        type=int,
+        default=20000,
+        metavar="PORT",
+        help="agent N's engines listen on PORT+100*(N-1) .. +99 (default 20000); give each "
+        "dev cluster on one machine its own",
     )
     parser.add_argument(
         "--engine",
@@ -210,16 +222,41 @@ def _router_config(listen: str, admin: str, nats_url: str, router_id: str) -> di
     return {"listen": listen, "admin_listen": admin, "nats_url": nats_url, "router_id": router_id}
 
 
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What `llmgw dev` runs: its flags, typed, with their defaults (tests build one)."""
+
+    data_dir: Path | None = None  # None: $LLMGW_DATA_DIR or ./.llmgw
+    fresh: bool = False
+    routers: int = 2
+    agents: int = 2
+    reconcilers: int = 2
+    gpus: str = "4x80GiB"
+    catalog: Path | None = None  # None: the demo catalog
+    ready_timeout: float | None = None  # None: 90 s, 600 s with vLLM
+    engine_port_base: int = 20000
+    engine: str = "sim"  # sim | vllm
+    vllm_python: str | None = None
+    model_path: str | None = None
+    secure: bool = False
+    nats_cluster: int = 1
+    log_level: str = "info"
+    quiet: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterSpec:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
 class DevCluster:
-    def __init__(self, args: argparse.Namespace, env: dict[str, str] | None = None):
-        self.args = args
+    def __init__(self, spec: ClusterSpec, env: dict[str, str] | None = None):
+        self.spec = spec
         self.extra_env = env or {}
-        self.data_dir: Path = (args.data_dir or default_data_dir()).resolve()
-        self.sink = None if args.quiet else procs.printer(sys.stdout)
+        self.data_dir: Path = (spec.data_dir or default_data_dir()).resolve()
+        self.sink = None if spec.quiet else procs.printer(sys.stdout)
         self.group = procs.Group(sink=self.sink)
-        # Flags newer than some callers' Namespaces: absent means off.
-        self.secure: bool = getattr(args, "secure", False)
-        self.nats_nodes: int = getattr(args, "nats_cluster", 1) or 1
+        self.secure = spec.secure
+        self.nats_nodes = spec.nats_cluster or 1
         self.certs_dir = self.data_dir / "certs"
         self.nats: localservers.NatsServer | localservers.NatsCluster | None = None
         self.nats_url = ""
@@ -234,16 +271,16 @@ class DevCluster:
     # ------------------------------------------------------------ start
 
     def start(self) -> dict[str, Any]:
-        args = self.args
-        if args.fresh and self.data_dir.exists():
+        spec = self.spec
+        if spec.fresh and self.data_dir.exists():
             shutil.rmtree(self.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        routers = [f"router-{i}" for i in range(1, args.routers + 1)]
+        routers = [f"router-{i}" for i in range(1, spec.routers + 1)]
         nats_names = ["nats"] + [f"nats-{i}" for i in range(2, self.nats_nodes + 1)]
         names = [*nats_names, "postgres"]
-        names += [f"reconciler-{i}" for i in range(1, args.reconcilers + 1)]
+        names += [f"reconciler-{i}" for i in range(1, spec.reconcilers + 1)]
         names += routers + [f"{r}-admin" for r in routers]
-        agents = [f"agent-{i}" for i in range(1, args.agents + 1)]
+        agents = [f"agent-{i}" for i in range(1, spec.agents + 1)]
         names += [f"{a}-admin" for a in agents]
         ports = _ports(self.data_dir, names)
 
@@ -258,10 +295,10 @@ class DevCluster:
         self.say(f"postgres {self.pg.url('llmgw')}")
         self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
 
-        env = {"LLMGW_LOG_LEVEL": args.log_level, **self.extra_env}
+        env = {"LLMGW_LOG_LEVEL": spec.log_level, **self.extra_env}
         agent_env = {**env, **self._engine_env()}
         api_urls = []
-        for i in range(1, args.reconcilers + 1):
+        for i in range(1, spec.reconcilers + 1):
             name = f"reconciler-{i}"
             admin = f"127.0.0.1:{ports[name]}"
             api_urls.append(f"http://{admin}")
@@ -281,12 +318,12 @@ class DevCluster:
                 self._wait_http(f"http://{admin}/healthz", name, 60)
 
         for i, name in enumerate(agents, start=1):
-            first = 20000 + (i - 1) * 100
+            first = spec.engine_port_base + (i - 1) * 100
             argv = procs.llmgw_argv(
                 "agent",
                 "--node-id", f"node-{i}",
                 "--nats", self.nats_url,
-                "--fake-gpus", args.gpus,
+                "--fake-gpus", spec.gpus,
                 "--labels", f"fabric=dev,zone=z{i}",
                 "--engine-port-range", f"{first}-{first + 99}",
                 "--state-dir", str(self.data_dir / name),
@@ -305,9 +342,9 @@ class DevCluster:
             router_urls.append(f"http://{listen}/v1")
 
         self.info["api_url"] = api_urls[0]
-        self._wait_nodes(args.agents, 60)
+        self._wait_nodes(spec.agents, 60)
         demo_keys = _demo_keys(self.data_dir)
-        catalog_path = args.catalog
+        catalog_path = spec.catalog
         if catalog_path is None:
             catalog_path = self.data_dir / "catalog.yaml"
             catalog_path.write_text(yaml.safe_dump(self._demo(demo_keys), sort_keys=False))
@@ -361,8 +398,8 @@ class DevCluster:
         store = self.data_dir / "nats"
         section = None
         if self.secure:
-            nodes = [f"node-{i}" for i in range(1, self.args.agents + 1)]
-            certs.init(self.certs_dir, nodes, routers=self.args.routers)
+            nodes = [f"node-{i}" for i in range(1, self.spec.agents + 1)]
+            certs.init(self.certs_dir, nodes, routers=self.spec.routers)
             identities = certs.read_identities(self.certs_dir)
 
             def section(name: str, port: int, store_dir: Path) -> str:  # noqa: ARG001
@@ -405,17 +442,17 @@ class DevCluster:
 
     @property
     def engine(self) -> str:
-        return getattr(self.args, "engine", "sim") or "sim"
+        return self.spec.engine
 
     def _ready_timeout(self) -> float:
-        timeout = getattr(self.args, "ready_timeout", None)
+        timeout = self.spec.ready_timeout
         return timeout if timeout is not None else (600.0 if self.engine == "vllm" else 90.0)
 
     def _engine_env(self) -> dict[str, str]:
         """What agents need to launch the chosen engines (nothing for the simulator)."""
         if self.engine != "vllm":
             return {}
-        python = getattr(self.args, "vllm_python", None)
+        python = self.spec.vllm_python
         if not python:
             raise SystemExit("llmgw dev: --engine vllm needs --vllm-python (or LLMGW_VLLM_PYTHON)")
         return devcatalog.vllm_agent_env(python, dict(os.environ))
@@ -424,11 +461,11 @@ class DevCluster:
         demo = demo_catalog(demo_keys)
         if self.engine != "vllm":
             return demo
-        path = getattr(self.args, "model_path", None)
+        path = self.spec.model_path
         if not path:
             cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
             self.say("making the tiny model (once; cached) ...")
-            path = tinymodel.ensure(self.args.vllm_python, cache / "llmgw" / "models")
+            path = tinymodel.ensure(self.spec.vllm_python, cache / "llmgw" / "models")
         return devcatalog.vllm_catalog(demo, str(Path(path).resolve()))
 
     # ------------------------------------------------------------ helpers
@@ -582,7 +619,7 @@ class DevCluster:
         self.group.stop(grace=15)
         # Agents leave their engines running by design (engines belong to the
         # node); a dev cluster owns its engines too, so stop them here.
-        for i in range(1, self.args.agents + 1):
+        for i in range(1, self.spec.agents + 1):
             stop_engines(self.data_dir / f"agent-{i}")
         if self.pg:
             self.pg.stop()
@@ -621,7 +658,7 @@ def stop_engines(state_dir: Path, grace: float = 10.0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = DevCluster(args)
+    cluster = DevCluster(ClusterSpec.from_args(args))
 
     def on_signal(signum, frame):  # noqa: ARG001
         cluster._stop.set()

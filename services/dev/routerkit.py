@@ -6,7 +6,7 @@
   on /metrics. It records what it received and notices disconnects.
 - `fast_upstream`: the fastest upstream Python can offer (a raw asyncio
   protocol answering every POST with 16 SSE events at once), for benchmarks;
-  `python -m llmgw.router.testing fast PORT` runs it as its own process.
+  `python -m llmgw.dev.routerkit fast PORT` runs it as its own process.
 - `running_router`: a RouterService with its public and admin servers on free
   ports in the current event loop.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from llmgw.localservers import free_port
+from llmgw.dev.servers import free_port
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
@@ -581,7 +581,7 @@ def start_router(directory, yaml_body: str, *args: str, timeout: float = 60.0) -
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "fast":
-        print("usage: python -m llmgw.router.testing fast PORT", file=sys.stderr)
+        print("usage: python -m llmgw.dev.routerkit fast PORT", file=sys.stderr)
         return 2
     import uvloop
 

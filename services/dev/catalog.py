@@ -28,8 +28,10 @@ VLLM_CPU_ENGINE_ARGS = [
     "--disable-access-log-for-endpoints", "/health,/metrics",
 ]  # fmt: skip
 VLLM_CPU_MAX_MODEL_LEN = 1024
-# GiB of KV cache per CPU engine; vLLM's default takes a large share of the host's memory.
-VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# GiB of KV cache per CPU engine (vLLM's default takes a large share of the host's memory);
+# no thread pinning: every CPU engine on a host pins its worker to the same core by
+# default, and one busy engine then starves another's start for many minutes.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_command(python: str) -> list[str]:

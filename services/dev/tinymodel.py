@@ -3,7 +3,7 @@
 Run it with the Python of a vLLM environment (where transformers, tokenizers and
 torch live), by path; it imports nothing from llmgw:
 
-    /path/to/vllm-venv/bin/python libs/llmgw/tinymodel.py OUT_ROOT
+    /path/to/vllm-venv/bin/python services/dev/tinymodel.py OUT_ROOT
 
 It prints the model directory, OUT_ROOT/tiny-llama-<digest>, where the digest is
 that of this file: a directory made by the same recipe is reused, a changed recipe
