@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from llmgw.chatprompt import message_text, pack_token_ids, render_chat
+from llmgw.chatprompt import content_text, message_text, pack_token_ids, render_chat
 from llmgw.kvblocks import sim_token_bytes
 
 log = logging.getLogger(__name__)
@@ -87,21 +87,15 @@ def sim_tokens(raw: bytes) -> bytes | None:
 def flatten_contents(msgs: list[dict]) -> list[dict]:
     """Messages as vLLM hands them to a chat template: a content list becomes the text of
     its text parts joined by newlines (vLLM's "string" content format, what templates
-    that expect string content get); other parts (images) are left out."""
+    that expect string content get; llmgw.chatprompt.content_text); other parts
+    (images) are left out."""
     out = msgs
     for i, m in enumerate(msgs):
         content = m.get("content")
         if isinstance(content, list):
             if out is msgs:
                 out = list(msgs)
-            texts = [
-                p["text"]
-                for p in content
-                if isinstance(p, dict)
-                and p.get("type") == "text"
-                and isinstance(p.get("text"), str)
-            ]
-            out[i] = {**m, "content": "\n".join(texts)}
+            out[i] = {**m, "content": content_text(content)}
     return out
 
 

@@ -293,7 +293,7 @@ class CachedPrefixScorer(_Stateless):
         None (nothing allocated) when no candidate has events.
 
         Hashes are computed while matching and only as far as some candidate holds the
-        prompt (a cold prompt costs one block hash), and kept on the context with the
+        prompt (a cold prompt costs one small chunk), and kept on the context with the
         token ids, so a retry of the request recomputes nothing.
         """
         index = self.index
