@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import LazyPromptHashes
+from llmgw.kvblocks import LazyPromptHashes, token_count
 from llmgw.router.circuit import CLOSED
 from llmgw.router.prompttokens import TOKENIZERS, tokens_for
 
@@ -40,6 +40,9 @@ class Settings:
     # Cache affinity holds while the warm engine has at most this many requests pending
     # (waiting in its queue, or in flight from this router beyond its batch capacity).
     affinity_max_pending: int = 4
+    # ... and while the uncached prompt tokens queued there are at most this many (0: no
+    # token limit): pending requests x the uncached tokens of this router's requests there.
+    affinity_max_pending_tokens: int = 8192
     kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
 
 
@@ -240,6 +243,10 @@ class PrefixScorer(_Stateless):
             ep.prefix.insert(ctx.prefix)
 
 
+# Weight of the latest request in an endpoint's average of uncached prompt tokens.
+_UNCACHED_WEIGHT = 0.2
+
+
 class CachedPrefixScorer(_Stateless):
     """The share of the prompt's blocks the endpoint actually holds, from engine KV events.
 
@@ -250,8 +257,9 @@ class CachedPrefixScorer(_Stateless):
 
     Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity, declared or learned) scores 0 here, so load alone
-    decides until it drains.
+    beyond its batch capacity, declared or learned), or with more than
+    `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
+    0 here, so load alone decides until it drains.
     """
 
     name = "kv_prefix"
@@ -261,6 +269,7 @@ class CachedPrefixScorer(_Stateless):
         super().__init__(settings)
         self.index = settings.kv_index
         self.max_pending = settings.affinity_max_pending
+        self.max_pending_tokens = settings.affinity_max_pending_tokens
         self.max_blocks = settings.kv_max_blocks
         self.tokenizer = ""
 
@@ -334,8 +343,11 @@ class CachedPrefixScorer(_Stateless):
                     out[i] = 0.0
                 continue
             found = index.match(hashes, [cands[i].id for i in members])
+            held = memo.setdefault("held", {})
             for i in members:
-                out[i] = found.get(cands[i].id, 0) / n
+                ep_id = cands[i].id
+                out[i] = found.get(ep_id, 0) / n
+                held[ep_id] = found.get(ep_id, 0) * key[1]  # tokens cached there
         return out
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
@@ -350,11 +362,28 @@ class CachedPrefixScorer(_Stateless):
                     approx = ctx.prefix
                     n = len(approx)
                 share = ep.prefix.match(approx) / n if n else 0.0
-            if share and self.pending(ep, now) > self.max_pending:
+            if share and self.too_busy(ep, now):
                 share = 0.0
             out[i] = share
 
+    def too_busy(self, ep: EndpointRuntime, now: float) -> bool:
+        """Past the affinity limit: too many requests pending, or too many uncached
+        prompt tokens queued (pending requests x the uncached tokens of this router's
+        requests there, a moving average)."""
+        pending = self.pending(ep, now)
+        if pending > self.max_pending:
+            return True
+        cap = self.max_pending_tokens
+        return bool(cap) and pending * ep.uncached_tokens > cap
+
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        memo = ctx.kv
+        if memo is not None:
+            held = memo.get("held", {}).get(ep.id)
+            tokens = memo.get(ep.spec.engine)
+            if held is not None and tokens is not None:
+                uncached = max(0, token_count(tokens) - held)
+                ep.uncached_tokens += _UNCACHED_WEIGHT * (uncached - ep.uncached_tokens)
         # The guess is fed only for engines without events: it stands in for them alone,
         # and hashing it for every request would cost what the lazy match saves.
         if ctx.prefix and not (self.index is not None and self.index.block_size(ep.id)):

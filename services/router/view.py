@@ -62,6 +62,7 @@ class EndpointRuntime:
         "pushed_at",
         "headers",
         "batch_capacity",
+        "uncached_tokens",
     )
 
     def __init__(self, spec: Endpoint, settings: ViewSettings):
@@ -82,6 +83,9 @@ class EndpointRuntime:
         # The engine's running batch at its largest while requests queued: its capacity
         # when the catalog declares none (learned from load samples by kv_prefix).
         self.batch_capacity = 0
+        # Uncached prompt tokens per request this router sent here (moving average): what
+        # each queued request will cost the engine's prefill (kv_prefix).
+        self.uncached_tokens = 0.0
 
     def target(self, path: str) -> URL:
         url = self.targets.get(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
@@ -295,3 +296,35 @@ def test_events_and_matches_during_a_sweep_see_one_consistent_index():
     assert {h for h, m in index.blocks.items() if m & a} == set(range(1, 12))
     assert {h for h, m in index.blocks.items() if m & b} == set(range(1, 51)) - {3} | {60}
     assert len(index) == 51  # 1..50 but 3, then 11 (a) and 60 (b): nothing stale left
+
+
+def test_affinity_gives_way_to_uncached_prefill_queued_at_the_warm_engine():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(turn1))
+    synced(index, "cold")
+    cold, warm = endpoint("cold"), endpoint("warm", waiting=3)  # 3 pending: under 4
+    p = pipeline(index, affinity_max_pending=4, affinity_max_pending_tokens=8192)
+    warm.uncached_tokens = 100.0  # short uncached tails: 300 tokens queued
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+    warm.uncached_tokens = 3000.0  # long cold prompts queued: 9000 tokens of prefill
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    # With the token limit off, only the request count counts.
+    no_token_limit = pipeline(index, affinity_max_pending_tokens=0)
+    assert no_token_limit.pick([cold, warm], context(turn1)).id == "warm"
+
+
+def test_each_pick_feeds_the_endpoints_average_of_uncached_tokens():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    held = sim_blocks(turn1)
+    synced(index, "warm", *held)
+    synced(index, "cold")
+    warm = endpoint("warm")
+    p = pipeline(index)
+    long_tail = chat(system, "q", "an answer " * 100, "next")
+    assert p.pick([endpoint("cold"), warm], context(long_tail)).id == "warm"
+    uncached = len(sim_tokens(long_tail)) // 4 - len(held) * BS
+    assert warm.uncached_tokens == pytest.approx(0.2 * uncached)
