@@ -67,6 +67,51 @@ def prompt_hashes(
     return out
 
 
+class LazyPromptHashes:
+    """prompt_hashes, computed only as far as a reader iterates (a match stops at the
+    first block no engine holds, so a cold prompt costs one hash, not hundreds) and
+    kept: a second reader (a retry of the same request) reuses what was computed."""
+
+    __slots__ = ("_data", "_span", "_n", "_done", "_h")
+
+    def __init__(
+        self, tokens: bytes | Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+    ):
+        self._data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
+        self._span = 4 * block_size
+        self._n = min(len(self._data) // self._span, max_blocks)
+        self._done: list[int] = []
+        self._h = root
+
+    def __len__(self) -> int:
+        """The number of full blocks (at most max_blocks), without hashing any."""
+        return self._n
+
+    def upto(self, k: int) -> list[int]:
+        """The hashes computed so far, extended to the first k blocks (or all there are)."""
+        done = self._done
+        k = min(k, self._n)
+        if len(done) < k:
+            data, span = self._data, self._span
+            h = self._h
+            for i in range(len(done) * span, k * span, span):
+                h = (
+                    int.from_bytes(
+                        blake2b(
+                            h.to_bytes(8, "little") + data[i : i + span], digest_size=8
+                        ).digest(),
+                        "little",
+                    )
+                    & _MASK
+                )  # chain_bytes, inlined: this loop is the router's hot path
+                done.append(h)
+            self._h = h
+        return done
+
+    def __iter__(self):
+        return iter(self.upto(self._n))
+
+
 def token_count(tokens: bytes | Sequence[int]) -> int:
     return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
 

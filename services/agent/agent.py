@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import zmq
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NoStreamResponseError, NotFoundError
@@ -263,9 +264,24 @@ class Agent:
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
             if rec.kv_events_port:
-                # The engine's publisher reconnects to the same port on its own.
-                self.kv_relays.open(rec.shard_id, rec.kv_events_port).url = rec.url
+                self._reopen_relay(rec)
             self._supervise(shard)
+
+    def _reopen_relay(self, rec: ShardRecord) -> None:
+        """Bind the adopted engine's relay on its saved port: the engine's publisher
+        reconnects to that port on its own. If another process took the port meanwhile,
+        the shard is adopted without KV events (routers score it approximately)."""
+        try:
+            self.kv_relays.open(rec.shard_id, rec.kv_events_port).url = rec.url
+        except zmq.ZMQError as exc:
+            self.metrics.kv_relay_bind_failures.inc()
+            log.warning(
+                "shard %s: cannot rebind its KV event relay on port %d (%s); "
+                "adopted without KV events",
+                rec.shard_id,
+                rec.kv_events_port,
+                exc,
+            )
 
     def _new_shard(self, rec: ShardRecord, proc: subprocess.Popen | None = None) -> EngineShard:
         shard = EngineShard(

@@ -11,8 +11,9 @@ does for a non-wildcard endpoint). The relay
   core NATS (`llmgw.kv.<node>.<shard>`), each batch naming the engine's own sequence
   numbers it covers and the relay's epoch, so a router sees any gap;
 - answers `KvSnapshotRequest` on `llmgw.kvsnap.<node>.<shard>` with the whole set as
-  of the last engine batch it applied (after publishing what it had pending, so no
-  published batch straddles a snapshot).
+  of the last engine batch it applied, taken together with the pending batch (which
+  is published first), so no published batch straddles a snapshot; a set too large
+  for one message keeps its oldest blocks, whole prefixes from their roots.
 
 Events are fire and forget: a batch lost on the bus is a gap, which routers repair
 with a snapshot. A gap between the engine and the relay (ZMQ drops past its
@@ -126,15 +127,19 @@ class EngineRelay:
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        # One context per process (its I/O thread serves every relay's socket).
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        try:
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sock.setsockopt(zmq.RCVHWM, 100_000)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
         self.port = port
         self.endpoint = f"tcp://{host}:{port}"
         self.task: asyncio.Task | None = None
@@ -214,7 +219,9 @@ class EngineRelay:
         return msg
 
     async def flush(self) -> None:
-        msg = self.take_batch()
+        await self._send(self.take_batch())
+
+    async def _send(self, msg: c.KvEvents | None) -> None:
         if msg is None:
             return
         try:
@@ -227,23 +234,44 @@ class EngineRelay:
             if self.metrics is not None:
                 self.metrics.publish_failures.labels("kv_events").inc()
 
-    async def snapshot(self, max_payload: int) -> c.KvSnapshot:
-        await self.flush()
+    def take_snapshot(self, max_payload: int) -> tuple[c.KvEvents | None, c.KvSnapshot]:
+        """The pending batch and the set as of its last sequence number, taken together
+        with no await between them: engine batches arriving while the pending one is
+        published go into the next batch, after the snapshot, never across it.
+
+        Past `max_payload` the oldest blocks are kept: they are stored before the blocks
+        chained on them, so the set stays whole prefixes (roots first) and a router
+        still matches the start of every prompt, where the leaves would match none.
+        """
+        pending = self.take_batch()
         hashes = self.blocks.hashes()
         room = max(0, (max_payload - 2048) // _HASH_JSON_BYTES)
-        return c.KvSnapshot(
+        snap = c.KvSnapshot(
             node=self.node,
             shard_id=self.shard_id,
             url=self.url,
             epoch=self.epoch,
             seq=self.last_seq,
             block_size=self.blocks.block_size,
-            hashes=hashes[-room:] if len(hashes) > room else hashes,
+            hashes=hashes[:room] if len(hashes) > room else hashes,
             truncated=len(hashes) > room,
         )
+        return pending, snap
+
+    async def snapshot(self, max_payload: int) -> c.KvSnapshot:
+        """The snapshot, after publishing the batch that preceded it."""
+        pending, snap = self.take_snapshot(max_payload)
+        await self._send(pending)
+        return snap
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self.run())
+
+    def close_socket(self) -> None:
+        for task in (self.task, self._flush_task):
+            if task is not None:
+                task.cancel()
+        self._sock.close(linger=0)
 
     async def close(self) -> None:
         for task in (self.task, self._flush_task):
@@ -252,7 +280,6 @@ class EngineRelay:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class KvRelays:
@@ -265,6 +292,7 @@ class KvRelays:
         self.relays: dict[str, EngineRelay] = {}
         self._nc = None
         self._sub = None
+        self._closing: set[asyncio.Future] = set()
 
     async def _publish(self, subject: str, data: bytes) -> None:
         nc = self._nc
@@ -273,10 +301,16 @@ class KvRelays:
         await nc.publish(subject, data)
 
     def open(self, shard_id: str, port: int = 0) -> EngineRelay:
-        """Bind a relay for this shard (a free loopback port unless `port`) and start it."""
+        """Bind a relay for this shard (a free loopback port unless `port`) and start it.
+
+        Raises zmq.ZMQError when the port cannot be bound (another process holds it)."""
         old = self.relays.pop(shard_id, None)
         if old is not None:
-            asyncio.ensure_future(old.close())
+            # Its socket closes now; stop() awaits the rest of its shutdown.
+            old.close_socket()
+            task = asyncio.ensure_future(old.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         relay = EngineRelay(
             self.node, shard_id, publish=self._publish, port=port, host=self.host,
             metrics=self.metrics,
@@ -314,3 +348,5 @@ class KvRelays:
                 await self._sub.unsubscribe()
         for shard_id in list(self.relays):
             await self.close(shard_id)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

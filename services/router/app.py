@@ -73,6 +73,7 @@ class RouterService:
                     if config.nats_url
                     else None,
                     affinity_max_pending=config.prefix.affinity_max_pending,
+                    affinity_max_pending_tokens=config.prefix.affinity_max_pending_tokens,
                 ),
             ),
             observer=self.metrics,

@@ -90,6 +90,9 @@ class PrefixConfig(cfg.ConfigStruct):
     # each), and the queue past which cache affinity gives way to load.
     index_max_blocks: int = 4_000_000
     affinity_max_pending: int = 4
+    # ... and the uncached prompt tokens queued there (estimated), past which it gives
+    # way too: about half a second of prefill for a mid-size model on one GPU. 0: off.
+    affinity_max_pending_tokens: int = 8192
 
 
 class UpstreamConfig(cfg.ConfigStruct):

@@ -51,6 +51,7 @@ class KvEventFeed:
         self.metrics = metrics  # RouterMetrics, or None
         self.malformed = 0
         self.unknown = 0
+        self.foreign = 0  # batches whose subject, payload and endpoint disagree on the node
         self._tasks: dict[str, asyncio.Task] = {}
         self._failed_at: dict[str, float] = {}
         self._by_url: dict[str, str] = {}
@@ -108,13 +109,18 @@ class KvEventFeed:
         return ep
 
     async def _on_msg(self, msg) -> None:
-        result = self.handle(msg.data)
+        result = self.handle(msg.data, msg.subject)
         if self.metrics is not None:
             self.metrics.kv_events.inc((result,))
             self.metrics.kv_index_blocks.set((), float(len(self.index)))
 
-    def handle(self, raw: bytes) -> str:
-        """One `KvEvents` message: "applied", "resync", "unknown" or "malformed"."""
+    def handle(self, raw: bytes, subject: str) -> str:
+        """One `KvEvents` message: "applied", "resync", "unknown", "foreign" or "malformed".
+
+        A batch counts only when the node of the subject it came on, the node it names
+        and the node of the endpoint it names agree: the subject is what NATS
+        permissions tie to a node's agent, so one node cannot write another's blocks.
+        """
         try:
             batch = c.decode(raw, c.KvEvents)
         except c.ContractError as exc:
@@ -126,8 +132,20 @@ class KvEventFeed:
         if ep is None:
             self.unknown += 1
             return "unknown"
+        node = ep.spec.node
+        if not node or batch.node != node or subjects.node_of_subject(subject) != node:
+            self.foreign += 1
+            if self.foreign == 1 or self.foreign % 1000 == 0:
+                log.warning(
+                    "dropped KV events for %s (on node %r) sent as node %r on %s",
+                    ep.id,
+                    node,
+                    batch.node,
+                    subject,
+                )
+            return "foreign"
         if self.index.offer(ep.id, batch):
-            self._fetch(batch.node, ep.id)
+            self._fetch(node, ep.id)
             return "resync"
         self._maybe_sweep()  # a batch may have cleared the engine's blocks
         return "applied"

@@ -15,8 +15,9 @@ Forgetting all of one endpoint's blocks (a snapshot, a clear, a removed endpoint
 would be a scan of the whole index, seconds per million blocks on a busy machine,
 stalling the router. Instead the endpoint moves to a fresh slot at once and its old
 slot is retired: matching only ever looks at live slots, and `sweep` clears retired
-bits in bounded chunks that the feed runs between other work; a retired slot is
-reused only once swept.
+bits in bounded chunks that the feed runs between other work (the dict is set aside
+whole and its entries moved back a chunk at a time; lookups read both meanwhile);
+a retired slot is reused only once swept.
 
 Per endpoint the index follows the relay's numbering: a batch must continue where
 the last one ended, in the same epoch. Anything else (a first batch, a restarted
@@ -33,6 +34,9 @@ from dataclasses import dataclass, field
 from llmgw import contracts as c
 
 _MAX_BUFFERED = 4096  # batches kept while a snapshot is awaited
+# Blocks hashed before the first lookups of a lazily hashed prompt: a cold prompt
+# usually misses within the first few (after the chat template's shared opening).
+_FIRST_CHUNK = 4
 
 
 @dataclass(slots=True)
@@ -56,8 +60,9 @@ class BlockIndex:
         self._next_slot = 0
         self._retired = 0  # bit mask of slots whose blocks are still to be swept
         self._sweeping = 0  # the part of it the sweep under way clears
-        self._sweep_keys: list[int] = []
-        self._sweep_at = 0
+        # While a sweep runs: the entries it has not reached yet (lookups fall back to
+        # them; an entry that is written moves to `blocks`, its swept bits cleared).
+        self._old: dict[int, int] = {}
         self.dropped_stores = 0
         self.gaps = 0
         self.snapshots = 0
@@ -73,7 +78,11 @@ class BlockIndex:
         return st.block_size if st is not None and st.synced else 0
 
     def match(self, hashes: Sequence[int], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        """How many leading blocks of `hashes` each endpoint holds (synced ones only)."""
+        """How many leading blocks of `hashes` each endpoint holds (synced ones only).
+
+        `hashes` may be a kvblocks.LazyPromptHashes: then blocks are hashed in chunks
+        that grow as long as some endpoint still holds every block so far, so a prompt
+        no engine holds costs one chunk of hashing, not the whole prompt."""
         slots = {}
         for ep_id in endpoint_ids:
             st = self.endpoints.get(ep_id)
@@ -83,25 +92,38 @@ class BlockIndex:
         alive = 0
         for bit in slots.values():
             alive |= bit
-        blocks = self.blocks
+        blocks, old = self.blocks, self._old
+        upto = getattr(hashes, "upto", None)
+        total = len(hashes)
         n = 0
-        for h in hashes:
-            m = blocks.get(h, 0) & alive
-            if m != alive:
-                for ep_id, bit in slots.items():
-                    if alive & bit and not m & bit:
-                        out[ep_id] = n
-                alive = m
-                if not alive:
-                    return out
-            n += 1
+        want = _FIRST_CHUNK
+        while n < total:
+            if upto is None:
+                chunk, end = hashes, total
+            else:
+                chunk = upto(want)
+                end = len(chunk)
+                want *= 4
+            for i in range(n, end):
+                m = blocks.get(chunk[i])
+                if m is None:
+                    m = old.get(chunk[i], 0) if old else 0
+                m &= alive
+                if m != alive:
+                    for ep_id, bit in slots.items():
+                        if alive & bit and not m & bit:
+                            out[ep_id] = i
+                    alive = m
+                    if not alive:
+                        return out
+            n = end
         for ep_id, bit in slots.items():
             if alive & bit:
                 out[ep_id] = n
         return out
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + len(self._old)
 
     # -- events --------------------------------------------------------------------------
 
@@ -205,7 +227,9 @@ class BlockIndex:
                     self._store(blocks, st, bit, h)
             elif op.op is c.KvOp.REMOVED:
                 for h in op.hashes:
-                    m = blocks.get(h, 0)
+                    m = blocks.get(h)
+                    if m is None:
+                        m = self._migrate(blocks, h)
                     if m & bit:
                         st.count -= 1
                         m &= ~bit
@@ -217,10 +241,23 @@ class BlockIndex:
                 self._clear(st)
         st.seq = batch.seq_last
 
+    def _migrate(self, blocks: dict[int, int], h: int) -> int:
+        """An entry the running sweep has not reached, moved to `blocks` with the swept
+        slots' bits cleared (0, and not moved, when there is none)."""
+        m = self._old.pop(h, None) if self._old else None
+        if m is None:
+            return 0
+        m &= ~self._sweeping
+        if m:
+            blocks[h] = m
+        return m
+
     def _store(self, blocks: dict[int, int], st: EndpointBlocks, bit: int, h: int) -> None:
         m = blocks.get(h)
+        if m is None and self._old:
+            m = self._migrate(blocks, h) or None
         if m is None:
-            if len(blocks) >= self.max_blocks:
+            if len(blocks) + len(self._old) >= self.max_blocks:
                 self.dropped_stores += 1
                 return
             blocks[h] = bit
@@ -242,31 +279,29 @@ class BlockIndex:
         return bool(self._retired or self._sweeping)
 
     def sweep(self, budget: int = 50_000) -> bool:
-        """Clear retired slots' bits from up to `budget` entries; True when none are left."""
+        """Clear retired slots' bits from up to `budget` entries; True when none are left.
+
+        A sweep starts by setting the whole dict aside (O(1)) and a fresh one in its
+        place; each call moves up to `budget` entries back, their retired bits cleared.
+        No call costs more than its budget, however large the index."""
         if not self._sweeping:
             if not self._retired:
                 return True
             self._sweeping, self._retired = self._retired, 0
-            self._sweep_keys = list(self.blocks)
-            self._sweep_at = 0
+            self._old, self.blocks = self.blocks, {}
         keep = ~self._sweeping
-        blocks = self.blocks
-        end = min(self._sweep_at + budget, len(self._sweep_keys))
-        for h in self._sweep_keys[self._sweep_at : end]:
-            m = blocks.get(h)
-            if m is not None and m & self._sweeping:
-                m &= keep
-                if m:
-                    blocks[h] = m
-                else:
-                    del blocks[h]
-        self._sweep_at = end
-        if end < len(self._sweep_keys):
+        old, blocks = self._old, self.blocks
+        for _ in range(min(budget, len(old))):
+            h, m = old.popitem()
+            m &= keep
+            if m:
+                n = blocks.get(h)
+                blocks[h] = m if n is None else n | m
+        if old:
             return False
-        # Slots retired meanwhile were never given out again, so the keys made since the
-        # list was taken cannot hold the swept slots' bits.
+        # Slots retired meanwhile were never given out again, so entries written since
+        # the sweep began cannot hold the swept slots' bits.
         sweeping = self._sweeping
         self._free_slots.extend(i for i in range(self._next_slot) if sweeping >> i & 1)
         self._sweeping = 0
-        self._sweep_keys = []
         return not self._retired

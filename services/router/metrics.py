@@ -293,7 +293,8 @@ class RouterMetrics:
         self.kv_events = Counter(
             "llmgw_router_kv_events_total",
             "Relayed engine KV event batches, by result: applied, resync (a gap, a new epoch "
-            "or a first batch: a snapshot is fetched), unknown (no such endpoint), malformed.",
+            "or a first batch: a snapshot is fetched), unknown (no such endpoint), foreign (its "
+            "subject, payload and endpoint name different nodes: dropped), malformed.",
             ("result",),
         )
         self.kv_snapshots = Counter(

@@ -16,26 +16,59 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-class PromptBlocks(list):
-    """Block hashes that keep the prompt they were cut from: the precise scorer
-    (kv_prefix) tokenizes that prompt the way each engine does."""
+class PromptBlocks:
+    """Chained block hashes of a prompt, hashed on first use: a request whose every
+    candidate engine sends KV events never needs them (the precise scorer, kv_prefix,
+    tokenizes `prompt`, the bytes they are cut from, the way each engine does).
 
-    __slots__ = ("prompt",)
+    Truthiness and len() cost no hashing; indexing, iteration and `hashes` do, once.
+    """
 
-    def __init__(self, prompt: bytes):
-        super().__init__()
+    __slots__ = ("prompt", "block", "max_blocks", "_hashes")
+
+    def __init__(self, prompt: bytes, block: int, max_blocks: int):
         self.prompt = prompt
+        self.block = block
+        self.max_blocks = max_blocks
+        self._hashes: list[int] | None = None
+
+    @property
+    def hashes(self) -> list[int]:
+        hashes = self._hashes
+        if hashes is None:
+            data, block = self.prompt, self.block
+            hashes = []
+            h = 0
+            for i in range(0, len(self) * block, block):
+                h = hash((h, data[i : i + block]))
+                hashes.append(h)
+            self._hashes = hashes
+        return hashes
+
+    def __len__(self) -> int:
+        return min(len(self.prompt) // self.block, self.max_blocks) if self.max_blocks > 0 else 0
+
+    def __getitem__(self, i):
+        return self.hashes[i]
+
+    def __iter__(self):
+        return iter(self.hashes)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, PromptBlocks):
+            other = other.hashes
+        return self.hashes == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PromptBlocks({self.hashes!r})"
 
 
-def block_hashes(data: bytes, block: int, max_blocks: int) -> list[int]:
-    """Chained hashes of the full `block`-byte blocks of `data` (at most max_blocks)."""
-    n = min(len(data) // block, max_blocks)
-    out = PromptBlocks(data)
-    h = 0
-    for i in range(0, n * block, block):
-        h = hash((h, data[i : i + block]))
-        out.append(h)
-    return out
+def block_hashes(data: bytes, block: int, max_blocks: int) -> PromptBlocks:
+    """Chained hashes of the full `block`-byte blocks of `data` (at most max_blocks),
+    computed when first read."""
+    return PromptBlocks(data, block, max_blocks)
 
 
 class PrefixIndex:
@@ -56,6 +89,8 @@ class PrefixIndex:
         Chained hashes make presence monotone (a prefix is inserted whole and
         refreshed whole), so a binary search needs O(log n) lookups.
         """
+        if isinstance(hashes, PromptBlocks):
+            hashes = hashes.hashes
         lru = self._lru
         n = len(hashes)
         if not n or hashes[0] not in lru:

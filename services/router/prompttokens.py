@@ -5,12 +5,13 @@ Engines publish which blocks they hold as canonical hashes of token ids
 way the engine makes them:
 
 - the simulator (`engine: sim`): its own byte tokens of the prompt it renders (its
-  ChatML-like template, llmgw.simengine.tokens), computed here exactly;
+  ChatML-like template, llmgw.chatprompt), computed here exactly;
 - vLLM with a tokenizer the catalog names (`scheduling.tokenizer`: a tokenizer.json
   or a directory holding one): completions prompts are encoded with the
   `tokenizers` package (special tokens added, as vLLM does); chat requests are
-  rendered with the directory's chat template (tokenizer_config.json) when the
-  `jinja2` package is importable, and otherwise have no token ids;
+  rendered with the directory's chat template (tokenizer_config.json, jinja2), content
+  lists flattened to text as vLLM does; the tokenizer is loaded in a thread when the
+  route is installed (TokenizerLoader), and until then there are no token ids;
 - anything else has no token ids.
 
 Without token ids an endpoint is scored by the approximate prefix guess instead.
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import lru_cache
+import threading
+import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
+from llmgw.chatprompt import content_text, message_text, pack_token_ids, render_chat
 from llmgw.kvblocks import sim_token_bytes
-from llmgw.simengine.tokens import pack_token_ids, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +51,6 @@ def _messages(raw: bytes) -> list[dict] | None:
     return msgs if all(isinstance(m, dict) for m in msgs) else None
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            p["text"]
-            for p in content
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        )
-    return ""
-
-
 def _completion(raw: bytes) -> str | list[int] | None:
     try:
         prompt = _json.decode(raw)
@@ -82,7 +69,10 @@ def sim_tokens(raw: bytes) -> bytes | None:
     """The simulator's tokens of this prompt, as kvblocks.token_bytes."""
     msgs = _messages(raw)
     if msgs is not None:
-        turns = [(str(m.get("role", "")), _content_text(m.get("content"))) for m in msgs]
+        turns = [
+            (str(m.get("role", "")), message_text(m.get("content"), m.get("tool_calls")))
+            for m in msgs
+        ]
         return sim_token_bytes(render_chat(turns))
     prompt = _completion(raw)
     if isinstance(prompt, str):
@@ -92,6 +82,21 @@ def sim_tokens(raw: bytes) -> bytes | None:
             return None
         return sim_token_bytes(pack_token_ids(prompt))
     return None
+
+
+def flatten_contents(msgs: list[dict]) -> list[dict]:
+    """Messages as vLLM hands them to a chat template: a content list becomes the text of
+    its text parts joined by newlines (vLLM's "string" content format, what templates
+    that expect string content get; llmgw.chatprompt.content_text); other parts
+    (images) are left out."""
+    out = msgs
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        if isinstance(content, list):
+            if out is msgs:
+                out = list(msgs)
+            out[i] = {**m, "content": content_text(content)}
+    return out
 
 
 class HfTokens:
@@ -131,7 +136,7 @@ class HfTokens:
                 return None
             try:
                 text = self.template.render(
-                    messages=msgs, add_generation_prompt=True, **self.special
+                    messages=flatten_contents(msgs), add_generation_prompt=True, **self.special
                 )
             except Exception:
                 return None
@@ -142,15 +147,83 @@ class HfTokens:
         return prompt
 
 
-@lru_cache(maxsize=32)
-def hf_tokens(path: str) -> HfTokens | None:
-    try:
-        return HfTokens(path)
-    except Exception as exc:
-        log.warning(
-            "cannot load tokenizer %s (%s): its endpoints are scored approximately", path, exc
-        )
-        return None
+class TokenizerLoader:
+    """Models' tokenizers, loaded off the request path.
+
+    A route that names a tokenizer asks for it when it is installed (`want`): a thread
+    reads tokenizer.json and the template, never the event loop. Until it is loaded,
+    or while it cannot be (a missing file, a mount not there yet), `get` answers None
+    and the endpoints are scored approximately; a failure is retried, after 5 s, then
+    twice as long each time, up to 5 min, when the route is installed again or a
+    request asks after the back-off ran out.
+    """
+
+    def __init__(self, clock=time.monotonic, first_retry: float = 5.0, max_retry: float = 300.0):
+        self.clock = clock
+        self.first_retry = first_retry
+        self.max_retry = max_retry
+        self.loaded: dict[str, HfTokens] = {}
+        self._loading: set[str] = set()
+        self._retry_at: dict[str, tuple[float, float]] = {}  # path -> (when, next back-off)
+        self._lock = threading.Lock()
+
+    def want(self, path: str) -> None:
+        """Start loading `path` in a thread unless loaded, loading, or backing off."""
+        if not path or path in self.loaded:
+            return
+        with self._lock:
+            if path in self._loading or path in self.loaded:
+                return
+            retry = self._retry_at.get(path)
+            if retry is not None and self.clock() < retry[0]:
+                return
+            self._loading.add(path)
+        threading.Thread(
+            target=self._load, args=(path,), name="tokenizer-load", daemon=True
+        ).start()
+
+    def _load(self, path: str) -> None:
+        try:
+            tok = HfTokens(path)
+        except Exception as exc:
+            with self._lock:
+                _, backoff = self._retry_at.get(path, (0.0, self.first_retry))
+                self._retry_at[path] = (self.clock() + backoff, min(2 * backoff, self.max_retry))
+                self._loading.discard(path)
+            log.warning(
+                "cannot load tokenizer %s (%s): its endpoints are scored approximately; "
+                "retrying in %.0f s",
+                path,
+                exc,
+                backoff,
+            )
+            return
+        with self._lock:
+            self.loaded[path] = tok
+            self._retry_at.pop(path, None)
+            self._loading.discard(path)
+        log.info("tokenizer %s loaded", path)
+
+    def get(self, path: str) -> HfTokens | None:
+        """The loaded tokenizer, or None (a load is started or retried if due)."""
+        tok = self.loaded.get(path)
+        if tok is None:
+            self.want(path)
+        return tok
+
+    def wait(self, path: str, timeout: float) -> HfTokens | None:
+        """For tests and benches: want, then wait up to `timeout` for the load."""
+        deadline = time.monotonic() + timeout
+        self.want(path)
+        while path not in self.loaded and time.monotonic() < deadline:
+            with self._lock:
+                if path not in self._loading:
+                    break
+            time.sleep(0.01)
+        return self.loaded.get(path)
+
+
+TOKENIZERS = TokenizerLoader()
 
 
 def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | None:
@@ -158,7 +231,7 @@ def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | N
     if engine == "sim":
         return sim_tokens(raw)
     if tokenizer:
-        tok = hf_tokens(tokenizer)
+        tok = TOKENIZERS.get(tokenizer)
         if tok is not None:
             return tok.tokens(raw)
     return None

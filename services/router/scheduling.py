@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import prompt_hashes
+from llmgw.kvblocks import LazyPromptHashes, token_count
 from llmgw.router.circuit import CLOSED
-from llmgw.router.prompttokens import tokens_for
+from llmgw.router.prompttokens import TOKENIZERS, tokens_for
 
 if TYPE_CHECKING:
     from llmgw.router.view import EndpointRuntime
@@ -40,13 +40,16 @@ class Settings:
     # Cache affinity holds while the warm engine has at most this many requests pending
     # (waiting in its queue, or in flight from this router beyond its batch capacity).
     affinity_max_pending: int = 4
+    # ... and while the uncached prompt tokens queued there are at most this many (0: no
+    # token limit): pending requests x the uncached tokens of this router's requests there.
+    affinity_max_pending_tokens: int = 8192
     kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
 
 
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude", "key")
+    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv")
 
     def __init__(
         self,
@@ -63,6 +66,9 @@ class Context:
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
         self.key = key  # request_key(body): the pickers' only source of chance
+        # kv_prefix's work on this prompt, kept for the request's retries: token ids by
+        # engine kind, lazily computed block hashes by (engine kind, block size).
+        self.kv: dict | None = None
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
@@ -237,6 +243,10 @@ class PrefixScorer(_Stateless):
             ep.prefix.insert(ctx.prefix)
 
 
+# Weight of the latest request in an endpoint's average of uncached prompt tokens.
+_UNCACHED_WEIGHT = 0.2
+
+
 class CachedPrefixScorer(_Stateless):
     """The share of the prompt's blocks the endpoint actually holds, from engine KV events.
 
@@ -247,7 +257,9 @@ class CachedPrefixScorer(_Stateless):
 
     Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity) scores 0 here, so load alone decides until it drains.
+    beyond its batch capacity, declared or learned), or with more than
+    `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
+    0 here, so load alone decides until it drains.
     """
 
     name = "kv_prefix"
@@ -257,64 +269,124 @@ class CachedPrefixScorer(_Stateless):
         super().__init__(settings)
         self.index = settings.kv_index
         self.max_pending = settings.affinity_max_pending
+        self.max_pending_tokens = settings.affinity_max_pending_tokens
         self.max_blocks = settings.kv_max_blocks
         self.tokenizer = ""
 
     def configure(self, spec: SchedulingSpec) -> None:
         self.tokenizer = spec.tokenizer
+        # Loaded in a thread now, so no request waits for it (approximate until then).
+        TOKENIZERS.want(spec.tokenizer)
 
     def pending(self, ep: EndpointRuntime, now: float) -> int:
+        """Requests waiting at the engine: its queue from a fresh load sample, or this
+        router's in flight beyond the engine's batch capacity, whichever is larger.
+
+        The capacity is the catalog's `max_running`, else the one learned from load
+        samples: the largest running batch seen while requests queued (the batch was
+        full then). So a burst onto the warm engine is limited between samples too,
+        not only by a sample a few hundred milliseconds old."""
         load = ep.load
-        waiting = load.waiting if load is not None and load.at >= now - self.stale_after else 0
-        cap = ep.spec.max_running
+        waiting = 0
+        if load is not None:
+            if load.waiting > 0 and load.running > ep.batch_capacity:
+                ep.batch_capacity = load.running
+            if load.at >= now - self.stale_after:
+                waiting = load.waiting
+        cap = ep.spec.max_running or ep.batch_capacity
         beyond = ep.inflight - cap if cap else 0
         return max(waiting, beyond)
 
-    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None]:
-        """Per candidate: the cached share from events, or None where there are none."""
-        out: list[float | None] = [None] * len(cands)
+    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None] | None:
+        """Per candidate: the cached share from events, or None where there are none;
+        None (nothing allocated) when no candidate has events.
+
+        Hashes are computed while matching and only as far as some candidate holds the
+        prompt (a cold prompt costs one small chunk), and kept on the context with the
+        token ids, so a retry of the request recomputes nothing.
+        """
         index = self.index
-        prompt = getattr(ctx.prefix, "prompt", None)
-        if index is None or prompt is None:
-            return out
-        tokens_by_engine: dict[str, list[int] | None] = {}
-        groups: dict[tuple[str, int], list[int]] = {}
+        if index is None or not index.endpoints:
+            return None
+        sizes = None
         for i, ep in enumerate(cands):
             bs = index.block_size(ep.id)
+            if bs:
+                if sizes is None:
+                    sizes = [0] * len(cands)
+                sizes[i] = bs
+        if sizes is None:
+            return None
+        out: list[float | None] = [None] * len(cands)
+        prompt = getattr(ctx.prefix, "prompt", None)
+        if prompt is None:
+            return out
+        memo = ctx.kv
+        if memo is None:
+            memo = ctx.kv = {}
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, bs in enumerate(sizes):
             if not bs:
                 continue
-            engine = ep.spec.engine
-            if engine not in tokens_by_engine:
-                tokens_by_engine[engine] = tokens_for(engine, self.tokenizer, prompt)
-            if tokens_by_engine[engine] is not None:
+            engine = cands[i].spec.engine
+            if engine not in memo:
+                memo[engine] = tokens_for(engine, self.tokenizer, prompt)
+            if memo[engine] is not None:
                 groups.setdefault((engine, bs), []).append(i)
-        for (engine, bs), members in groups.items():
-            tokens = tokens_by_engine[engine]
-            hashes = prompt_hashes(tokens, bs, self.max_blocks)
-            if not hashes:
+        for key, members in groups.items():
+            hashes = memo.get(key)
+            if hashes is None:
+                hashes = memo[key] = LazyPromptHashes(memo[key[0]], key[1], self.max_blocks)
+            n = len(hashes)
+            if not n:
                 for i in members:
                     out[i] = 0.0
                 continue
             found = index.match(hashes, [cands[i].id for i in members])
+            held = memo.setdefault("held", {})
             for i in members:
-                out[i] = found.get(cands[i].id, 0) / len(hashes)
+                ep_id = cands[i].id
+                out[i] = found.get(ep_id, 0) / n
+                held[ep_id] = found.get(ep_id, 0) * key[1]  # tokens cached there
         return out
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         overlaps = self.overlaps(cands, ctx)
-        approx = ctx.prefix
-        n = len(approx)
+        approx = None  # the approximate hashes, made only if some candidate needs them
+        n = 0
         now = ctx.now
         for i, ep in enumerate(cands):
-            share = overlaps[i]
+            share = overlaps[i] if overlaps is not None else None
             if share is None:
+                if approx is None:
+                    approx = ctx.prefix
+                    n = len(approx)
                 share = ep.prefix.match(approx) / n if n else 0.0
-            if share and self.pending(ep, now) > self.max_pending:
+            if share and self.too_busy(ep, now):
                 share = 0.0
             out[i] = share
 
+    def too_busy(self, ep: EndpointRuntime, now: float) -> bool:
+        """Past the affinity limit: too many requests pending, or too many uncached
+        prompt tokens queued (pending requests x the uncached tokens of this router's
+        requests there, a moving average)."""
+        pending = self.pending(ep, now)
+        if pending > self.max_pending:
+            return True
+        cap = self.max_pending_tokens
+        return bool(cap) and pending * ep.uncached_tokens > cap
+
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        if ctx.prefix:
+        memo = ctx.kv
+        if memo is not None:
+            held = memo.get("held", {}).get(ep.id)
+            tokens = memo.get(ep.spec.engine)
+            if held is not None and tokens is not None:
+                uncached = max(0, token_count(tokens) - held)
+                ep.uncached_tokens += _UNCACHED_WEIGHT * (uncached - ep.uncached_tokens)
+        # The guess is fed only for engines without events: it stands in for them alone,
+        # and hashing it for every request would cost what the lazy match saves.
+        if ctx.prefix and not (self.index is not None and self.index.block_size(ep.id)):
             ep.prefix.insert(ctx.prefix)
 
 

@@ -22,8 +22,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from llmgw.chatprompt import content_text
 from llmgw.simengine import tokens
-from llmgw.simengine.protocol import ApiError, ChatMessage, content_text, decode_body
+from llmgw.simengine.protocol import ApiError, ChatMessage, decode_body
 
 _encode = msgspec.json.encode
 

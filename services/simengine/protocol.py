@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from llmgw import config
+from llmgw.chatprompt import message_text
 from llmgw.simengine import tokens, tools
 
 _encode = msgspec.json.encode
@@ -184,10 +185,7 @@ class RequestParser:
                     f"messages[{i}].role: unknown role {msg.role!r}; expected one of {sorted(ROLES)}",
                     param=f"messages[{i}].role",
                 )
-            text = content_text(msg.content)
-            if msg.tool_calls:
-                text += _encode(msg.tool_calls).decode()
-            turns.append((msg.role, text))
+            turns.append((msg.role, message_text(msg.content, msg.tool_calls)))
         prompt = tokens.render_chat(turns)
         users = [text for role, text in turns if role == "user"]
         echo = users[-1] if users else turns[-1][1]
@@ -352,15 +350,6 @@ def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:
         raise ApiError(400, f"invalid request: {msg}", param=param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-
-
-def content_text(content: str | list[ContentPart] | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    # Only text parts count; images and audio have no simulated cost.
-    return "\n".join(part.text for part in content if part.type == "text" and part.text)
 
 
 def _completion_prompt(prompt: str | list[Any]) -> tuple[bytes, str]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from llmgw.chatprompt import content_text
 from llmgw.simengine import logprobs, tokens, tools
 from llmgw.simengine.protocol import (
     ROLES,
@@ -81,16 +82,10 @@ def _hex() -> str:
 
 
 def _text_of(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        # input_text / output_text / text parts count; images and files have no cost here.
-        return "\n".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    raise ApiError(400, "input: a message's content must be a string or a list of parts")
+    text = content_text(content)
+    if text is None:
+        raise ApiError(400, "input: a message's content must be a string or a list of parts")
+    return text
 
 
 def input_turns(value: str | list[Any] | None) -> Turns:

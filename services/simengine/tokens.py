@@ -12,8 +12,11 @@ pieces are the echoed text cut into runs of at least 4 bytes on character bounda
 from __future__ import annotations
 
 import random
-from array import array
 from collections.abc import Sequence
+
+from llmgw.chatprompt import pack_token_ids, render_chat
+
+__all__ = ["pack_token_ids", "render_chat"]
 
 BYTES_PER_TOKEN = 4
 
@@ -31,18 +34,6 @@ _SPACED_WORDS = tuple(" " + w for w in LOREM_WORDS)
 
 def count_tokens(prompt: bytes) -> int:
     return -(-len(prompt) // BYTES_PER_TOKEN)
-
-
-def pack_token_ids(ids: Sequence[int]) -> bytes:
-    """Token-id prompts as bytes: 4 per id, so the byte rules above count them exactly."""
-    return array("I", ids).tobytes()
-
-
-def render_chat(messages: Sequence[tuple[str, str]]) -> bytes:
-    """A ChatML-like template: stable, so a shared system prompt is a shared byte prefix."""
-    parts = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
-    parts.append("<|im_start|>assistant\n")
-    return "".join(parts).encode()
 
 
 def block_hashes(prompt: bytes, block_size: int, seed: int = 0) -> tuple[int, ...]:

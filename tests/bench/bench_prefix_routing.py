@@ -495,7 +495,7 @@ def start_vllm(python: str, model: str, endpoint: str, directory: Path):
 
 
 async def run_vllm(args) -> int:
-    from llmgw.router.prompttokens import hf_tokens
+    from llmgw.router.prompttokens import HfTokens
 
     # Prompts that fit the tiny model's 1,024 tokens, whole conversations included.
     global SYSTEM_WORDS, QUESTION_WORDS, TURNS
@@ -508,8 +508,7 @@ async def run_vllm(args) -> int:
     await relays.attach(nc)
     js = nc.jetstream()
     await bus.provision(js)
-    tok = hf_tokens(args.vllm_model)
-    assert tok is not None, "cannot load the model's tokenizer"
+    tok = HfTokens(args.vllm_model)  # raises if the model's tokenizer cannot be loaded
     procs = []
     results = []
     block_size = 0

@@ -136,3 +136,59 @@ async def test_a_restarted_agent_rebinds_the_relay_and_the_adopted_engine_reconn
         await asyncio.wait_for(task, 20)
         sd2.close()
         life.kill_engines(second)
+
+
+async def test_an_adopted_engines_relay_port_taken_by_another_process_still_adopts_it(
+    nats, nats_url, watch, tmp_path
+):
+    import socket
+    from pathlib import Path
+
+    from llmgw.agent import engines
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.inventory import discover
+    from llmgw.agent.state import StateDir
+
+    js = nats.jetstream()
+    cfg = agent_config("n-kv3", nats_url, tmp_path / "state")
+
+    def new_agent():
+        sd = StateDir(Path(cfg.state_dir)).open()
+        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
+        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
+
+    first, sd1 = new_agent()
+    task = asyncio.create_task(first.run())
+    await asyncio.wait_for(first.registered.wait(), 20)
+    await bus.publish(js, start_cmd("n-kv3", "kv3"))
+    ready = await watch.wait_for(status("kv3", S.READY))
+    port = first.shards["kv3"].rec.kv_events_port
+    assert port
+    first.stop()  # engines keep running
+    await asyncio.wait_for(task, 20)
+    sd1.close()
+
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+    squatter.bind(("127.0.0.1", port))  # another process takes the relay's port
+    squatter.listen()
+    second, sd2 = new_agent()
+    task = asyncio.create_task(second.run())
+    try:
+        await asyncio.wait_for(second.registered.wait(), 20)
+        assert not task.done(), "the agent failed to start"
+        shard = second.shards["kv3"]
+        assert not shard.rec.terminal and "kv3" not in second.kv_relays.relays
+        assert second.metrics.kv_relay_bind_failures._value.get() == 1
+        async with httpx.AsyncClient(timeout=30) as client:  # the engine still serves
+            r = await client.post(
+                f"{ready.url}/v1/completions",
+                json={"model": "model-kv3", "prompt": PROMPT, "max_tokens": 1},
+            )
+            r.raise_for_status()
+    finally:
+        squatter.close()
+        second.stop()
+        await asyncio.wait_for(task, 20)
+        sd2.close()
+        life.kill_engines(second)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
@@ -223,3 +224,107 @@ def test_endpoints_without_events_fall_back_to_the_approximate_guess():
     assert again.id == first.id
     # With no index at all (router-only mode) the scorer is the approximate one.
     assert pipeline(None).pick([quiet_a, quiet_b], context(turn1, key=5)).id == first.id
+
+
+def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_per_request():
+    system = "You are a careful assistant. " * 40
+    warm_prompt = chat(system, "q")
+    index = BlockIndex()
+    held = sim_blocks(warm_prompt)
+    synced(index, "a", *held)
+    synced(index, "b")
+    eps = [endpoint("a"), endpoint("b")]
+    p = pipeline(index)
+    # A cold prompt: one small first chunk hashed, not its hundreds of blocks, and
+    # none of the approximate hashes.
+    cold = context(chat("Something else entirely. " * 40, "q"))
+    assert p.pick(eps, cold) is not None
+    assert len(cold.kv[("sim", BS)]._done) <= 4 < len(cold.kv[("sim", BS)])
+    assert cold.prefix._hashes is None
+    # A warm prompt: hashed up to the first block no engine holds, kept for a retry.
+    warm = context(chat(system, "q", "a long answer. " * 300, "q2"))
+    assert p.pick(eps, warm).id == "a"
+    lazy = warm.kv[("sim", BS)]
+    hashed = len(lazy._done)
+    # (in chunks of 4, 16, 64, 256 blocks: as far as the chunk the first miss is in)
+    assert len(held) - 1 <= hashed < len(lazy)
+    warm.exclude = ["a"]
+    p.pick(eps, warm)  # the retry
+    assert warm.kv[("sim", BS)] is lazy and len(lazy._done) == hashed
+    assert warm.prefix._hashes is None
+
+
+def test_no_endpoint_with_events_means_no_precise_work():
+    index = BlockIndex()
+    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    ctx = context(chat("sys " * 200, "q"))
+    assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
+    assert ctx.kv is None
+
+
+def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(turn1))
+    synced(index, "cold")
+    cold, warm = endpoint("cold"), endpoint("warm")
+    p = pipeline(index, affinity_max_pending=4)
+    # A sample from when the engine was full: 8 running, 2 queued. It is stale now.
+    warm.load = Load(waiting=2, running=8, kv_usage=0.5, at=NOW - 5)
+    warm.inflight = 8 + 4
+    assert p.pick([cold, warm], context(turn1)).id == "warm"  # 4 beyond: at the limit
+    warm.inflight = 8 + 5  # this router's burst: 5 beyond the learned capacity
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+
+
+def test_events_and_matches_during_a_sweep_see_one_consistent_index():
+    index = BlockIndex()
+    synced(index, "a", *range(1, 101))
+    synced(index, "b", *range(1, 51))
+    assert index.offer("a", batch(5))  # a gap: a's old blocks are retired, then swept
+    assert not index.snapshot("a", snap(5, *range(1, 11)))
+    assert not index.sweep(budget=10)  # ten entries moved back, the rest still set aside
+    assert index.match(list(range(1, 101)), ["a", "b"]) == {"a": 10, "b": 50}
+    # Writes during the sweep: a removal, a store, on entries it has not reached yet.
+    assert not index.offer("b", batch(1, 1, removed(3), stored(60)))
+    assert not index.offer("a", batch(6, 6, stored(11)))
+    assert index.match(list(range(1, 101)), ["a", "b"]) == {"a": 11, "b": 2}
+    while not index.sweep(budget=7):
+        pass
+    a, b = 1 << index.endpoints["a"].slot, 1 << index.endpoints["b"].slot
+    assert {h for h, m in index.blocks.items() if m & a} == set(range(1, 12))
+    assert {h for h, m in index.blocks.items() if m & b} == set(range(1, 51)) - {3} | {60}
+    assert len(index) == 51  # 1..50 but 3, then 11 (a) and 60 (b): nothing stale left
+
+
+def test_affinity_gives_way_to_uncached_prefill_queued_at_the_warm_engine():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(turn1))
+    synced(index, "cold")
+    cold, warm = endpoint("cold"), endpoint("warm", waiting=3)  # 3 pending: under 4
+    p = pipeline(index, affinity_max_pending=4, affinity_max_pending_tokens=8192)
+    warm.uncached_tokens = 100.0  # short uncached tails: 300 tokens queued
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+    warm.uncached_tokens = 3000.0  # long cold prompts queued: 9000 tokens of prefill
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    # With the token limit off, only the request count counts.
+    no_token_limit = pipeline(index, affinity_max_pending_tokens=0)
+    assert no_token_limit.pick([cold, warm], context(turn1)).id == "warm"
+
+
+def test_each_pick_feeds_the_endpoints_average_of_uncached_tokens():
+    system = "You are a careful assistant. " * 20
+    turn1 = chat(system, "q")
+    index = BlockIndex()
+    held = sim_blocks(turn1)
+    synced(index, "warm", *held)
+    synced(index, "cold")
+    warm = endpoint("warm")
+    p = pipeline(index)
+    long_tail = chat(system, "q", "an answer " * 100, "next")
+    assert p.pick([endpoint("cold"), warm], context(long_tail)).id == "warm"
+    uncached = len(sim_tokens(long_tail)) // 4 - len(held) * BS
+    assert warm.uncached_tokens == pytest.approx(0.2 * uncached)
