@@ -27,7 +27,7 @@ wrk.body = '{"model":"m","stream":true,"max_tokens":16,"messages":[{"role":"user
 """
 
 
-# Issue 4's figures are for the router's own pipeline; admission (issue 5) is
+# These figures are for the router's own pipeline; admission is
 # measured by its own benchmark, so the router benchmarks switch it off.
 NO_ADMISSION = "admission: {enabled: false}\n"
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench/bench_simengine.py [--seconds 10] [--connections 64]
 
-Target (issue 3): >= 3,000 streamed completions/s of 16 tokens each, all latencies 0, on a
+Target: >= 3,000 streamed completions/s of 16 tokens each, all latencies 0, on a
 2-core machine. The load generator shares the machine, so the simulator is pinned to CPU 0
 and the generator to CPU 1 where `taskset` exists. The generator is `wrk` (C, one thread,
 keep-alive) when installed, else a small asyncio client over raw sockets (which costs more CPU

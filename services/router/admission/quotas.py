@@ -6,7 +6,7 @@ the window expires. Token use is recorded at admission as an estimate (prompt
 plus max_tokens) and corrected once the engine reports actual usage.
 
 Each router enforces limit // routers (at least 1), where `routers` is how many
-routers share the global quota; issue 9 feeds it from the presence bucket.
+routers share the global quota, as the presence bucket counts them (presence.py).
 """
 
 from __future__ import annotations
