@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -109,6 +111,7 @@ class EngineRelay:
         flush_seconds: float = 0.01,
         max_ops: int = 512,
         metrics=None,
+        context: zmq.asyncio.Context | None = None,
     ):
         self.node = node
         self.shard_id = shard_id
@@ -127,8 +130,9 @@ class EngineRelay:
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
-        # One context per process (its I/O thread serves every relay's socket).
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        # The owner's context (its I/O thread serves every relay's socket); closing a
+        # socket only asks that thread to close the fd, terminating the context waits for it.
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.SUB)
         try:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
             self._sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -293,6 +297,7 @@ class KvRelays:
         self._nc = None
         self._sub = None
         self._closing: set[asyncio.Future] = set()
+        self._context = zmq.asyncio.Context()
 
     async def _publish(self, subject: str, data: bytes) -> None:
         nc = self._nc
@@ -311,10 +316,19 @@ class KvRelays:
             task = asyncio.ensure_future(old.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        relay = EngineRelay(
-            self.node, shard_id, publish=self._publish, port=port, host=self.host,
-            metrics=self.metrics,
-        )  # fmt: skip
+        # Re-binding the port just closed races ZMQ's I/O thread releasing it: retry briefly.
+        retry_until = time.monotonic() + 1.0 if old is not None and old.port == port else 0.0
+        while True:
+            try:
+                relay = EngineRelay(
+                    self.node, shard_id, publish=self._publish, port=port, host=self.host,
+                    metrics=self.metrics, context=self._context,
+                )  # fmt: skip
+                break
+            except zmq.ZMQError as e:
+                if e.errno != errno.EADDRINUSE or time.monotonic() >= retry_until:
+                    raise
+                time.sleep(0.02)
         relay.start()
         self.relays[shard_id] = relay
         return relay
@@ -350,3 +364,10 @@ class KvRelays:
             await self.close(shard_id)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        # A closed socket's port is released by ZMQ's I/O thread a moment later; terminating
+        # the context (every socket is closed, linger 0) waits for that, so once the agent has
+        # stopped its relays' ports are free for whoever binds them next.
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._context.term), 5)
+        except TimeoutError:
+            log.warning("kv relays: ZMQ context did not terminate within 5 s")
