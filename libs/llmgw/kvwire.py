@@ -145,3 +145,37 @@ def _event(e: Any) -> Event:
     if kind == "AllBlocksCleared":
         return Cleared()
     raise WireError(f"unknown event type {kind!r}")
+
+
+# -- replay (vLLM's `replay_endpoint`, a ROUTER socket the engine binds) -----------------
+#
+# A subscriber that saw a gap asks for the batches it missed: it sends, from a DEALER,
+# an empty delimiter frame and the first sequence number it wants (8 bytes, big-endian).
+# The engine answers with every batch still in its buffer (`buffer_steps` of them) from
+# that number on, each as `[b"", topic, seq, payload]`, then `[b"", b"", END_SEQ, b""]`.
+# A batch no longer buffered is simply absent: the first one answered is later than asked.
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def replay_request(start: int) -> list[bytes]:
+    """A DEALER's request for the batches from `start` on."""
+    return [b"", start.to_bytes(8, "big")]
+
+
+def replay_reply(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One buffered batch as the engine's ROUTER sends it (without the peer's identity)."""
+    return [b"", topic, seq.to_bytes(8, "big"), payload]
+
+
+def replay_end() -> list[bytes]:
+    return [b"", b"", END_SEQ, b""]
+
+
+def parse_replay(parts: list[bytes]) -> list[bytes] | None:
+    """A reply frame set as `parse_frames` reads it, or None for the end marker."""
+    if parts and parts[0] == b"":
+        parts = parts[1:]
+    if len(parts) == 3 and parts[1] == END_SEQ:
+        return None
+    return parts

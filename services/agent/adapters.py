@@ -28,6 +28,7 @@ class LaunchContext:
     bind_host: str
     command: list[str]  # the engine's executable prefix, from config
     kv_events_endpoint: str = ""  # the agent's KV event relay for this engine; "" = none
+    kv_replay_endpoint: str = ""  # where the engine binds its KV event replay socket; "" = none
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ def _opt(flag: str, value: object | None) -> list[str]:
 
 def kv_events_args(ctx: LaunchContext) -> list[str]:
     """vLLM's `--kv-events-config`, which the simulator accepts too: the engine's ZMQ
-    publisher connects to the relay the agent bound for it."""
+    publisher connects to the relay the agent bound for it, and binds a replay socket
+    (its last `buffer_steps` batches, asked for by the relay on a gap) where told."""
     if not ctx.kv_events_endpoint:
         return []
+    replay = f'"replay_endpoint":"{ctx.kv_replay_endpoint}",' if ctx.kv_replay_endpoint else ""
     config = (
         '{"enable_kv_cache_events":true,"publisher":"zmq",'
-        f'"endpoint":"{ctx.kv_events_endpoint}","topic":"kv"}}'
+        f'"endpoint":"{ctx.kv_events_endpoint}",{replay}"topic":"kv"}}'
     )
     return ["--kv-events-config", config]
 

@@ -272,7 +272,10 @@ class Agent:
         reconnects to that port on its own. If another process took the port meanwhile,
         the shard is adopted without KV events (routers score it approximately)."""
         try:
-            self.kv_relays.open(rec.shard_id, rec.kv_events_port).url = rec.url
+            relay = self.kv_relays.open(
+                rec.shard_id, rec.kv_events_port, rec.kv_replay_port, engine_running=True
+            )
+            relay.url = rec.url
         except zmq.ZMQError as exc:
             self.metrics.kv_relay_bind_failures.inc()
             log.warning(
@@ -638,7 +641,12 @@ class Agent:
                 return "no_free_port"
         relay = None
         if self.cfg.kv_events and cmd.profile.engine in ("vllm", "sim") and port:
-            relay = self.kv_relays.open(cmd.shard_id)
+            try:
+                replay_port = self.kv_relays.replay_port()
+            except OSError as exc:
+                log.warning("shard %s: KV events without replay: %s", cmd.shard_id, exc)
+                replay_port = 0
+            relay = self.kv_relays.open(cmd.shard_id, replay_port=replay_port)
         spec = adapter.build(
             cmd,
             adapters.LaunchContext(
@@ -647,6 +655,7 @@ class Agent:
                 bind_host=self.bind_host,
                 command=self._engine_command(cmd.profile.engine),
                 kv_events_endpoint=relay.endpoint if relay else "",
+                kv_replay_endpoint=relay.replay_endpoint if relay else "",
             ),
         )
         rec.port = spec.port
@@ -659,6 +668,7 @@ class Agent:
         if relay is not None:
             relay.url = rec.url
             rec.kv_events_port = relay.port
+            rec.kv_replay_port = relay.replay_port
         rec.argv = spec.argv
         rec.launched_at = time.time()
         shard.transition(S.LAUNCHING)

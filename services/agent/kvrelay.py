@@ -17,8 +17,15 @@ does for a non-wildcard endpoint). The relay
 
 Events are fire and forget: a batch lost on the bus is a gap, which routers repair
 with a snapshot. A gap between the engine and the relay (ZMQ drops past its
-high-water mark) cannot be repaired from here: it is counted and logged, and the set
-may miss blocks or keep evicted ones until they are stored or removed again.
+high-water mark, or while no relay listened) is repaired from the engine's replay
+socket when it has one (vLLM's `replay_endpoint`, a ROUTER the engine binds, holding
+its last `buffer_steps` batches; kvwire has the frames): the relay holds back the
+batches that arrive meanwhile, asks for the batches from the first missing one,
+applies them in order (skipping what it has), then the held ones. A relay that
+(re)attaches to a running engine asks for the whole buffer, so its block set is
+rebuilt. When the engine does not answer by the deadline, or no longer buffers the
+gap, the rest is what it was before replay: the gap is counted and logged, and the
+set may miss blocks or keep evicted ones until they are stored or removed again.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import asyncio
 import contextlib
 import errno
 import logging
+import random
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -108,6 +117,8 @@ class EngineRelay:
         publish: Publish,
         port: int = 0,
         host: str = "127.0.0.1",
+        replay_endpoint: str = "",
+        replay_timeout: float = 5.0,
         flush_seconds: float = 0.01,
         max_ops: int = 512,
         metrics=None,
@@ -124,15 +135,25 @@ class EngineRelay:
         self.blocks = BlockSet()
         self.epoch = secrets.token_hex(6)
         self.last_seq = -1  # the engine's last batch applied
-        self.engine_gaps = 0
+        self.engine_gaps = 0  # gaps not repaired (batches lost for good)
         self.malformed = 0
         self.published = 0
+        # The engine's replay socket ("" = none) and what asking it brought back.
+        self.replay_endpoint = replay_endpoint
+        self.replay_port = 0  # its port, as the owner recorded it
+        self.replay_timeout = replay_timeout
+        self.replays = 0  # requests sent
+        self.replayed = 0  # batches applied from replies
+        self._live_seq = -1  # the last batch the engine's PUB sent us (not replayed)
+        self._held: list[tuple[int, list[kvwire.Event]]] = []  # live batches during a replay
+        self._replay_task: asyncio.Task | None = None
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
         # The owner's context (its I/O thread serves every relay's socket); closing a
         # socket only asks that thread to close the fd, terminating the context waits for it.
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.SUB)
+        self._context = context or zmq.asyncio.Context.instance()
+        self._sock = self._context.socket(zmq.SUB)
         try:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
             self._sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -156,17 +177,48 @@ class EngineRelay:
             self.receive(parts)
 
     def receive(self, parts: list[bytes]) -> None:
+        """One batch from the engine's PUB socket."""
+        parsed = self._parse(parts)
+        if parsed is None:
+            return
+        seq, events = parsed
+        if seq <= self._live_seq:
+            # Numbering started over: a new engine process behind the same socket.
+            self._new_epoch()
+        self._live_seq = seq
+        if self.replaying:
+            self._held.append((seq, events))
+        elif seq <= self.last_seq:
+            pass  # a replay brought it already
+        elif seq == self.last_seq + 1 or not self.replay_endpoint:
+            self._apply(seq, events)
+        else:
+            self._held.append((seq, events))
+            self.request_replay()
+
+    @property
+    def replaying(self) -> bool:
+        return self._replay_task is not None
+
+    def request_replay(self) -> None:
+        """Ask the engine for every batch after the last one applied; live batches are
+        held back until the reply is in. At once on attaching to a running engine."""
+        if self.replay_endpoint and self._replay_task is None:
+            self._replay_task = asyncio.ensure_future(self._catch_up())
+
+    def _parse(self, parts: list[bytes]) -> tuple[int, list[kvwire.Event]] | None:
         try:
             seq, _, events = kvwire.parse_frames(parts)
         except kvwire.WireError as exc:
             self.malformed += 1
             if self.malformed == 1 or self.malformed % 1000 == 0:
                 log.warning("shard %s: skipped malformed KV events (%s)", self.shard_id, exc)
-            return
-        if seq <= self.last_seq:
-            # Numbering started over: a new engine process behind the same socket.
-            self._new_epoch()
-        elif self.last_seq >= 0 and seq != self.last_seq + 1:
+            return None
+        return seq, events
+
+    def _apply(self, seq: int, events: list[kvwire.Event]) -> None:
+        """The engine's batch `seq`, later than any applied: a jump is a gap for good."""
+        if self.last_seq >= 0 and seq != self.last_seq + 1:
             self.engine_gaps += 1
             if self.metrics is not None:
                 self.metrics.kv_engine_gaps.inc()
@@ -186,12 +238,117 @@ class EngineRelay:
         else:
             self._schedule(self.flush_seconds)
 
+    def _apply_held(self, *, across_gaps: bool, before: int | None = None) -> None:
+        """Held live batches (those before `before`), in order, skipping those applied; up
+        to the next gap unless `across_gaps` (what is still missing is lost)."""
+        held = self._held
+        i = 0
+        while i < len(held):
+            seq, events = held[i]
+            if (seq > self.last_seq + 1 and not across_gaps) or (
+                before is not None and seq >= before
+            ):
+                break
+            if seq > self.last_seq:
+                self._apply(seq, events)
+            i += 1
+        del held[:i]
+
+    async def _catch_up(self) -> None:
+        me = asyncio.current_task()
+        deadline = asyncio.get_running_loop().time() + self.replay_timeout
+        try:
+            while True:
+                before = self.last_seq
+                outcome = await self._replay_round(self.last_seq + 1, deadline)
+                self._apply_held(across_gaps=False)
+                if outcome == "failed" or self.last_seq == before:
+                    return  # no answer, or the engine no longer buffers the gap
+                if outcome == "end" and not self._held:
+                    return  # caught up
+                # The reply had a hole (the engine's ROUTER drops past its high-water mark
+                # when the relay reads too slowly), or a live batch after it went missing:
+                # ask again from there.
+        except asyncio.CancelledError:
+            if self._replay_task is me:
+                self._replay_task = None
+            raise
+        finally:
+            if self._replay_task is me:
+                self._replay_task = None
+                self._apply_held(across_gaps=True)
+
+    async def _replay_round(self, start: int, deadline: float) -> str:
+        """Ask for the batches from `start` and apply the reply's run that continues the
+        applied ones: "end" (the whole reply came), "hole" (a batch inside it is
+        missing: the rest is dropped) or "failed" (no end marker by the deadline)."""
+        loop = asyncio.get_running_loop()
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # the engine's ROUTER decides what it drops
+        self.replays += 1
+        first = True
+        n = 0
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart(kvwire.replay_request(start))
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                parts = kvwire.parse_replay(await asyncio.wait_for(sock.recv_multipart(), left))
+                if parts is None:
+                    return "end"
+                parsed = self._parse(parts)
+                if parsed is None:
+                    continue
+                seq, events = parsed
+                if seq <= self.last_seq:
+                    continue  # already applied
+                if seq > self.last_seq + 1:
+                    if not first:
+                        # A hole inside the reply: keep what came in order, ask again.
+                        return "hole"
+                    # The engine no longer buffers the gap's start: that part is gone, but
+                    # live batches held before this one are still worth applying.
+                    self._apply_held(across_gaps=True, before=seq)
+                    if seq <= self.last_seq:
+                        continue
+                first = False
+                self._apply(seq, events)
+                self.replayed += 1
+                if self.metrics is not None:
+                    self.metrics.kv_replayed.inc()
+                n += 1
+                if len(self._ops) >= self.max_ops:
+                    await self.flush()  # keep each bus message small
+                elif n % 256 == 0:
+                    await asyncio.sleep(0)  # a long reply must not starve the agent
+        except (TimeoutError, zmq.ZMQError) as exc:
+            if self.metrics is not None:
+                self.metrics.kv_replay_failures.inc()
+            log.warning(
+                "shard %s: no KV event replay from %s (%s); %d batches replayed",
+                self.shard_id,
+                self.replay_endpoint,
+                type(exc).__name__,
+                n,
+            )
+            return "failed"
+        finally:
+            sock.close(linger=0)
+
     def _new_epoch(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            self._replay_task = None
+        self._held.clear()
         self._ops.clear()
         self._first = -1
         self.blocks = BlockSet()
         self.epoch = secrets.token_hex(6)
         self.last_seq = -1
+        self._live_seq = -1
 
     # -- the bus side ----------------------------------------------------------------
 
@@ -268,22 +425,45 @@ class EngineRelay:
         await self._send(pending)
         return snap
 
-    def start(self) -> None:
+    def start(self, *, engine_running: bool = False) -> None:
+        """Listen; `engine_running`: the engine was up before (an adopted engine), so
+        ask it to replay its buffer, which rebuilds the set stored meanwhile."""
         self.task = asyncio.ensure_future(self.run())
+        if engine_running:
+            self.request_replay()
 
     def close_socket(self) -> None:
-        for task in (self.task, self._flush_task):
+        for task in (self.task, self._flush_task, self._replay_task):
             if task is not None:
                 task.cancel()
         self._sock.close(linger=0)
 
     async def close(self) -> None:
-        for task in (self.task, self._flush_task):
+        for task in (self.task, self._flush_task, self._replay_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._sock.close(linger=0)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class KvRelays:
@@ -305,8 +485,26 @@ class KvRelays:
             raise ConnectionError("not connected to NATS")
         await nc.publish(subject, data)
 
-    def open(self, shard_id: str, port: int = 0) -> EngineRelay:
+    def replay_port(self) -> int:
+        """A free loopback port for an engine's replay socket, which the engine binds.
+
+        Taken above the kernel's ephemeral range, so no outgoing connection made while
+        the engine starts (health probes, NATS) can land on it first; not one another
+        relay of this agent gave out (its engine may not have bound it yet)."""
+        lo, hi = _ephemeral_range()
+        taken = {r.replay_port for r in self.relays.values()}
+        candidates = list(range(hi + 1, 65536)) if hi < 65535 - 64 else list(range(1024, lo))
+        for port in random.sample(candidates, min(64, len(candidates))):
+            if port not in taken and _port_is_free(self.host, port):
+                return port
+        raise OSError(errno.EADDRINUSE, "no free loopback port for a KV event replay socket")
+
+    def open(
+        self, shard_id: str, port: int = 0, replay_port: int = 0, *, engine_running: bool = False
+    ) -> EngineRelay:
         """Bind a relay for this shard (a free loopback port unless `port`) and start it.
+        `replay_port`: the engine's replay socket (0: none); `engine_running`: the engine
+        is up already (adopted), so the relay asks it to replay its buffer at once.
 
         Raises zmq.ZMQError when the port cannot be bound (another process holds it)."""
         old = self.relays.pop(shard_id, None)
@@ -323,13 +521,15 @@ class KvRelays:
                 relay = EngineRelay(
                     self.node, shard_id, publish=self._publish, port=port, host=self.host,
                     metrics=self.metrics, context=self._context,
+                    replay_endpoint=f"tcp://{self.host}:{replay_port}" if replay_port else "",
                 )  # fmt: skip
                 break
             except zmq.ZMQError as e:
                 if e.errno != errno.EADDRINUSE or time.monotonic() >= retry_until:
                     raise
                 time.sleep(0.02)
-        relay.start()
+        relay.replay_port = replay_port
+        relay.start(engine_running=engine_running)
         self.relays[shard_id] = relay
         return relay
 

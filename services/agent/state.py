@@ -60,6 +60,7 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     output_tail: list[str] = msgspec.field(default_factory=list)
     max_running: int | None = None
     kv_events_port: int = 0  # the agent's KV event relay for this engine (loopback), 0: none
+    kv_replay_port: int = 0  # the engine's KV event replay socket (loopback), 0: none
     updated_at: float = 0.0
 
     @property

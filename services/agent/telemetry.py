@@ -161,7 +161,21 @@ class AgentMetrics:
         )
         self.kv_engine_gaps = Counter(
             "llmgw_agent_kv_engine_gaps_total",
-            "Gaps in an engine's KV event sequence seen by the relay (events lost before it)",
+            "Gaps in an engine's KV event sequence the relay could not repair by replay "
+            "(events lost before it)",
+            [],
+            registry=r,
+        )
+        self.kv_replayed = Counter(
+            "llmgw_agent_kv_engine_batches_replayed_total",
+            "Engines' KV event batches the relay missed and got again from the engine's "
+            "replay socket",
+            [],
+            registry=r,
+        )
+        self.kv_replay_failures = Counter(
+            "llmgw_agent_kv_replay_failures_total",
+            "KV event replay requests the engine did not answer in full by the deadline",
             [],
             registry=r,
         )

@@ -5,6 +5,10 @@ that into vLLM's wire format (llmgw.kvwire) on a ZMQ PUB socket. As in vLLM the
 socket connects to a non-wildcard TCP endpoint (the subscriber, e.g. the agent's
 relay, binds) and binds a wildcard one (`tcp://*:PORT`) or an ipc/inproc one.
 
+With a `replay_endpoint` it binds a ROUTER socket there, as vLLM does, and answers
+replay requests from its last `buffer_steps` batches (llmgw.kvwire has the frames),
+served by a thread of its own as vLLM's publisher thread serves them.
+
 Events collected while the event loop runs one callback go out as one batch, the
 way vLLM sends one batch per engine step. Token ids are the simulator's (4 prompt
 bytes per token, llmgw.kvblocks.byte_tokens), so a router that renders a request as
@@ -16,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,12 +41,13 @@ log = logging.getLogger(__name__)
 
 
 class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=False):
-    """vLLM's KVEventsConfig keys; the replay endpoint is accepted and ignored."""
+    """vLLM's KVEventsConfig keys (`max_queue_size` is accepted and ignored)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
     hwm: int = 100_000
     topic: str = ""
 
@@ -56,6 +63,8 @@ def parse_config(raw: str) -> KvEventsConfig | None:
     publisher = cfg.publisher or ("zmq" if cfg.enable_kv_cache_events else "null")
     if publisher not in ("zmq", "null"):
         raise ConfigError(f"kv_events_config.publisher: {publisher!r} is not 'zmq' or 'null'")
+    if cfg.buffer_steps < 1:
+        raise ConfigError(f"kv_events_config.buffer_steps: {cfg.buffer_steps} is not positive")
     if not cfg.enable_kv_cache_events or publisher == "null":
         return None
     return cfg
@@ -81,6 +90,31 @@ class Publisher:
         else:
             self._sock.connect(cfg.endpoint)
         self.dropped = 0
+        # Every batch sent, for replay: (seq, payload); appended here, read by the thread.
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._buffer_lock = threading.Lock()
+        self.replays = 0  # requests answered
+        self._running = True
+        self._replay = None
+        self._thread = None
+        if cfg.replay_endpoint:
+            # vLLM binds its replay endpoint whatever its form; a port already taken
+            # fails the start, as it fails vLLM's.
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            try:
+                self._replay.bind(cfg.replay_endpoint)
+            except zmq.ZMQError as exc:
+                self._replay.close(linger=0)
+                self._sock.close(linger=0)
+                self._ctx.term()
+                raise ConfigError(
+                    f"kv_events_config.replay_endpoint: cannot bind {cfg.replay_endpoint}: {exc}"
+                ) from None
+            self._thread = threading.Thread(
+                target=self._serve_replays, name="kv-events-replay", daemon=True
+            )
+            self._thread.start()
 
     # -- what the engine reports ----------------------------------------------------
 
@@ -140,12 +174,47 @@ class Publisher:
             self._sock.send_multipart(kvwire.frames(self.topic, self.seq, payload), zmq.NOBLOCK)
         except zmq.Again:
             # Past the high-water mark, as in vLLM: the batch is lost and the subscriber
-            # sees a gap in the sequence.
+            # sees a gap in the sequence (and may ask for a replay).
             self.dropped += 1
+        with self._buffer_lock:
+            self._buffer.append((self.seq, payload))
         self.seq += 1
+
+    # -- replay -----------------------------------------------------------------------
+
+    def _serve_replays(self) -> None:
+        sock = self._replay
+        while self._running:
+            try:
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:
+                return  # closed under us
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("ignored a malformed KV event replay request (%d frames)", len(frames))
+                continue
+            peer, start = frames[0], int.from_bytes(frames[2], "big")
+            with self._buffer_lock:
+                batches = [(seq, p) for seq, p in self._buffer if seq >= start]
+            topic = self.topic.encode()
+            try:
+                # As vLLM: a ROUTER drops what the asker cannot take in (its high-water
+                # mark); the asker sees a hole and asks again.
+                for seq, payload in batches:
+                    sock.send_multipart([peer, *kvwire.replay_reply(topic, seq, payload)])
+                sock.send_multipart([peer, *kvwire.replay_end()])
+            except zmq.ZMQError:
+                return
+            self.replays += 1
 
     def close(self) -> None:
         self.flush()
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -158,5 +227,10 @@ def attach(engine: Engine, raw_config: str) -> Publisher | None:
     pub = Publisher(cfg, engine.params.block_size)
     engine.kv_events = pub
     engine.pool.on_evict = pub.evicted
-    log.info("publishing KV cache events to %s (topic %r)", cfg.endpoint, cfg.topic)
+    log.info(
+        "publishing KV cache events to %s (topic %r, replay %s)",
+        cfg.endpoint,
+        cfg.topic,
+        cfg.replay_endpoint or "off",
+    )
     return pub

@@ -1,0 +1,288 @@
+"""The relay repairs gaps in an engine's KV events from the engine's replay socket.
+
+The engine is the simulator's publisher (llmgw.simengine.kvevents), which binds a ROUTER
+and answers replay requests as vLLM's does, in this process; the relay is the agent's
+(llmgw.agent.kvrelay) without a bus: what it would publish is collected. Losses between
+engine and relay are made by a relay that skips some live batches, or that only starts
+listening after the engine has stored blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from llmgw import contracts as c
+from llmgw import kvblocks, kvwire
+from llmgw.agent.kvrelay import BlockSet, EngineRelay
+from llmgw.config import ConfigError
+from llmgw.dev.servers import free_port
+from llmgw.kvblocks import byte_tokens
+from llmgw.simengine import kvevents, tokens
+from llmgw.simengine.engine import Request
+
+BS = 4  # tokens per block: 16 prompt bytes
+N = 10  # blocks in the prompt, one engine batch each
+PROMPT = b"".join(f"block {i:02d} of ten".encode()[:16].ljust(16, b".") for i in range(N))
+EXPECTED = kvblocks.prompt_hashes(byte_tokens(PROMPT), BS, N)
+REQ = Request(
+    prompt_tokens=N * BS + 1,  # one more token: all N blocks are full prompt blocks
+    max_output=1,
+    prompt=PROMPT,
+    block_hashes=tokens.block_hashes(PROMPT, BS),
+)
+
+
+async def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} not reached within {timeout}s")
+
+
+class Harness:
+    """One engine publisher and one relay on loopback, with the relay's output collected."""
+
+    def __init__(self, *, buffer_steps: int = 10_000, answers: bool = True, timeout: float = 10):
+        self.ctx = zmq.asyncio.Context()
+        self.published: list[c.KvEvents] = []
+        self.replay_port = free_port()
+        self.relay = EngineRelay(
+            "n1",
+            "s1",
+            publish=self._publish,
+            replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}",
+            replay_timeout=timeout,
+            context=self.ctx,
+        )
+        self.drop: set[int] = set()  # live batches the relay does not get
+        live = self.relay.receive
+
+        def lossy(parts: list[bytes]) -> None:
+            if int.from_bytes(parts[1], "big") not in self.drop:
+                live(parts)
+
+        self.relay.receive = lossy  # type: ignore[method-assign]
+        cfg = {
+            "enable_kv_cache_events": True,
+            "endpoint": self.relay.endpoint,
+            # `answers=False`: an engine without a replay socket where the relay asks.
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}" if answers else None,
+            "buffer_steps": buffer_steps,
+            "topic": "kv",
+        }
+        self.engine = kvevents.Publisher(kvevents.parse_config(json.dumps(cfg)), BS)
+
+    async def _publish(self, subject: str, data: bytes) -> None:
+        self.published.append(c.decode(data, c.KvEvents))
+
+    async def joined(self) -> None:
+        """PUB/SUB join asynchronously: one batch (seq 0, a block of another prompt)
+        that the relay got live, so what follows is not lost to the join."""
+        other = b"x" * 16 * 2
+        req = Request(prompt_tokens=9, max_output=1, prompt=other,
+                      block_hashes=tokens.block_hashes(other, BS))  # fmt: skip
+        self.relay.start()
+        deadline = time.monotonic() + 20
+        while self.relay.last_seq < 0 or self.relay.replaying:
+            assert time.monotonic() < deadline, "the relay never heard the engine"
+            if self.relay.last_seq < 0 and not self.relay.replaying:
+                self.engine.stored(req, [0])
+                self.engine.flush()
+            await asyncio.sleep(0.02)
+
+    def store(self, i: int) -> None:
+        """Block i of the prompt becomes cached: one engine batch."""
+        self.engine.stored(REQ, [i])
+        self.engine.flush()
+
+    def stored_on_bus(self) -> list[int]:
+        return [h for b in self.published for op in b.ops if op.op is c.KvOp.STORED
+                for h in op.hashes]  # fmt: skip
+
+    async def close(self) -> None:
+        await self.relay.close()
+        self.engine.close()
+        self.ctx.term()
+
+
+async def test_batches_lost_before_the_relay_are_replayed_in_order():
+    h = Harness()
+    try:
+        await h.joined()
+        first = h.engine.seq
+        h.drop = {first + 2, first + 3, first + 4}  # blocks 2..4 never reach the relay live
+        for i in range(N):
+            h.store(i)
+            await asyncio.sleep(0)
+        await wait_for(lambda: h.relay.last_seq == first + N - 1 and not h.relay.replaying)
+        # Blocks 2..4 and every block chained on them (5..9) are known: without replay
+        # they were lost, and 5..9 orphaned (their parent unknown).
+        assert set(EXPECTED) <= set(h.relay.blocks.hashes())
+        assert h.relay.engine_gaps == 0 and h.relay.blocks.orphans == 0
+        assert h.relay.replayed >= 3  # the reply also carries later batches, received live
+        await h.relay.flush()
+        # On the bus: in the engine's order, with no gap a router would resync for.
+        assert h.stored_on_bus()[-N:] == EXPECTED
+        seqs = [(b.seq_first, b.seq_last) for b in h.published]
+        assert all(b[0] == a[1] + 1 for a, b in zip(seqs, seqs[1:], strict=False)), seqs
+        assert seqs[-1][1] == first + N - 1
+    finally:
+        await h.close()
+
+
+async def test_a_relay_attaching_to_a_running_engine_rebuilds_its_set_from_the_buffer():
+    h = Harness()
+    try:
+        for i in range(N):  # stored before the relay listens: lost to its PUB/SUB socket
+            h.store(i)
+        h.relay.start(engine_running=True)  # as the agent does for an adopted engine
+        await wait_for(lambda: h.relay.last_seq == N - 1 and not h.relay.replaying)
+        assert sorted(h.relay.blocks.hashes()) == sorted(EXPECTED)
+        assert h.relay.replayed == N and h.relay.engine_gaps == 0
+        await h.relay.flush()
+        assert h.stored_on_bus() == EXPECTED
+        # It goes on with live batches after the replayed ones.
+        more = PROMPT + b"and one more blk"
+        req = Request(prompt_tokens=(N + 1) * BS + 1, max_output=1, prompt=more,
+                      block_hashes=tokens.block_hashes(more, BS))  # fmt: skip
+        h.engine.stored(req, [N])
+        h.engine.flush()
+        await wait_for(lambda: h.relay.last_seq == N)
+        assert kvblocks.prompt_hashes(byte_tokens(more), BS, N + 1)[-1] in h.relay.blocks.hashes()
+    finally:
+        await h.close()
+
+
+async def test_a_gap_the_engine_no_longer_buffers_is_counted_and_the_rest_applied():
+    h = Harness(buffer_steps=2)
+    try:
+        await h.joined()
+        first = h.engine.seq
+        h.drop = {first + 1, first + 2, first + 3}
+        for i in range(N):
+            h.store(i)
+        await wait_for(lambda: h.relay.last_seq == first + N - 1 and not h.relay.replaying)
+        # The buffer held only the last two batches: 1..3 are gone for good, as before
+        # replay existed (counted, and the blocks after them orphaned); the live batches
+        # 4..7 held back meanwhile still count.
+        assert h.relay.engine_gaps == 1
+        assert h.relay.last_seq == first + N - 1
+        assert EXPECTED[0] in h.relay.blocks.hashes()
+        assert not set(EXPECTED[1:]) & set(h.relay.blocks.hashes())
+    finally:
+        await h.close()
+
+
+async def test_an_engine_that_does_not_answer_leaves_the_relay_as_it_was_without_replay():
+    h = Harness(answers=False, timeout=0.5)
+    try:
+        await h.joined()
+        first = h.engine.seq
+        h.drop = {first + 2}
+        for i in range(N):
+            h.store(i)
+        await wait_for(lambda: h.relay.last_seq == first + N - 1 and not h.relay.replaying)
+        assert h.relay.engine_gaps == 1 and h.relay.replayed == 0
+        assert set(EXPECTED[:2]) <= set(h.relay.blocks.hashes())
+    finally:
+        await h.close()
+
+
+async def test_a_reply_with_a_hole_is_asked_for_again():
+    """vLLM's ROUTER drops replies past its high-water mark when the relay reads slowly:
+    an engine that loses one batch of its first reply."""
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    published: list[c.KvEvents] = []
+
+    async def publish(subject: str, data: bytes) -> None:
+        published.append(c.decode(data, c.KvEvents))
+
+    relay = EngineRelay("n1", "s1", publish=publish, context=ctx,
+                        replay_endpoint=f"tcp://127.0.0.1:{port}")  # fmt: skip
+    batches = []
+    parent = None
+    for i in range(N):
+        ev = kvwire.BlockStored(
+            block_hashes=[i + 1], parent_block_hash=parent,
+            token_ids=byte_tokens(PROMPT[i * 16 : (i + 1) * 16]),
+            block_size=BS, lora_id=None, medium=None, lora_name=None,
+        )  # fmt: skip
+        parent = i + 1
+        batches.append(kvwire.encode_batch(0.0, [ev]))
+    asked: list[int] = []
+
+    async def engine() -> None:
+        while True:
+            peer, _, start = await router.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            for seq in range(int.from_bytes(start, "big"), N):
+                if len(asked) == 1 and seq == 4:
+                    continue  # dropped at the high-water mark
+                await router.send_multipart([peer, *kvwire.replay_reply(b"kv", seq, batches[seq])])
+            await router.send_multipart([peer, *kvwire.replay_end()])
+
+    serving = asyncio.create_task(engine())
+    try:
+        relay.start(engine_running=True)
+        await wait_for(lambda: relay.last_seq == N - 1 and not relay.replaying)
+        assert asked == [0, 4]
+        assert sorted(relay.blocks.hashes()) == sorted(EXPECTED)
+        assert relay.engine_gaps == 0 and relay.replayed == N
+    finally:
+        serving.cancel()
+        await relay.close()
+        router.close(0)
+        ctx.term()
+
+
+def test_the_block_set_is_unchanged_by_replayed_events_it_already_applied():
+    h = tokens.block_hashes(PROMPT, BS)
+    events = [
+        kvwire.Stored([h[0], h[1]], None, byte_tokens(PROMPT[:32]), BS),
+        kvwire.Stored([h[2]], h[1], byte_tokens(PROMPT[32:48]), BS),
+        kvwire.Removed([h[1]]),
+        kvwire.Stored([h[1]], h[0], byte_tokens(PROMPT[16:32]), BS),
+    ]
+    blocks = BlockSet()
+    blocks.apply(events)
+    once = dict(blocks.canon)
+    blocks.apply(events)
+    assert blocks.canon == once
+    assert set(once.values()) == set(EXPECTED[:3])
+
+
+def test_the_simulator_accepts_vllms_replay_keys():
+    cfg = kvevents.parse_config(
+        '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:1",'
+        '"replay_endpoint":"tcp://127.0.0.1:2","buffer_steps":5,"max_queue_size":9}'
+    )
+    assert cfg.replay_endpoint == "tcp://127.0.0.1:2" and cfg.buffer_steps == 5
+    with pytest.raises(ConfigError, match="buffer_steps"):
+        kvevents.parse_config('{"enable_kv_cache_events":true,"buffer_steps":0}')
+
+
+def test_a_replay_endpoint_the_simulator_cannot_bind_fails_its_start_naming_the_field():
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        cfg = kvevents.parse_config(
+            '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:1",'
+            f'"replay_endpoint":"tcp://127.0.0.1:{port}"}}'
+        )
+        with pytest.raises(ConfigError, match="replay_endpoint"):
+            kvevents.Publisher(cfg, BS)
+    finally:
+        taken.close(0)
+        ctx.term()
