@@ -192,3 +192,82 @@ async def test_an_adopted_engines_relay_port_taken_by_another_process_still_adop
         await asyncio.wait_for(task, 20)
         sd2.close()
         life.kill_engines(second)
+
+
+async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_and_meanwhile(
+    nats, nats_url, watch, tmp_path
+):
+    """The engine's replay socket (its port in the shard record) rebuilds the adopted
+    engine's block set: what it stored before the agent stopped and while it was away."""
+    from pathlib import Path
+
+    from llmgw.agent import engines
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.inventory import discover
+    from llmgw.agent.state import StateDir
+
+    js = nats.jetstream()
+    cfg = agent_config("n-kv4", nats_url, tmp_path / "state")
+
+    def new_agent():
+        sd = StateDir(Path(cfg.state_dir)).open()
+        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
+        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
+
+    before, meanwhile = PROMPT, PROMPT.replace("same", "other")
+
+    async def complete(url: str, prompt: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(
+                f"{url}/v1/completions",
+                json={"model": "model-kv4", "prompt": prompt, "max_tokens": 1},
+            )
+            r.raise_for_status()
+
+    def hashes(prompt: str) -> set[int]:
+        return set(kvblocks.prompt_hashes(byte_tokens(prompt.encode()), 16, 1000))
+
+    first, sd1 = new_agent()
+    task = asyncio.create_task(first.run())
+    await asyncio.wait_for(first.registered.wait(), 20)
+    await bus.publish(js, start_cmd("n-kv4", "kv4"))
+    ready = await watch.wait_for(status("kv4", S.READY))
+    rec = first.shards["kv4"].rec
+    assert rec.kv_replay_port and f'"replay_endpoint":"tcp://127.0.0.1:{rec.kv_replay_port}"' in (
+        " ".join(rec.argv)
+    )
+    await complete(ready.url, before)
+    relay = first.kv_relays.relays["kv4"]
+    for _ in range(400):
+        if hashes(before) <= set(relay.blocks.hashes()):
+            break
+        await asyncio.sleep(0.05)
+    first.stop()  # engines keep running
+    await asyncio.wait_for(task, 20)
+    sd1.close()
+    await complete(ready.url, meanwhile)  # no relay listens
+
+    second, sd2 = new_agent()
+    task = asyncio.create_task(second.run())
+    try:
+        await asyncio.wait_for(second.registered.wait(), 20)
+        relay = second.kv_relays.relays["kv4"]
+        assert relay.replay_port == rec.kv_replay_port
+        expected = hashes(before) | hashes(meanwhile)
+        for _ in range(400):  # no request reaches the engine now: only a replay tells
+            if expected <= set(relay.blocks.hashes()):
+                break
+            await asyncio.sleep(0.05)
+        reply = await nats.request(
+            subjects.kv_snapshot("n-kv4", "kv4"),
+            c.encode(c.KvSnapshotRequest(node="n-kv4", shard_id="kv4")),
+            timeout=5,
+        )
+        snap = c.decode(reply.data, c.KvSnapshot)
+        assert expected <= set(snap.hashes), "the routers' snapshot misses the engine's blocks"
+        assert second.metrics.kv_replayed._value.get() >= 1
+    finally:
+        second.stop()
+        await asyncio.wait_for(task, 20)
+        sd2.close()
+        life.kill_engines(second)
