@@ -273,6 +273,8 @@ class EngineRelay:
             if self._replay_task is me:
                 self._replay_task = None
             raise
+        except Exception:  # a bug here must not stop the relay: it goes on without replay
+            log.exception("shard %s: KV event replay failed", self.shard_id)
         finally:
             if self._replay_task is me:
                 self._replay_task = None

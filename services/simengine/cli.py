@@ -139,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return uvloop.run(server.serve(cfg, on_ready=server.print_ready))
+    except llmgw_config.ConfigError as exc:  # a socket the config names cannot be bound
+        print(f"llmgw sim-engine: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"llmgw sim-engine: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1
