@@ -19,7 +19,9 @@ import zmq.asyncio
 
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
-from llmgw.agent.kvrelay import BlockSet, EngineRelay
+from llmgw.agent import kvrelay
+from llmgw.agent.adapters import LaunchContext, kv_events_args
+from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
 from llmgw.config import ConfigError
 from llmgw.dev.servers import free_port
 from llmgw.kvblocks import byte_tokens
@@ -286,3 +288,28 @@ def test_a_replay_endpoint_the_simulator_cannot_bind_fails_its_start_naming_the_
     finally:
         taken.close(0)
         ctx.term()
+
+
+def test_the_adapter_gives_the_engine_its_replay_endpoint_in_vllms_keys():
+    ctx = LaunchContext(
+        port=1, gpu_indices=[], bind_host="h", command=["x"],
+        kv_events_endpoint="tcp://127.0.0.1:9", kv_replay_endpoint="tcp://127.0.0.1:61234",
+    )  # fmt: skip
+    flag, value = kv_events_args(ctx)
+    assert flag == "--kv-events-config"
+    cfg = json.loads(value)
+    assert cfg["replay_endpoint"] == "tcp://127.0.0.1:61234"
+    assert cfg["endpoint"] == "tcp://127.0.0.1:9"
+    assert kvevents.parse_config(value).replay_endpoint == "tcp://127.0.0.1:61234"
+
+
+async def test_replay_ports_lie_outside_the_kernels_ephemeral_range():
+    relays = KvRelays("n1")
+    try:
+        lo, hi = kvrelay._ephemeral_range()
+        port = relays.replay_port()
+        assert not lo <= port <= hi
+        relay = relays.open("s1", replay_port=port)
+        assert relay.replay_endpoint == f"tcp://127.0.0.1:{port}" and relay.replay_port == port
+    finally:
+        await relays.stop()
