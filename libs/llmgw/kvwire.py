@@ -154,6 +154,8 @@ def _event(e: Any) -> Event:
 # The engine answers with every batch still in its buffer (`buffer_steps` of them) from
 # that number on, each as `[b"", topic, seq, payload]`, then `[b"", b"", END_SEQ, b""]`.
 # A batch no longer buffered is simply absent: the first one answered is later than asked.
+# SGLang's copy of that publisher leaves the topic out: `[b"", seq, payload]`, then
+# `[b"", END_SEQ, b""]`; `parse_replay` reads both.
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -178,4 +180,6 @@ def parse_replay(parts: list[bytes]) -> list[bytes] | None:
         parts = parts[1:]
     if len(parts) == 3 and parts[1] == END_SEQ:
         return None
+    if len(parts) == 2:  # SGLang's: no topic
+        return None if parts[0] == END_SEQ else [b"", *parts]
     return parts

@@ -313,3 +313,14 @@ async def test_replay_ports_lie_outside_the_kernels_ephemeral_range():
         assert relay.replay_endpoint == f"tcp://127.0.0.1:{port}" and relay.replay_port == port
     finally:
         await relays.stop()
+
+
+def test_replies_read_in_vllms_form_and_sglangs_which_has_no_topic():
+    payload = kvwire.encode_batch(1.0, [kvwire.AllBlocksCleared()])
+    seq = (5).to_bytes(8, "big")
+    vllm = kvwire.parse_replay(kvwire.replay_reply(b"kv", 5, payload))
+    sglang = kvwire.parse_replay([b"", seq, payload])
+    assert kvwire.parse_frames(vllm)[0] == kvwire.parse_frames(sglang)[0] == 5
+    assert kvwire.parse_replay(kvwire.replay_end()) is None
+    assert kvwire.parse_replay([b"", kvwire.END_SEQ, b""]) is None  # SGLang's end marker
+    assert kvwire.parse_replay([b"", b"", seq, payload]) == [b"", seq, payload]  # no topic
