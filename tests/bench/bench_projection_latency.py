@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw import bus, subjects
+from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import RouterProcess, start_router
@@ -60,8 +60,8 @@ async def run(routers: int, changes: int, directory: Path) -> int:
         nc = await bus.connect(server.url, "bench", wait_for_server=False)
         js = nc.jetstream()
         await bus.provision(js)
-        kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
-        await kv.put(subjects.endpoints_key(MODEL), c.encode(endpoint_set(0)))
+        kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+        await kv.put(projection.model_key(MODEL), c.encode(endpoint_set(0)))
         yaml = f"nats_url: {server.url}\nscrape: {{enabled: false}}\nlog_level: warning\n"
         procs = await asyncio.gather(
             *(
@@ -76,7 +76,7 @@ async def run(routers: int, changes: int, directory: Path) -> int:
                 want = {e.id for e in rec.endpoints}
                 began = time.perf_counter()
                 watchers = [asyncio.create_task(visible(http, p, want)) for p in procs]
-                await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                await kv.put(projection.model_key(MODEL), c.encode(rec))
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), timeout=30)
                 latencies += [t - began for t in seen]
         await bus.close_quietly(nc)
