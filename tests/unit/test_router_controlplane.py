@@ -286,7 +286,8 @@ def sample(shard: str, url: str, waiting: int = 3) -> bytes:
 
 def test_samples_land_on_the_endpoint_by_shard_id_then_by_url():
     view = EndpointView()
-    EndpointFeed(view).snapshot(ep_entries(model("a", "http://a0", "http://a1/")))
+    records = EndpointFeed(view)
+    records.snapshot(ep_entries(model("a", "http://a0", "http://a1/")))
     clock = Clock(50.0)
     feed = SampleFeed(view, clock)
     assert feed.handle(sample("a-0", "http://moved")) == "applied"
@@ -296,6 +297,8 @@ def test_samples_land_on_the_endpoint_by_shard_id_then_by_url():
     a0, a1 = view.endpoints["a-0"], view.endpoints["a-1"]
     assert (a0.load.waiting, a0.load.at, a0.load.source, a0.pushed_at) == (3, 50.0, "agent", 50.0)
     assert a1.load.waiting == 7
+    records.delete(projection.model_key("a"))  # the model's endpoints leave the view
+    assert feed.handle(sample("a-0", "http://moved")) == "unknown"
 
 
 # ------------------------------------------------------------------ the live-router count
