@@ -11,8 +11,7 @@ millisecond or so, per router, concurrently). Prints p50, p99 and max over
 all (change, router) pairs; PASS when p99 < 1 s.
 
 The polling shares the 2 CPUs with the routers and NATS, so the figures are
-an upper bound on what a router needs (the watch itself: see FIELD-NOTES,
-sub-millisecond).
+an upper bound on what a router needs (the watch itself is sub-millisecond).
 """
 
 from __future__ import annotations
