@@ -237,6 +237,7 @@ class Proxy:
     async def _dispatch(self, ex: Exchange, req: rq.Parsed, route: ModelRoute, path: str) -> None:
         ex.guard.total_at = self._ltime() + route.deadlines.total
         ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body))
+        ctx.salt = req.cache_salt
         walk = Walk(
             route,
             self.view.route,
