@@ -19,7 +19,8 @@ from llmgw.kvblocks import prompt_hashes, salt_extra
 from llmgw.router import requests as rq
 from llmgw.router import scheduling as sc
 from llmgw.router.kvindex import BlockIndex
-from llmgw.simengine import tokens
+from llmgw.router.prefix import block_hashes
+from llmgw.simengine import kvevents, tokens
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.protocol import ApiError, Limits, RequestParser
 
@@ -147,22 +148,16 @@ def test_a_salted_request_goes_where_its_salt_is_cached_and_an_unsalted_one_does
     eps = [endpoint("plain"), endpoint("salted")]
 
     def share(salt: str | None) -> list[float | None]:
-        ctx = sc.Context(NOW, "m", prefix=rq_prefix(turn1), key=1)
+        ctx = sc.Context(NOW, "m", prefix=block_hashes(turn1, 256, 128), key=1)
         ctx.salt = salt
         return sc.CachedPrefixScorer(sc.Settings(kv_index=index)).overlaps(eps, ctx)
 
     assert share("tenant-a")[1] > 0.9
     assert share(None) == [0.0, 0.0]  # the old code: 1.0 for "salted", a wrong affinity
     assert share("tenant-b") == [0.0, 0.0]
-    ctx = sc.Context(NOW, "m", prefix=rq_prefix(turn1), key=1)
+    ctx = sc.Context(NOW, "m", prefix=block_hashes(turn1, 256, 128), key=1)
     ctx.salt = "tenant-a"
     assert pipeline(index).pick(eps, ctx).id == "salted"
-
-
-def rq_prefix(messages: bytes):
-    from llmgw.router.prefix import block_hashes
-
-    return block_hashes(messages, 256, 128)
 
 
 # ------------------------------------------------------------------ the simulator
@@ -207,8 +202,6 @@ def test_the_simulator_validates_cache_salt_as_vllm_does():
 
 
 def test_the_simulators_salted_events_carry_the_salt_on_the_first_block_only():
-    from llmgw.simengine import kvevents
-
     sent: list = []
     pub = kvevents.Publisher.__new__(kvevents.Publisher)
     pub.block_size = BS
