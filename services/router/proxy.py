@@ -289,7 +289,10 @@ class Proxy:
             ctx.model = route.name
             if pipeline.uses_prefix and not ctx.prefix and req.prompt:
                 ctx.prefix = block_hashes(
-                    req.prompt, settings.prefix_block_bytes, settings.prefix_max_blocks
+                    req.prompt,
+                    settings.prefix_block_bytes,
+                    settings.prefix_max_blocks,
+                    req.cache_salt,
                 )
             session = headers.get(pipeline.session_header) if pipeline.uses_session else None
             ctx.session = session.decode("latin-1") if session is not None else None

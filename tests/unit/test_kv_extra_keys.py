@@ -19,7 +19,7 @@ from llmgw.kvblocks import prompt_hashes, salt_extra
 from llmgw.router import requests as rq
 from llmgw.router import scheduling as sc
 from llmgw.router.kvindex import BlockIndex
-from llmgw.router.prefix import block_hashes
+from llmgw.router.prefix import PrefixIndex, block_hashes
 from llmgw.simengine import kvevents, tokens
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.protocol import ApiError, Limits, RequestParser
@@ -158,6 +158,15 @@ def test_a_salted_request_goes_where_its_salt_is_cached_and_an_unsalted_one_does
     ctx = sc.Context(NOW, "m", prefix=block_hashes(turn1, 256, 128), key=1)
     ctx.salt = "tenant-a"
     assert pipeline(index).pick(eps, ctx).id == "salted"
+
+
+def test_the_approximate_guess_keeps_salted_prefixes_apart_too():
+    prompt = chat("You are a careful assistant. " * 20, "q")
+    lru = PrefixIndex(1000)
+    lru.insert(block_hashes(prompt, 256, 128, cache_salt="tenant-a"))
+    assert lru.match(block_hashes(prompt, 256, 128, cache_salt="tenant-a")) > 0
+    assert lru.match(block_hashes(prompt, 256, 128)) == 0
+    assert lru.match(block_hashes(prompt, 256, 128, cache_salt="tenant-b")) == 0
 
 
 # ------------------------------------------------------------------ the simulator
