@@ -291,3 +291,35 @@ def test_the_sglang_adapter_points_its_publisher_at_the_relay():
     assert argv[-2:] == ["--page-size", "16"]  # the operator's own flags come last
     assert "--kv-events-config" not in adapters.sglang(cmd, LaunchContext(**base)).argv
     assert "sglang" in adapters.KV_EVENT_ENGINES
+
+
+def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenizer(tmp_path):
+    from llmgw.router.prompttokens import TOKENIZERS
+
+    from .test_router_tokenizer_load import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    assert TOKENIZERS.wait(str(tmp_path), 30) is not None
+    raw = msgspec.json.encode("hello world again hello world world again again")
+    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(raw)
+    assert len(ids) == 8  # two pages of 4
+    # SGLang's events for that prompt, one page each, through the relay's block set.
+    pages = [ids[:4], ids[4:]]
+    events = [_SglBlockStored([-1], None, pages[0], BS, None), _SglBlockStored([7], -1, pages[1], BS, None)]  # fmt: skip
+    payload = msgspec.msgpack.encode(_SglBatch(1.0, events))
+    held = [h for op in BlockSet().apply(decode(payload)) for h in op.hashes]
+    index = BlockIndex()
+    synced(index, "sg", *held)
+    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
+    eps = [endpoint("sg", engine="sglang")]
+
+    def share(salt: str | None) -> float | None:
+        ctx = sc.Context(NOW, "m", key=1)
+        ctx.prefix = block_hashes(raw, 256, 128)  # as the proxy sets it: shorter than a block
+        ctx.salt = salt
+        return scorer.overlaps(eps, ctx)[0]
+
+    assert share(None) == 1.0
+    # SGLang's events say nothing of a salt: a salted request is never credited there.
+    assert share("tenant-a") == 0.0
