@@ -662,7 +662,7 @@ class Agent:
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
         relay = None
-        if self.cfg.kv_events and cmd.profile.engine in ("vllm", "sim") and port:
+        if self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES and port:
             try:
                 replay_port = self.kv_relays.replay_port()
             except OSError as exc:
