@@ -20,7 +20,7 @@ import zmq.asyncio
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
 from llmgw.agent import kvrelay
-from llmgw.agent.adapters import LaunchContext, kv_events_args
+from llmgw.agent.adapters import LaunchContext, kv_events_args, sglang_kv_events_args
 from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
 from llmgw.config import ConfigError
 from llmgw.dev.servers import free_port
@@ -301,6 +301,9 @@ def test_the_adapter_gives_the_engine_its_replay_endpoint_in_vllms_keys():
     assert cfg["replay_endpoint"] == "tcp://127.0.0.1:61234"
     assert cfg["endpoint"] == "tcp://127.0.0.1:9"
     assert kvevents.parse_config(value).replay_endpoint == "tcp://127.0.0.1:61234"
+    # SGLang's flag: its KVEventsConfig has the same replay keys.
+    flag, value = sglang_kv_events_args(ctx)
+    assert json.loads(value)["replay_endpoint"] == "tcp://127.0.0.1:61234"
 
 
 async def test_replay_ports_lie_outside_the_kernels_ephemeral_range():
