@@ -257,22 +257,26 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
 
     first, sd1 = new_agent()
     task = asyncio.create_task(first.run())
-    await asyncio.wait_for(first.registered.wait(), 20)
-    await bus.publish(js, start_cmd("n-kv4", "kv4"))
-    ready = await watch.wait_for(status("kv4", S.READY))
-    rec = first.shards["kv4"].rec
-    assert rec.kv_replay_port and f'"replay_endpoint":"tcp://127.0.0.1:{rec.kv_replay_port}"' in (
-        " ".join(rec.argv)
-    )
-    await complete(ready.url, before)
-    relay = first.kv_relays.relays["kv4"]
-    for _ in range(400):
-        if hashes(before) <= set(relay.blocks.hashes()):
-            break
-        await asyncio.sleep(0.05)
-    first.stop()  # engines keep running
-    await asyncio.wait_for(task, 20)
-    sd1.close()
+    try:
+        await asyncio.wait_for(first.registered.wait(), 20)
+        await bus.publish(js, start_cmd("n-kv4", "kv4"))
+        ready = await watch.wait_for(status("kv4", S.READY))
+        rec = first.shards["kv4"].rec
+        assert rec.kv_replay_port
+        assert f'"replay_endpoint":"tcp://127.0.0.1:{rec.kv_replay_port}"' in " ".join(rec.argv)
+        await complete(ready.url, before)
+        relay = first.kv_relays.relays["kv4"]
+        for _ in range(400):
+            if hashes(before) <= set(relay.blocks.hashes()):
+                break
+            await asyncio.sleep(0.05)
+    except BaseException:
+        life.kill_engines(first)
+        raise
+    finally:
+        first.stop()  # engines keep running
+        await asyncio.wait_for(task, 20)
+        sd1.close()
     await complete(ready.url, meanwhile)  # no relay listens
 
     second, sd2 = new_agent()
