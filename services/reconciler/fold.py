@@ -146,7 +146,7 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
         assignments=list(ev.assignments),
         decided_seq=seq,
         # What the replica runs is the profile declared when it was placed: a
-        # later ModelDeclared with another profile makes it outdated (reconcile.py).
+        # later ModelDeclared with another profile makes it outdated (queries.outdated).
         profile_digest=profile_digest(decl.profile) if decl is not None else "",
     )
     for a in ev.assignments:
