@@ -193,18 +193,7 @@ def subject_for(msg: c.Message) -> str:
     return route.subject(msg)
 
 
-# KV keys. KV keys allow dots, but one token per model keeps watches simple.
-def endpoints_key(model: str) -> str:
-    return safe_token(model)
-
-
-def tenant_key(name: str) -> str:
-    return f"tenant.{safe_token(name)}"
-
-
-BANDS_KEY = "bands"
-
-
+# KV keys of the router projection: llmgw.projection. A router's presence key:
 def router_key(router_id: str) -> str:
     return safe_token(router_id)
 

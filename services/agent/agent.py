@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import random
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -82,6 +84,21 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def next_port(
+    ports: Sequence[int], taken: set[int], last: int | None, is_free: Callable[[int], bool]
+) -> int | None:
+    """The first port of the range after `last` (wrapping) that no shard holds and is free.
+
+    Going round the range instead of taking the lowest free port keeps a port that an
+    engine just gave up from going at once to another model's engine: routers whose
+    projection still lists the old endpoint would send its requests to the new one (404s)."""
+    start = ports.index(last) + 1 if last in ports else 0
+    for port in itertools.chain(ports[start:], ports[:start]):
+        if port not in taken and is_free(port):
+            return port
+    return None
+
+
 class Agent:
     def __init__(
         self,
@@ -99,6 +116,7 @@ class Agent:
         self.boot_id = c.new_id()  # changes on every agent process start
         self.leader_term = 0  # the newest reconciler term a command came from
         self.ports = parse_port_range(cfg.engine_port_range)
+        self._last_port: int | None = None  # the port handed out last (see next_port)
         self.bind_host = cfg.engine_bind_host or cfg.advertise_address
         self.probe_host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "") else self.bind_host
         self.timing = Timing(
@@ -601,10 +619,14 @@ class Agent:
 
     def _free_port(self) -> int | None:
         taken = {s.rec.port for s in self.live_shards()}
-        for port in self.ports:
-            if port not in taken and port_is_free(self.bind_host, port):
-                return port
-        return None
+        if self._last_port is None and taken:
+            self._last_port = max(taken)  # adopted engines: go on after the newest
+        port = next_port(
+            self.ports, taken, self._last_port, lambda p: port_is_free(self.bind_host, p)
+        )
+        if port is not None:
+            self._last_port = port
+        return port
 
     def _launch(self, cmd: c.StartShard, previous: EngineShard | None) -> str | None:
         """Launch the engine; None, or why not (a reason label: the shard is `failed`)."""

@@ -87,6 +87,8 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
     # to the cap) before its next placement; a ready shard resets it.
     replace_backoff_initial: float = 5.0
     replace_backoff_max: float = 300.0
+    # How often the autoscaler evaluates the routers' demand summaries.
+    autoscale_tick: float = 1.0
 
 
 ControllerFactory = Callable[[Context, ActorConfig], Controller]

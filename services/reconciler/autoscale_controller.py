@@ -2,7 +2,7 @@
 
 `AutoscaleController` (autoscaler.py) collects the routers' demand summaries and
 turns them into ModelScaled events; this runs it the way every controller runs:
-a pass every `tick` seconds (summaries arrive on core NATS, not through the fold,
+a pass every `autoscale_tick` seconds (the actor's config) (summaries arrive on core NATS, not through the fold,
 so it wakes on time rather than on changes), on committed state only, publishing
 through the term-stamping context so an older leader's decision is fenced off
 like any other control event.
@@ -14,7 +14,7 @@ import contextlib
 
 from llmgw import subjects as s
 
-from .autoscaler import AutoscaleController
+from .autoscaler import AutoscaleConfig, AutoscaleController
 from .changes import ChangeSet
 from .controller import Context, Controller, Result
 from .state import ClusterState
@@ -24,9 +24,13 @@ class Autoscaler(Controller):
     name = "autoscale"
     watches = frozenset()
 
-    def __init__(self, ctx: Context, cfg):  # noqa: ARG002 (the actor's config: not used)
+    def __init__(self, ctx: Context, cfg):  # the actor's config (ActorConfig)
         super().__init__(ctx)
-        self.inner = AutoscaleController(clock=ctx.clock, monotonic=ctx.monotonic)
+        self.inner = AutoscaleController(
+            AutoscaleConfig(tick=cfg.autoscale_tick, fold_wait_timeout=cfg.fold_wait_timeout),
+            clock=ctx.clock,
+            monotonic=ctx.monotonic,
+        )
         self.resync = self.inner.cfg.tick
         self._sub = None
 

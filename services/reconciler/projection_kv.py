@@ -1,22 +1,22 @@
 """The router projection: per-model endpoint sets, tenants and bands in JetStream KV.
 
-Routers watch two buckets and never need Postgres:
-  - ENDPOINTS_BUCKET, key `endpoints_key(model)`: a ModelEndpoints record with
-    the model's serving endpoints (ready, or draining: finish what runs, take
-    nothing new), aliases, fallbacks, scheduling, deadlines and capacity hints;
-    the key is deleted when the model leaves the catalog;
-  - TENANTS_BUCKET: a TenantRecord per tenant under `tenant_key(name)` and the
-    bands as a BandsRecord under BANDS_KEY.
+Routers watch two buckets and never need Postgres; which key holds which
+record, and their bytes, are `llmgw.projection`'s (the routers read with it):
+  - a ModelEndpoints per model with the model's serving endpoints (ready, or
+    draining: finish what runs, take nothing new), aliases, fallbacks,
+    scheduling, deadlines and capacity hints; the key is deleted when the model
+    leaves the catalog;
+  - a TenantRecord per tenant, and the bands as one BandsRecord.
 
-An endpoint is one replica: its shard 0 is the rank that serves HTTP (the
-other shards of a multi-node replica run headless). A replica is listed when
-every shard is ready or draining; it is draining when any shard drains or the
-replica is retired (scale down, model removed), so routers stop sending new
-work there before the drain command even lands. Shards of an unreachable node
-stay listed: engines keep serving while an agent is down, and routers have
-their own circuit breakers.
+An endpoint is one replica, reached through its shard 0 (the rank that serves
+HTTP; `projection.endpoint_id` names the endpoint after it). A replica is
+listed when every shard is ready or draining; it is draining when any shard
+drains or the replica is retired (scale down, model removed), so routers stop
+sending new work there before the drain command even lands. Shards of an
+unreachable node stay listed: engines keep serving while an agent is down,
+and routers have their own circuit breakers.
 
-`records(state)` is pure; `KvProjection` writes a key only when its content
+`record_for(state, key)` and `affected(state, changes)` are pure; `KvProjection` writes a key only when its content
 changed, comparing the record without its envelope (id, ts) and without
 `based_on_seq` and `term`, so unrelated events never rewrite every key.
 
@@ -44,7 +44,8 @@ from nats.js.errors import (
 )
 
 from llmgw import contracts as c
-from llmgw import subjects as s
+from llmgw import projection as pj
+from llmgw.projection import Key
 
 from . import changes as ch
 from .changes import Change
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 SERVING = (c.ShardState.READY, c.ShardState.DRAINING)
 
-Key = tuple[str, str]  # (bucket, key)
+Target = tuple[str, str]  # where a record is stored: (bucket, KV key)
 
 
 def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
@@ -74,7 +75,7 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         draining = replica.retired or any(sh.state == c.ShardState.DRAINING for sh in shards)
         endpoints.append(
             c.Endpoint(
-                id=head.shard_id,
+                id=pj.endpoint_id(head.shard_id),
                 url=head.url,
                 node=head.node,
                 replica_id=rid,
@@ -120,25 +121,19 @@ def tenant_record(state: ClusterState, name: str) -> c.TenantRecord:
     )
 
 
-def record_for(state: ClusterState, key: Key) -> c.Message | None:
+def record_for(state: ClusterState, key: Key) -> pj.Record | None:
     """The record a key should hold now, or None when it should not exist."""
-    bucket, name = key
-    if bucket == s.ENDPOINTS_BUCKET:
-        return model_record(state, name) if name in state.models else None
-    if name == s.BANDS_KEY:
-        return c.BandsRecord(bands=list(state.bands), term=state.term)
-    return tenant_record(state, name) if name in state.tenants else None
+    if key.kind == pj.MODEL:
+        return model_record(state, key.name) if key.name in state.models else None
+    if key.kind == pj.TENANT:
+        return tenant_record(state, key.name) if key.name in state.tenants else None
+    return c.BandsRecord(bands=list(state.bands), term=state.term)
 
 
-def all_keys(state: ClusterState) -> dict[tuple[str, str], Key]:
+def all_keys(state: ClusterState) -> dict[Target, Key]:
     """Every key the state projects, keyed by the KV (bucket, key) it lands on."""
-    out: dict[tuple[str, str], Key] = {}
-    for m in state.models:
-        out[(s.ENDPOINTS_BUCKET, s.endpoints_key(m))] = (s.ENDPOINTS_BUCKET, m)
-    for t in state.tenants:
-        out[(s.TENANTS_BUCKET, s.tenant_key(t))] = (s.TENANTS_BUCKET, t)
-    out[(s.TENANTS_BUCKET, s.BANDS_KEY)] = (s.TENANTS_BUCKET, s.BANDS_KEY)
-    return out
+    keys = [Key.model(m) for m in state.models] + [Key.tenant(t) for t in state.tenants]
+    return {key.target: key for key in [*keys, pj.BANDS]}
 
 
 def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
@@ -160,27 +155,20 @@ def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
         elif kind == ch.SCALED:
             model = key
         elif kind == ch.TENANT:
-            out.add((s.TENANTS_BUCKET, key))
+            out.add(Key.tenant(key))
         elif kind == ch.BANDS:
-            out.add((s.TENANTS_BUCKET, s.BANDS_KEY))
+            out.add(pj.BANDS)
         if model is not None:
-            out.add((s.ENDPOINTS_BUCKET, model))
+            out.add(Key.model(model))
     return out
 
 
-def kv_key(key: Key) -> str:
-    bucket, name = key
-    if bucket == s.ENDPOINTS_BUCKET:
-        return s.endpoints_key(name)
-    return name if name == s.BANDS_KEY else s.tenant_key(name)
-
-
-def comparable(record: c.Message) -> bytes:
+def comparable(record: pj.Record) -> bytes:
     """The record's content without what changes on every write."""
     fields: dict[str, object] = {"id": "", "ts": 0.0, "term": 0}
     if isinstance(record, c.ModelEndpoints):
         fields["based_on_seq"] = 0
-    return c.encode(msgspec.structs.replace(record, **fields))
+    return pj.encode(msgspec.structs.replace(record, **fields))
 
 
 class Superseded(RuntimeError):
@@ -194,8 +182,8 @@ class KvProjection:
         self.js = js
         self.term = term  # the leader term writing: a key of a newer term is not ours
         self._kv: dict[str, object] = {}
-        self._written: dict[tuple[str, str], bytes] = {}  # (bucket, kv key) -> comparable
-        self._rev: dict[tuple[str, str], int] = {}  # (bucket, kv key) -> revision we saw
+        self._written: dict[Target, bytes] = {}  # (bucket, kv key) -> comparable
+        self._rev: dict[Target, int] = {}  # (bucket, kv key) -> revision we saw
         self.writes = 0
         self.conflicts = 0  # writes that found the key changed by someone else
 
@@ -206,37 +194,37 @@ class KvProjection:
 
     async def load(self) -> None:
         """Learn what the buckets hold now, so only what differs is rewritten."""
-        written: dict[tuple[str, str], bytes] = {}
-        revs: dict[tuple[str, str], int] = {}
-        for bucket in (s.ENDPOINTS_BUCKET, s.TENANTS_BUCKET):
+        written: dict[Target, bytes] = {}
+        revs: dict[Target, int] = {}
+        for bucket in pj.BUCKETS:
             kv = await self._bucket(bucket)
             try:
                 keys = await kv.keys()
             except NoKeysError:
                 continue
             for key in keys:
-                body, rev, _ = await self._read(kv, key)
+                body, rev, _ = await self._read(kv, (bucket, key))
                 if rev is not None:
                     written[(bucket, key)] = body
                     revs[(bucket, key)] = rev
         self._written, self._rev = written, revs
 
-    async def _read(self, kv, key: str) -> tuple[bytes, int | None, int]:
+    async def _read(self, kv, target: Target) -> tuple[bytes, int | None, int]:
         """(comparable, revision, leader term) of what a key holds; revision None: nothing."""
         try:
-            entry = await kv.get(key)
+            entry = await kv.get(target[1])
         except (KeyNotFoundError, KeyDeletedError):
             return b"", None, 0
         try:
-            record = c.decode(entry.value or b"")
+            record = pj.decode(*target, entry.value or b"")
         except c.ContractError:
-            return b"?", entry.revision, 0  # unreadable: rewrite or delete it
+            return b"?", entry.revision, 0  # unreadable or misplaced: rewrite or delete it
         return comparable(record), entry.revision, getattr(record, "term", 0)
 
-    def full_plan(self, state: ClusterState) -> list[tuple[tuple[str, str], c.Message | None]]:
+    def full_plan(self, state: ClusterState) -> list[tuple[Target, pj.Record | None]]:
         """Every key the state projects, and a delete of every other key we know of. Pure."""
         wanted = all_keys(state)
-        plan: list[tuple[tuple[str, str], c.Message | None]] = [
+        plan: list[tuple[Target, pj.Record | None]] = [
             (target, None) for target in sorted(set(self._written) - set(wanted))
         ]
         plan += [(target, record_for(state, wanted[target])) for target in sorted(wanted)]
@@ -246,14 +234,12 @@ class KvProjection:
         """Make the buckets match the state: write what differs, delete what is gone."""
         await self.apply(self.full_plan(state))
 
-    def plan(self, state: ClusterState, changes) -> list[tuple[tuple[str, str], c.Message | None]]:
+    def plan(self, state: ClusterState, changes) -> list[tuple[Target, pj.Record | None]]:
         """The (target, record or None) writes a set of changes calls for. Pure over `state`."""
-        return [
-            ((key[0], kv_key(key)), record_for(state, key))
-            for key in sorted(affected(state, changes))
-        ]
+        keys = sorted(affected(state, changes), key=lambda key: key.target)
+        return [(key.target, record_for(state, key)) for key in keys]
 
-    async def apply(self, plan: list[tuple[tuple[str, str], c.Message | None]]) -> None:
+    async def apply(self, plan: list[tuple[Target, pj.Record | None]]) -> None:
         for target, record in plan:
             if record is None:
                 await self._delete(target)
@@ -263,14 +249,14 @@ class KvProjection:
     async def sync(self, state: ClusterState, changes) -> None:
         await self.apply(self.plan(state, changes))
 
-    async def _write(self, target: tuple[str, str], record: c.Message | None) -> None:
+    async def _write(self, target: Target, record: pj.Record | None) -> None:
         if record is None:
             return
         body = comparable(record)
         if self._written.get(target) == body:
             return
         kv = await self._bucket(target[0])
-        raw = c.encode(record)
+        raw = pj.encode(record)
         for _attempt in range(3):
             rev = self._rev.get(target)
             try:
@@ -282,7 +268,7 @@ class KvProjection:
                 # Someone else wrote it (an old leader's late put, an operator): look again.
                 self.conflicts += 1
                 log.warning("KV key %s/%s changed behind us: re-reading it", *target)
-                found, seen, term = await self._read(kv, target[1])
+                found, seen, term = await self._read(kv, target)
                 self._check_not_superseded(target, term)
                 if seen is None:
                     self._rev.pop(target, None)
@@ -298,14 +284,14 @@ class KvProjection:
             return
         raise RuntimeError(f"KV key {target[0]}/{target[1]} keeps changing behind us")
 
-    def _check_not_superseded(self, target: tuple[str, str], term: int) -> None:
+    def _check_not_superseded(self, target: Target, term: int) -> None:
         if term > self.term:
             raise Superseded(
                 f"KV key {target[0]}/{target[1]} was written by leader term {term}; "
                 f"this leader's term is {self.term}: not overwriting it"
             )
 
-    async def _delete(self, target: tuple[str, str]) -> None:
+    async def _delete(self, target: Target) -> None:
         if target not in self._written:
             return
         kv = await self._bucket(target[0])
@@ -313,7 +299,7 @@ class KvProjection:
             await kv.delete(target[1], last=self._rev.get(target))
         except KeyWrongLastSequenceError:
             self.conflicts += 1
-            _, seen, term = await self._read(kv, target[1])
+            _, seen, term = await self._read(kv, target)
             self._check_not_superseded(target, term)
             if seen is not None:
                 await kv.delete(target[1], last=seen)  # what is there now must go as well

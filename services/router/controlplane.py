@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
-from llmgw import bus, subjects, tlsconfig
+from llmgw import bus, projection, subjects, tlsconfig
 from llmgw.router.admission import demand
 from llmgw.router.admission.gate import AdmissionGate
 from llmgw.router.config import RouterConfig
@@ -138,7 +138,7 @@ class ControlPlaneSource:
             self.presence = Presence(nc, cfg.router_id, self._routers, demand=self._demand)
             self.presence.start()
         if not self.watchers:
-            self._watch(subjects.TENANTS_BUCKET, self.tenants)
+            self._watch(projection.TENANTS_BUCKET, self.tenants)
         await self.watchers[0].snapshot_done.wait()
         if len(self.watchers) == 1:
             if self.gate.controller.open:
@@ -147,7 +147,7 @@ class ControlPlaneSource:
                     "tenant without an API key until the catalog declares a tenant"
                 )
             assert self.endpoints is not None
-            self._watch(subjects.ENDPOINTS_BUCKET, self.endpoints)
+            self._watch(projection.ENDPOINTS_BUCKET, self.endpoints)
 
     def _watch(self, bucket: str, feed: EndpointFeed | TenantFeed) -> BucketWatcher:
         counter = self.metrics.projection_updates

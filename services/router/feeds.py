@@ -1,7 +1,8 @@
 """From KV entries to the router's view and admission: decoding, checking, keeping.
 
 Pure and synchronous: kvwatch.py delivers entries, these classes decode them
-with `contracts.decode` and feed the endpoint view (`replace`/`apply`/`remove`)
+with `projection.decode` (which also checks that a record sits under its own
+key) and feed the endpoint view (`replace`/`apply`/`remove`)
 or the admission gate (`set_bands`, `set_tenants`). A record that does not
 decode or does not make sense is logged and skipped, and the key keeps the
 last good record it had: one bad write never takes a model or a tenant away.
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from llmgw import contracts as c
-from llmgw import subjects
+from llmgw import projection
 from llmgw.router.admission.config import AdmissionSettings, tenant_problems
 from llmgw.router.admission.config import check as admission_check
 from llmgw.router.kvwatch import Entry
@@ -35,12 +36,14 @@ from llmgw.router.view import EndpointView
 log = logging.getLogger(__name__)
 
 
-def _decode(bucket: str, key: str, raw: bytes, kind):
+def _decode(bucket: str, entry: Entry) -> projection.Record | None:
     try:
-        return c.decode(raw, kind)
+        return projection.decode(bucket, entry.key, entry.value)
+    except projection.Misplaced as exc:
+        log.error("skipped the record under %r in %s: %s", entry.key, bucket, exc)
     except c.ContractError as exc:
-        log.error("skipped a malformed record in %s under %r: %s", bucket, key, exc)
-        return None
+        log.error("skipped a malformed record in %s under %r: %s", bucket, entry.key, exc)
+    return None
 
 
 def _stale(kind: str, key: str, new: tuple[int, ...], held: tuple[int, ...] | None) -> bool:
@@ -61,7 +64,7 @@ def _age(rec: c.ModelEndpoints) -> tuple[int, int]:
 
 
 class EndpointFeed:
-    """The endpoints bucket: one ModelEndpoints per key (`subjects.endpoints_key(model)`)."""
+    """The endpoints bucket: one ModelEndpoints per model."""
 
     def __init__(self, view: EndpointView):
         self.view = view
@@ -69,18 +72,11 @@ class EndpointFeed:
         self.loaded = False  # a first snapshot was applied
 
     def _good(self, entry: Entry) -> c.ModelEndpoints | None:
-        rec = _decode(subjects.ENDPOINTS_BUCKET, entry.key, entry.value, c.ModelEndpoints)
-        if rec is not None and subjects.endpoints_key(rec.model) != entry.key:
-            log.error(
-                "skipped the record under %r in %s: it is for model %r, whose key is %r",
-                entry.key,
-                subjects.ENDPOINTS_BUCKET,
-                rec.model,
-                subjects.endpoints_key(rec.model),
-            )
+        rec = _decode(projection.ENDPOINTS_BUCKET, entry)
+        if not isinstance(rec, c.ModelEndpoints):
             return None
         held = self.records.get(entry.key)
-        if rec is not None and _stale("endpoints", entry.key, _age(rec), held and _age(held)):
+        if _stale("endpoints", entry.key, _age(rec), held and _age(held)):
             return None
         return rec
 
@@ -116,6 +112,10 @@ class EndpointFeed:
             self.view.remove(rec.model)
 
 
+def _holds_bands(key: str) -> bool:
+    return projection.kind_of(projection.TENANTS_BUCKET, key) == projection.BANDS_KIND
+
+
 class TenantGate(Protocol):
     def set_bands(self, bands: list[c.Band]) -> None: ...
 
@@ -123,7 +123,7 @@ class TenantGate(Protocol):
 
 
 class TenantFeed:
-    """The tenants bucket: a TenantRecord per `tenant.<name>`, the BandsRecord under `bands`."""
+    """The tenants bucket: a TenantRecord per tenant, and one BandsRecord."""
 
     def __init__(self, gate: TenantGate, on_change: Callable[[], None] = lambda: None):
         self.gate = gate
@@ -134,8 +134,8 @@ class TenantFeed:
         self.loaded = False
 
     def _tenant(self, entry: Entry) -> c.TenantRecord | None:
-        rec = _decode(subjects.TENANTS_BUCKET, entry.key, entry.value, c.TenantRecord)
-        if rec is None:
+        rec = _decode(projection.TENANTS_BUCKET, entry)
+        if not isinstance(rec, c.TenantRecord):
             return None
         problems = tenant_problems(f"tenant {rec.name!r}", rec)
         if problems:
@@ -147,8 +147,8 @@ class TenantFeed:
         return rec
 
     def _bands(self, entry: Entry) -> list[c.Band] | None:
-        rec = _decode(subjects.TENANTS_BUCKET, entry.key, entry.value, c.BandsRecord)
-        if rec is None:
+        rec = _decode(projection.TENANTS_BUCKET, entry)
+        if not isinstance(rec, c.BandsRecord):
             return None
         problems = admission_check(AdmissionSettings(), rec.bands, [])
         if problems:
@@ -171,7 +171,7 @@ class TenantFeed:
         tenants: dict[str, c.TenantRecord] = {}
         bands = None
         for key, entry in entries.items():
-            if key == subjects.BANDS_KEY:
+            if _holds_bands(key):
                 bands = self._bands(entry)
                 if bands is None:
                     bands = self.bands
@@ -185,7 +185,7 @@ class TenantFeed:
         self._push()
 
     def put(self, entry: Entry) -> None:
-        if entry.key == subjects.BANDS_KEY:
+        if _holds_bands(entry.key):
             bands = self._bands(entry)
             if bands is None:
                 return
@@ -198,7 +198,7 @@ class TenantFeed:
         self._push()
 
     def delete(self, key: str) -> None:
-        if key == subjects.BANDS_KEY:
+        if _holds_bands(key):
             self.bands = []
             self.bands_term = 0
         elif self.tenants.pop(key, None) is None:

@@ -1,7 +1,8 @@
 """Engines' KV events from the bus into the router's BlockIndex (kvindex.py).
 
-Subscribes to `llmgw.kv.>` (core NATS); each `KvEvents` names its shard, which is
-the projection's endpoint id (its URL is the fallback, as for load samples).
+Subscribes to `llmgw.kv.>` (core NATS); each `KvEvents` names its shard, the
+replica's serving shard (`EndpointView.by_shard` finds its endpoint; its URL is
+the fallback, as for load samples).
 When the index asks for it (a first batch, a gap, a new epoch) the feed requests
 that engine's snapshot from its agent (`llmgw.kvsnap.<node>.<shard>`, request/reply
 with a deadline) and replays what arrived meanwhile. Endpoints that appear in the
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from llmgw import contracts as c
-from llmgw import subjects
+from llmgw import projection, subjects
 from llmgw.router.kvindex import BlockIndex
 from llmgw.router.view import EndpointRuntime, EndpointView
 
@@ -102,7 +103,7 @@ class KvEventFeed:
     # -- events --------------------------------------------------------------------------
 
     def endpoint_for(self, batch: c.KvEvents) -> EndpointRuntime | None:
-        ep = self.view.endpoints.get(batch.shard_id)
+        ep = self.view.by_shard.get(batch.shard_id)
         if ep is None and batch.url:
             ep_id = self._by_url.get(batch.url.rstrip("/"))
             ep = self.view.endpoints.get(ep_id) if ep_id else None
@@ -176,7 +177,7 @@ class KvEventFeed:
             if delay:
                 await asyncio.sleep(delay)
             ep = self.view.endpoints.get(endpoint_id)
-            shard_id = endpoint_id
+            shard_id = projection.serving_shard(endpoint_id)
             req = c.KvSnapshotRequest(node=node, shard_id=shard_id)
             try:
                 reply = await self.nc.request(

@@ -187,6 +187,10 @@ class Proxy:
                     )
                 ex.model = route.name
                 grant = await gate.admit(req, route, who)
+                if not route.endpoints:
+                    # It waited in admission for the model's first replica: routes are
+                    # swapped whole on every change, so dispatch to the one that ended it.
+                    route = self.view.resolve(req.model) or route
                 try:
                     ex.extra = grant.headers()
                     await self._dispatch(ex, req, route, scope["path"])

@@ -4,11 +4,11 @@ An agent scrapes each of its engines a few times a second and publishes what
 it read; every router subscribes to all of them, so an engine's /metrics is
 read once per interval for the whole fleet instead of once per router.
 
-A sample names its shard (the projection's Endpoint.id is the id of the
-replica's serving shard) and its URL; the shard id is tried first, then the
-URL. Its age is measured from its arrival, not from its `sampled_at`: the
-agent's clock is another machine's, and core NATS either delivers within
-milliseconds or not at all. The arrival time also marks the endpoint as fed
+A sample names its shard (the replica's serving shard: the view finds its
+endpoint by it, `EndpointView.by_shard`) and its URL; the shard id is tried
+first, then the URL. Its age is measured from its arrival, not from its
+`sampled_at`: the agent's clock is another machine's, and core NATS either
+delivers within milliseconds or not at all. The arrival time also marks the endpoint as fed
 (`pushed_at`), which tells the fallback scraper to leave it alone.
 """
 
@@ -36,7 +36,7 @@ class SampleFeed:
         self.malformed = 0
 
     def endpoint_for(self, sample: c.LoadSample) -> EndpointRuntime | None:
-        ep = self.view.endpoints.get(sample.shard_id)
+        ep = self.view.by_shard.get(sample.shard_id)
         if ep is not None:
             return ep
         if self._by_url_version != self.view.version:

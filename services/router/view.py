@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from yarl import URL
 
+from llmgw import projection
 from llmgw.contracts import (
     DeadlineSpec,
     Endpoint,
@@ -180,6 +181,9 @@ class EndpointView:
         self._names: dict[str, str] = {}
         self._routes: dict[str, ModelRoute] = {}
         self.endpoints: dict[str, EndpointRuntime] = {}
+        # The same endpoints by the id of the shard that serves each: load samples and
+        # KV event batches name their shard.
+        self.by_shard: dict[str, EndpointRuntime] = {}
         self._listeners: list[Callable[[], None]] = []
         self._load_listeners: list[Callable[[EndpointRuntime], None]] = []
 
@@ -297,6 +301,7 @@ class EndpointView:
                 unplaceable=rec.unplaceable,
             )
         self.endpoints = endpoints
+        self.by_shard = {projection.serving_shard(i): ep for i, ep in endpoints.items()}
         self._routes = new_routes
         self._names = table.names
         self.version += 1

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw import bus
+from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
@@ -308,13 +308,15 @@ async def part_b(nodes: int, replicas: int, steady: float) -> dict:
             120,
             "placements",
         )
-        kv = await js.key_value(s.ENDPOINTS_BUCKET)
+        kv = await js.key_value(projection.ENDPOINTS_BUCKET)
 
         async def endpoints() -> int:
             total = 0
             for m in catalog(replicas):
                 with contextlib.suppress(Exception):
-                    total += len(c.decode((await kv.get(s.endpoints_key(m.name))).value).endpoints)
+                    total += len(
+                        c.decode((await kv.get(projection.model_key(m.name))).value).endpoints
+                    )
             return total
 
         while await endpoints() < replicas:

@@ -55,7 +55,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw import bus, subjects
+from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
@@ -332,8 +332,8 @@ async def run_policy(name, args, nats_url, js, directory) -> Result:
                     ],
                     scheduling=c.SchedulingSpec(scorers=scorers),
                 )
-                kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
-                await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+                await kv.put(projection.model_key(MODEL), c.encode(rec))
                 routers = []
                 for _ in range(2):
                     routers.append(
@@ -554,8 +554,8 @@ async def run_vllm(args) -> int:
                         ],
                         scheduling=c.SchedulingSpec(scorers=scorers, tokenizer=args.vllm_model),
                     )
-                    kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
-                    await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                    kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+                    await kv.put(projection.model_key(MODEL), c.encode(rec))
                     routers = []
                     for _ in range(2):
                         routers.append(

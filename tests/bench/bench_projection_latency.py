@@ -11,8 +11,7 @@ millisecond or so, per router, concurrently). Prints p50, p99 and max over
 all (change, router) pairs; PASS when p99 < 1 s.
 
 The polling shares the 2 CPUs with the routers and NATS, so the figures are
-an upper bound on what a router needs (the watch itself: see FIELD-NOTES,
-sub-millisecond).
+an upper bound on what a router needs (the watch itself is sub-millisecond).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw import bus, subjects
+from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import RouterProcess, start_router
@@ -60,8 +59,8 @@ async def run(routers: int, changes: int, directory: Path) -> int:
         nc = await bus.connect(server.url, "bench", wait_for_server=False)
         js = nc.jetstream()
         await bus.provision(js)
-        kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
-        await kv.put(subjects.endpoints_key(MODEL), c.encode(endpoint_set(0)))
+        kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+        await kv.put(projection.model_key(MODEL), c.encode(endpoint_set(0)))
         yaml = f"nats_url: {server.url}\nscrape: {{enabled: false}}\nlog_level: warning\n"
         procs = await asyncio.gather(
             *(
@@ -76,7 +75,7 @@ async def run(routers: int, changes: int, directory: Path) -> int:
                 want = {e.id for e in rec.endpoints}
                 began = time.perf_counter()
                 watchers = [asyncio.create_task(visible(http, p, want)) for p in procs]
-                await kv.put(subjects.endpoints_key(MODEL), c.encode(rec))
+                await kv.put(projection.model_key(MODEL), c.encode(rec))
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), timeout=30)
                 latencies += [t - began for t in seen]
         await bus.close_quietly(nc)

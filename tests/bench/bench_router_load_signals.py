@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw import bus, subjects
+from llmgw import bus, projection, subjects
 from llmgw import contracts as c
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import RouterProcess, start_router
@@ -74,9 +74,9 @@ async def run(n: int, seconds: float, directory: Path) -> int:
         js = nc.jetstream()
         await bus.provision(js)
         endpoints = [c.Endpoint(id=f"e{i}", url=sim.url) for i in range(n)]
-        kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
+        kv = await js.key_value(projection.ENDPOINTS_BUCKET)
         await kv.put(
-            subjects.endpoints_key(MODEL),
+            projection.model_key(MODEL),
             c.encode(c.ModelEndpoints(model=MODEL, endpoints=endpoints)),
         )
         stop = asyncio.Event()

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from llmgw import bus
+from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler import fold, replay_cli
@@ -244,12 +244,12 @@ async def cluster(nats):
 
 
 async def kv_record(js, model: str) -> c.ModelEndpoints | None:
-    kv = await js.key_value(s.ENDPOINTS_BUCKET)
+    bucket, key = projection.Key.model(model).target
     try:
-        entry = await kv.get(s.endpoints_key(model))
+        entry = await (await js.key_value(bucket)).get(key)
     except Exception:
         return None
-    return c.decode(entry.value) if entry.value else None
+    return projection.decode(bucket, key, entry.value) if entry.value else None
 
 
 async def wait_kv(js, model: str, pred, what: str):
@@ -374,8 +374,9 @@ async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
     await bus.publish(js, c.BandsDeclared(bands=[c.Band(name="gold")]))
     await bus.publish(js, c.ModelDeclared(name="m", replicas=2, profile=c.ServingProfile()))
     await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 2, "two ready endpoints")
-    tenants = await js.key_value(s.TENANTS_BUCKET)
-    assert c.decode((await tenants.get(s.tenant_key("acme"))).value).band == "gold"
+    bucket, key = projection.Key.tenant("acme").target
+    raw = (await (await js.key_value(bucket)).get(key)).value
+    assert projection.decode(bucket, key, raw).band == "gold"
 
     await leader.actor.stop()  # leadership lost
     dead.kill()

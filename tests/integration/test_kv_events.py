@@ -15,7 +15,7 @@ import time
 import httpx
 import msgspec
 
-from llmgw import bus, subjects
+from llmgw import bus, projection, subjects
 from llmgw import contracts as c
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
@@ -92,8 +92,8 @@ def record(sims) -> c.ModelEndpoints:
 
 
 async def put_model(js, rec: c.ModelEndpoints) -> None:
-    kv = await js.key_value(subjects.ENDPOINTS_BUCKET)
-    await kv.put(subjects.endpoints_key(rec.model), c.encode(rec))
+    bucket, key = projection.key_of(rec).target
+    await (await js.key_value(bucket)).put(key, projection.encode(rec))
 
 
 def pick(router, msgs: list[dict]) -> str:

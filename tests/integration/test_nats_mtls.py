@@ -21,7 +21,7 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from llmgw import bus, certs, natsconfig, tlsconfig
+from llmgw import bus, certs, natsconfig, projection, tlsconfig
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
@@ -238,12 +238,12 @@ async def test_router_reads_endpoints_but_cannot_write_them_or_publish_events(
 ):
     rjs = reconciler.jetstream()
     rkv = await rjs.key_value(s.ENDPOINTS_BUCKET)
-    await rkv.put(s.endpoints_key("m1"), b"endpoints-of-m1")
+    await rkv.put(projection.model_key("m1"), b"endpoints-of-m1")
 
     router = await clients("router-1")
     js = router.jetstream()
     kv = await js.key_value(s.ENDPOINTS_BUCKET)
-    assert (await kv.get(s.endpoints_key("m1"))).value == b"endpoints-of-m1"
+    assert (await kv.get(projection.model_key("m1"))).value == b"endpoints-of-m1"
 
     watcher = await kv.watchall()
     first = await watcher.updates(timeout=30)  # returns at once; a loaded box was slow
@@ -256,7 +256,7 @@ async def test_router_reads_endpoints_but_cannot_write_them_or_publish_events(
     with pytest.raises(TimeoutError):
         await js.publish(f"$KV.{s.ENDPOINTS_BUCKET}.m1", b"forged", timeout=DENIED_WAIT)
     await violations(f'publish to "$kv.{s.ENDPOINTS_BUCKET}.m1"')
-    assert (await rkv.get(s.endpoints_key("m1"))).value == b"endpoints-of-m1"
+    assert (await rkv.get(projection.model_key("m1"))).value == b"endpoints-of-m1"
 
     event = c.NodeRegistered(node="node-a")
     with pytest.raises(TimeoutError):

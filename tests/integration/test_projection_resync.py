@@ -6,9 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from llmgw import bus
+from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw import subjects as s
 from llmgw.reconciler.actor import Actor
 from llmgw.reconciler.state import ClusterState
 from tests.integration.test_control_loop import FAST, Cluster, Leader, ready_urls, wait_kv
@@ -37,17 +36,17 @@ async def test_a_late_foreign_write_and_a_deleted_key_are_repaired(cluster):
     await cluster.leader.until("a node", lambda st: len(st.nodes) == 1)
     await bus.publish(js, c.ModelDeclared(name="m", profile=c.ServingProfile(engine="sim")))
     good = await wait_kv(js, "m", lambda r: len(ready_urls(r)) == 1, "one ready endpoint")
-    kv = await js.key_value(s.ENDPOINTS_BUCKET)
+    kv = await js.key_value(projection.ENDPOINTS_BUCKET)
 
     # An old leader's put lands late: it points routers at an engine long gone.
     stale = msgspec.structs.replace(
         good, endpoints=[c.Endpoint(id="m-r0-s0", url="http://gone:1")], id=c.new_id()
     )
-    await kv.put(s.endpoints_key("m"), c.encode(stale))
+    await kv.put(projection.model_key("m"), c.encode(stale))
     await wait_kv(js, "m", lambda r: r and ready_urls(r) == ready_urls(good), "the repair")
 
     # The key vanishes (a bucket recreated empty, an operator's mistake).
-    await kv.delete(s.endpoints_key("m"))
+    await kv.delete(projection.model_key("m"))
     await wait_kv(js, "m", lambda r: r and ready_urls(r) == ready_urls(good), "the rewrite")
 
 
@@ -72,6 +71,6 @@ async def test_a_deposed_leader_never_overwrites_a_newer_leaders_record(nats):
     state.models["m"] = c.ModelDeclared(name="m", aliases=["older still"])
     with pytest.raises(Superseded):
         await deposed.sync_all(state)
-    kv = await js.key_value(s.ENDPOINTS_BUCKET)
-    held = c.decode((await kv.get(s.endpoints_key("m"))).value)
+    kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+    held = c.decode((await kv.get(projection.model_key("m"))).value)
     assert held.aliases == ["new"] and held.term == model_record(newer, "m").term == 2

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from llmgw import bus
+from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw import subjects as s
 from llmgw.opcli import apiclient, explain
 from llmgw.reconciler.state import profile_digest
 from tests.integration.test_control_loop import (
@@ -59,8 +58,8 @@ async def test_a_changed_profile_rolls_replicas_without_losing_a_ready_endpoint(
             await wait_kv(js, "m", lambda r: len(ready_replicas(r)) == 2, "two ready replicas")
 
             # Every revision of the router record from here on (the first is the current one).
-            kv = await js.key_value(s.ENDPOINTS_BUCKET)
-            watcher = await kv.watch(s.endpoints_key("m"))
+            kv = await js.key_value(projection.ENDPOINTS_BUCKET)
+            watcher = await kv.watch(projection.model_key("m"))
 
             async def collect() -> None:
                 async for entry in watcher:

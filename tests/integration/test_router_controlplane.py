@@ -17,7 +17,7 @@ import msgspec
 import openai
 import pytest
 
-from llmgw import bus, certs, keys, natsconfig, subjects, tlsconfig
+from llmgw import bus, certs, keys, natsconfig, projection, subjects, tlsconfig
 from llmgw import contracts as c
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import running_router, start_router
@@ -47,19 +47,20 @@ def record(*sims, model: str = MODEL) -> c.ModelEndpoints:
     )
 
 
-async def put(js, bucket: str, key: str, msg: c.Message) -> None:
-    await (await js.key_value(bucket)).put(key, c.encode(msg))
+async def put(js, record: projection.Record) -> None:
+    """Write a record where the reconciler would."""
+    bucket, key = projection.key_of(record).target
+    await (await js.key_value(bucket)).put(key, projection.encode(record))
 
 
 async def put_model(js, rec: c.ModelEndpoints) -> None:
-    await put(js, subjects.ENDPOINTS_BUCKET, subjects.endpoints_key(rec.model), rec)
+    await put(js, rec)
 
 
 async def put_tenants(js, *tenants: c.TenantRecord) -> None:
-    bands = c.BandsRecord(bands=[c.Band(name="gold", ceiling=1.5)])
-    await put(js, subjects.TENANTS_BUCKET, subjects.BANDS_KEY, bands)
+    await put(js, c.BandsRecord(bands=[c.Band(name="gold", ceiling=1.5)]))
     for t in tenants:
-        await put(js, subjects.TENANTS_BUCKET, subjects.tenant_key(t.name), t)
+        await put(js, t)
 
 
 def config(nats_url: str, router_id: str) -> rc.RouterConfig:
@@ -151,7 +152,7 @@ async def test_the_projection_is_served_and_changes_and_deletes_reach_the_router
         assert counts[0] == counts[1]  # samples flow: no scraping in between
 
         # The model leaves the catalog: 404 through the SDK.
-        await (await js.key_value(subjects.ENDPOINTS_BUCKET)).delete(subjects.endpoints_key(MODEL))
+        await (await js.key_value(projection.ENDPOINTS_BUCKET)).delete(projection.model_key(MODEL))
 
         async def gone():
             resp = await http.post(r.url + "/v1/chat/completions", json=chat())

@@ -83,3 +83,18 @@ def test_admin_listen_defaults_to_loopback_and_can_be_turned_off(monkeypatch):
     assert cli.load_config(args()).admin_listen == "0.0.0.0:9411"
     with pytest.raises(ConfigError, match="admin_listen: .*port 'y' is not a number"):
         cli.load_config(args("--admin-listen", "x:y"))
+
+
+def test_engine_ports_go_round_the_range_so_a_freed_port_is_not_reused_at_once():
+    from llmgw.agent.agent import next_port
+
+    ports = parse_port_range("8100-8103")
+    free = {8100, 8101, 8102, 8103}
+    assert next_port(ports, set(), None, free.__contains__) == 8100
+    assert next_port(ports, {8100}, 8100, free.__contains__) == 8101
+    # 8100's engine stopped and 8101 is held: the next engine gets 8102, not 8100.
+    assert next_port(ports, {8101}, 8101, free.__contains__) == 8102
+    # After the last port it wraps, skipping held ports and ports another process binds.
+    free.discard(8100)
+    assert next_port(ports, {8101, 8102}, 8103, free.__contains__) == 8103
+    assert next_port(ports, {8101, 8102, 8103}, 8103, free.__contains__) is None

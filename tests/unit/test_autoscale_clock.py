@@ -16,6 +16,7 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler import autoscale, fold
+from llmgw.reconciler.actor import ActorConfig
 from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.autoscaler import AutoscaleController
 from llmgw.reconciler.controller import Context
@@ -129,6 +130,6 @@ def test_the_leader_hands_its_autoscaler_both_of_its_clocks():
     ctx = Context(
         nc=None, js=None, term=1, gate=None, clock=clocks.wall, monotonic=clocks.monotonic
     )
-    inner = Autoscaler(ctx, None).inner
+    inner = Autoscaler(ctx, ActorConfig()).inner
     assert inner.clock == clocks.wall
     assert inner.monotonic == clocks.monotonic

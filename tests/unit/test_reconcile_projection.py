@@ -1,7 +1,8 @@
 """The router projection records, computed from the state (the KV writer is integration-tested)."""
 
 from llmgw import contracts as c
-from llmgw import subjects as s
+from llmgw import projection
+from llmgw.projection import Key
 from llmgw.reconciler import projection_kv as p
 from llmgw.reconciler import reconcile
 
@@ -69,15 +70,15 @@ def test_multi_node_replica_is_one_endpoint_once_every_shard_is_ready():
 def test_affected_keys_and_comparison_ignore_the_envelope():
     log = placed(Log().append(node("a", 1), model("m"), c.TenantDeclared(name="t", band="gold")))
     keys = p.affected(log.state, {("shard", "m-r1-s0"), ("tenant", "t"), ("node", "a")})
-    assert keys == {(s.ENDPOINTS_BUCKET, "m"), (s.TENANTS_BUCKET, "t")}
+    assert keys == {Key.model("m"), Key.tenant("t")}
     one = p.model_record(log.state, "m")
     log.append(c.ModelDeclared(name="m2"))  # unrelated: only based_on_seq moves
     two = p.model_record(log.state, "m")
     assert one.based_on_seq != two.based_on_seq and one.id != two.id
     assert p.comparable(one) == p.comparable(two)
-    assert p.record_for(log.state, (s.TENANTS_BUCKET, "t")).band == "gold"
-    assert p.kv_key((s.TENANTS_BUCKET, "t")) == s.tenant_key("t")
-    assert p.record_for(log.state, (s.ENDPOINTS_BUCKET, "gone")) is None
+    assert p.record_for(log.state, Key.tenant("t")).band == "gold"
+    assert Key.tenant("t").target == (projection.TENANTS_BUCKET, projection.tenant_key("t"))
+    assert p.record_for(log.state, Key.model("gone")) is None
 
 
 def test_a_model_scaled_to_zero_keeps_its_record_and_says_why_it_cannot_start():
@@ -90,7 +91,7 @@ def test_a_model_scaled_to_zero_keeps_its_record_and_says_why_it_cannot_start():
     log.append(c.ModelDeclared(name="big", replicas=1))
     log.append(*reconcile.decide(log.state).events)
     log.append(c.ModelScaled(model="z", from_replicas=0, to_replicas=1, rule="from_zero", ts=5.0))
-    assert p.affected(log.state, {("scaled", "z")}) == {(s.ENDPOINTS_BUCKET, "z")}
+    assert p.affected(log.state, {("scaled", "z")}) == {Key.model("z")}
     log.append(*reconcile.decide(log.state).events)
     rec = p.model_record(log.state, "z")
     assert "z-r1 cannot be placed" in rec.unplaceable
@@ -99,3 +100,24 @@ def test_a_model_scaled_to_zero_keeps_its_record_and_says_why_it_cannot_start():
     assert p.model_record(log.state, "z").unplaceable == ""
     # A fixed count is never scale-from-zero.
     assert not p.model_record(log.state, "big").scale_from_zero
+
+
+def test_a_tenant_named_like_the_bands_key_gets_its_own_record():
+    log = Log().append(
+        c.BandsDeclared(bands=[c.Band(name="gold")]), c.TenantDeclared(name="bands", band="gold")
+    )
+    kv = p.KvProjection(js=None)
+    written = {target: record for target, record in kv.full_plan(log.state)}
+    assert set(written) == {
+        (projection.TENANTS_BUCKET, projection.BANDS_KEY),
+        (projection.TENANTS_BUCKET, projection.tenant_key("bands")),
+    }
+    assert [b.name for b in written[(projection.TENANTS_BUCKET, projection.BANDS_KEY)].bands] == [
+        "gold"
+    ]
+    tenant = written[(projection.TENANTS_BUCKET, projection.tenant_key("bands"))]
+    assert isinstance(tenant, c.TenantRecord) and (tenant.name, tenant.band) == ("bands", "gold")
+    # A change to that tenant rewrites the tenant, not the bands.
+    [(target, record)] = kv.plan(log.state, {("tenant", "bands")})
+    assert target == (projection.TENANTS_BUCKET, projection.tenant_key("bands"))
+    assert isinstance(record, c.TenantRecord) and record.name == "bands"

@@ -12,7 +12,7 @@ import pytest
 
 from llmgw import config as cfg
 from llmgw import contracts as c
-from llmgw import keys, subjects
+from llmgw import keys, projection
 from llmgw.router import config as rc
 from llmgw.router import scheduling as sc
 from llmgw.router.admission import AdmissionRejected, AdmissionSettings, Controller
@@ -43,9 +43,7 @@ def model(name: str, *urls: str, **kw) -> c.ModelEndpoints:
 
 
 def ep_entries(*records: c.ModelEndpoints) -> dict[str, Entry]:
-    return {
-        subjects.endpoints_key(r.model): entry(subjects.endpoints_key(r.model), r) for r in records
-    }
+    return {projection.model_key(r.model): entry(projection.model_key(r.model), r) for r in records}
 
 
 # ------------------------------------------------------------------ config
@@ -150,9 +148,9 @@ def tenant(name: str, band: str, key: str | None = None, **quotas) -> c.TenantRe
 
 
 def tenant_entries(*tenants: c.TenantRecord, bands=BANDS) -> dict[str, Entry]:
-    out = {subjects.tenant_key(t.name): entry(subjects.tenant_key(t.name), t) for t in tenants}
+    out = {projection.tenant_key(t.name): entry(projection.tenant_key(t.name), t) for t in tenants}
     if bands is not None:
-        out[subjects.BANDS_KEY] = entry(subjects.BANDS_KEY, bands)
+        out[projection.BANDS_KEY] = entry(projection.BANDS_KEY, bands)
     return out
 
 
@@ -186,8 +184,8 @@ def test_tenants_and_bands_from_kv_require_keys_and_skip_bad_records(caplog):
     # An empty bucket after a reconnect does not open the door.
     feed.snapshot({})
     assert who(g, None) == "missing_api_key"
-    feed.put(entry(subjects.tenant_key("beta"), tenant("beta", "bronze")))
-    feed.delete(subjects.tenant_key("acme"))
+    feed.put(entry(projection.tenant_key("beta"), tenant("beta", "bronze")))
+    feed.delete(projection.tenant_key("acme"))
     assert (who(g, KEY), who(g, "sk-beta")) == ("invalid_api_key", "beta")
 
 
@@ -196,7 +194,7 @@ def test_deleting_the_last_tenant_opens_the_router_as_the_catalog_says_and_warns
     feed = TenantFeed(g)
     feed.snapshot(tenant_entries(tenant("acme", "gold", KEY)))
     with caplog.at_level(logging.WARNING):
-        feed.delete(subjects.tenant_key("acme"))
+        feed.delete(projection.tenant_key("acme"))
     assert who(g, None) == "anonymous"
     assert "no tenants are declared any more" in caplog.text
 
@@ -216,8 +214,23 @@ def test_invalid_bands_are_skipped_and_the_previous_ones_kept():
     feed = TenantFeed(g)
     feed.snapshot(tenant_entries(tenant("acme", "gold")))
     rising = c.BandsRecord(bands=[c.Band(name="a", ceiling=0.5), c.Band(name="b", ceiling=0.9)])
-    feed.put(entry(subjects.BANDS_KEY, rising))
+    feed.put(entry(projection.BANDS_KEY, rising))
     assert [b.name for b in g.controller.bands] == ["gold", "bronze"]
+
+
+def test_a_tenant_named_bands_is_a_tenant_and_unknown_keys_are_skipped(caplog):
+    g = gate()
+    feed = TenantFeed(g)
+    entries = tenant_entries(tenant("bands", "gold"))
+    entries["acme"] = entry("acme", tenant("acme", "gold"))  # no key the projection writes
+    with caplog.at_level(logging.ERROR):
+        feed.snapshot(entries)
+    assert [b.name for b in g.controller.bands] == ["gold", "bronze"]
+    assert (who(g, "sk-bands"), who(g, "sk-acme")) == ("bands", "invalid_api_key")
+    assert "'acme' is not a key of the projection" in caplog.text
+    feed.delete(projection.tenant_key("bands"))  # the tenant goes, the bands stay
+    assert [b.name for b in g.controller.bands] == ["gold", "bronze"]
+    assert who(g, "sk-bands") == "anonymous"
 
 
 class Ep:
@@ -273,7 +286,8 @@ def sample(shard: str, url: str, waiting: int = 3) -> bytes:
 
 def test_samples_land_on_the_endpoint_by_shard_id_then_by_url():
     view = EndpointView()
-    EndpointFeed(view).snapshot(ep_entries(model("a", "http://a0", "http://a1/")))
+    records = EndpointFeed(view)
+    records.snapshot(ep_entries(model("a", "http://a0", "http://a1/")))
     clock = Clock(50.0)
     feed = SampleFeed(view, clock)
     assert feed.handle(sample("a-0", "http://moved")) == "applied"
@@ -283,6 +297,8 @@ def test_samples_land_on_the_endpoint_by_shard_id_then_by_url():
     a0, a1 = view.endpoints["a-0"], view.endpoints["a-1"]
     assert (a0.load.waiting, a0.load.at, a0.load.source, a0.pushed_at) == (3, 50.0, "agent", 50.0)
     assert a1.load.waiting == 7
+    records.delete(projection.model_key("a"))  # the model's endpoints leave the view
+    assert feed.handle(sample("a-0", "http://moved")) == "unknown"
 
 
 # ------------------------------------------------------------------ the live-router count

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from llmgw import contracts as c
-from llmgw import subjects
+from llmgw import projection, subjects
 from llmgw.router.feeds import EndpointFeed
 from llmgw.router.kvfeed import KvEventFeed
 from llmgw.router.kvindex import BlockIndex
@@ -30,7 +30,7 @@ def view_with(endpoint_node: str) -> EndpointView:
         model="m",
         endpoints=[c.Endpoint(id="e1", url="http://e1", node=endpoint_node, engine="sim")],
     )
-    key = subjects.endpoints_key("m")
+    key = projection.model_key("m")
     EndpointFeed(view).snapshot({key: Entry(key=key, value=c.encode(rec), written_at=0.0)})
     return view
 

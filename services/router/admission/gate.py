@@ -102,14 +102,6 @@ class AdmissionGate:
         ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens, cold=cold)
         if ticket.state == QUEUED:
             await self.wait(ticket)
-            if cold:
-                fresh = self.route_of(route.name)
-                if fresh is not None and fresh is not route:
-                    # The route resolved before the wait had no endpoint, and the proxy
-                    # dispatches to the route it passed in: hand it the endpoints that
-                    # ended the wait. (Routes are swapped whole on every change; a proxy
-                    # that re-resolved after admission would not need this.)
-                    object.__setattr__(route, "endpoints", fresh.endpoints)
         return ticket
 
     async def wait(self, ticket: Ticket) -> None:
