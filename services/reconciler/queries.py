@@ -28,10 +28,16 @@ def replica_id(model: str, n: int) -> str:
     return f"{subjects.safe_token(model)}-r{n}"
 
 
+def parse_replica_id(rid: str) -> tuple[str, int] | None:
+    """(token, n) of a replica id `<token>-r<n>`; None for an id not of that form."""
+    head, sep, tail = rid.rpartition("-r")
+    return (head, int(tail)) if sep and tail.isdigit() else None
+
+
 def replica_number(rid: str) -> int | None:
     """The n of a replica id `<token>-r<n>`; None for an id not of that form."""
-    _, sep, tail = rid.rpartition("-r")
-    return int(tail) if sep and tail.isdigit() else None
+    parsed = parse_replica_id(rid)
+    return parsed[1] if parsed is not None else None
 
 
 def next_replica_id(state: ClusterState, model: str) -> str:
@@ -44,9 +50,9 @@ def next_replica_id(state: ClusterState, model: str) -> str:
     token = subjects.safe_token(model)
     top = 0
     for rid, replica in state.replicas.items():
-        head, sep, tail = rid.rpartition("-r")
-        if sep and tail.isdigit() and (head == token or replica.model == model):
-            top = max(top, int(tail))
+        parsed = parse_replica_id(rid)
+        if parsed is not None and (parsed[0] == token or replica.model == model):
+            top = max(top, parsed[1])
     return replica_id(model, top + 1)
 
 
