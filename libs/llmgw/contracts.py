@@ -194,7 +194,7 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"
     # The model's tokenizer (a tokenizer.json, or a directory with one and its
-    # tokenizer_config.json) for the kv_prefix scorer on vLLM endpoints; "" = none.
+    # tokenizer_config.json) for the kv_prefix scorer on vLLM and SGLang endpoints; "" = none.
     tokenizer: str = ""
 
 

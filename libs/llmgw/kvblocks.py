@@ -8,6 +8,16 @@ engine chains its own (block i's hash covers blocks 0..i), and routers hash a
 prompt's token ids the same way. Two processes on any machine agree: the hash is
 blake2b, not Python's salted `hash`.
 
+Some blocks are keyed by more than their tokens: vLLM folds "extra keys" into a
+block's hash (a multimodal item's hash and offset on every block the item's
+placeholder tokens cover, the request's `cache_salt` on its first block, prompt
+embedding digests), and KV events carry them per block. Such a block's canonical
+hash covers its extra keys too (`chain_extra`, in a hash domain of its own), so it
+never equals a plain-token block's: an image's placeholder tokens do not match a
+text prompt or another image, a salted prefix matches only requests with the same
+salt. A LoRA adapter's name, also an extra key in vLLM, is the chain's root instead
+(`root_for`), so a LoRA block with no other extra key hashes as before.
+
 Canonical hashes are 63-bit non-negative ints, so they survive JSON anywhere.
 """
 
@@ -17,6 +27,9 @@ import sys
 from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
+from typing import Any
+
+import msgspec
 
 ROOT = 0
 _MASK = (1 << 63) - 1
@@ -27,6 +40,25 @@ def root_for(lora_name: str | None) -> int:
     if not lora_name:
         return ROOT
     return int.from_bytes(blake2b(b"lora:" + lora_name.encode(), digest_size=8).digest()) & _MASK
+
+
+_extra_encode = msgspec.msgpack.Encoder().encode
+# blake2b's personalisation: a block hashed with extra keys lives in another hash domain.
+_EXTRA = b"llmgw-extra-keys"
+
+
+def extra_bytes(keys: Sequence[Any] | None) -> bytes | None:
+    """One block's extra keys as hashed (msgpack: self-delimiting, the same bytes for the
+    same values in any process); None for a block without any."""
+    if not keys:
+        return None
+    return _extra_encode(list(keys))
+
+
+def salt_extra(cache_salt: str | None) -> bytes | None:
+    """The extra keys of a request's first block under `cache_salt` (vLLM: the salt alone,
+    when the request has no LoRA adapter and no multimodal item in that block)."""
+    return extra_bytes([cache_salt]) if cache_salt else None
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -43,28 +75,33 @@ def chain_bytes(parent: int, block: bytes) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK
 
 
+def chain_extra(parent: int, block: bytes, extra: bytes | None) -> int:
+    """chain_bytes for a block with extra keys (extra_bytes); without any, chain_bytes."""
+    if extra is None:
+        return chain_bytes(parent, block)
+    h = blake2b(parent.to_bytes(8, "little") + block + extra, digest_size=8, person=_EXTRA)
+    return int.from_bytes(h.digest(), "little") & _MASK
+
+
 def chain(parent: int, tokens: Sequence[int]) -> int:
     return chain_bytes(parent, token_bytes(tokens))
 
 
 def prompt_hashes(
-    tokens: bytes | Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+    tokens: bytes | Sequence[int],
+    block_size: int,
+    max_blocks: int,
+    root: int = ROOT,
+    first_extra: bytes | None = None,
 ) -> list[int]:
     """Canonical hashes of the full blocks of a prompt (at most max_blocks); `tokens` are
-    token ids or their token_bytes (cheaper: the hot path hashes byte slices).
+    token ids or their token_bytes (cheaper: the hot path hashes byte slices);
+    `first_extra` the first block's extra keys (salt_extra).
 
     Only full blocks count, as in vLLM, and the block holding the last prompt token is
     recomputed anyway, but an engine can still hold it from an earlier, longer prompt.
     """
-    data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
-    span = 4 * block_size
-    n = min(len(data) // span, max_blocks)
-    out = []
-    h = root
-    for i in range(0, n * span, span):
-        h = chain_bytes(h, data[i : i + span])
-        out.append(h)
-    return out
+    return LazyPromptHashes(tokens, block_size, max_blocks, root, first_extra).upto(max_blocks)
 
 
 class LazyPromptHashes:
@@ -72,16 +109,22 @@ class LazyPromptHashes:
     first block no engine holds, so a cold prompt costs one hash, not hundreds) and
     kept: a second reader (a retry of the same request) reuses what was computed."""
 
-    __slots__ = ("_data", "_span", "_n", "_done", "_h")
+    __slots__ = ("_data", "_span", "_n", "_done", "_h", "_first_extra")
 
     def __init__(
-        self, tokens: bytes | Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+        self,
+        tokens: bytes | Sequence[int],
+        block_size: int,
+        max_blocks: int,
+        root: int = ROOT,
+        first_extra: bytes | None = None,
     ):
         self._data = tokens if isinstance(tokens, bytes) else token_bytes(tokens)
         self._span = 4 * block_size
         self._n = min(len(self._data) // self._span, max_blocks)
         self._done: list[int] = []
         self._h = root
+        self._first_extra = first_extra
 
     def __len__(self) -> int:
         """The number of full blocks (at most max_blocks), without hashing any."""
@@ -94,7 +137,12 @@ class LazyPromptHashes:
         if len(done) < k:
             data, span = self._data, self._span
             h = self._h
-            for i in range(len(done) * span, k * span, span):
+            start = len(done) * span
+            if not done and self._first_extra is not None:
+                h = chain_extra(h, data[:span], self._first_extra)
+                done.append(h)
+                start = span
+            for i in range(start, k * span, span):
                 h = (
                     int.from_bytes(
                         blake2b(

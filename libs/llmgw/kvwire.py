@@ -6,8 +6,18 @@ big-endian sequence number, and a msgpack `KVEventBatch`, an array
 `type` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) with vLLM's field
 order; vLLM releases before 0.10 sent each event as a tagged array instead
 (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]`),
-and `decode_batch` reads both. Block hashes are vLLM's own (bytes for its
-sha256 hashes, ints for the builtin hash): opaque here, only compared for equality.
+and `decode_batch` reads both. SGLang's publisher (`sglang.srt.disaggregation.
+kv_events`) still sends that array form, one page per `BlockStored`, with signed
+64-bit int hashes, a trailing `medium`, and no LoRA name or extra keys; the same
+decoder reads it. Block hashes are the engine's own (bytes for vLLM's sha256
+hashes, ints for the builtin hash and SGLang's): opaque here, only compared for
+equality.
+
+vLLM's `BlockStored.extra_keys` holds, per block, the values besides token ids
+that its block hash covers, untagged: the LoRA name (every block, when
+`lora_name` is set), `[mm_identifier, offset]` pairs for multimodal items, the
+`cache_salt` string (a request's first block only), prompt-embedding digests
+(bytes); None for a block with none. `Stored.extra_keys` is that list (or None).
 
 The encoder mirrors vLLM's msgspec Structs field for field so the simulator's
 bytes are vLLM's bytes (a unit test pins them against bytes a real vLLM 0.32
@@ -36,6 +46,7 @@ class BlockStored(_Event):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
 
 
 class BlockRemoved(_Event):
@@ -75,6 +86,8 @@ class Stored:
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
+    # Per block (as block_hashes): its extra keys, or None; None for none at all.
+    extra_keys: list[list[Any] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +129,19 @@ def _hashes(value: Any) -> list[BlockHash]:
     return value
 
 
+def _extra_keys(get, n: int) -> list[list[Any] | None] | None:
+    """The per-block extra keys, all-None lists as None; a malformed list is a WireError,
+    not ignored: a salted or multimodal block read as plain tokens is a wrong match."""
+    keys = get("extra_keys")
+    if keys is None:
+        return None
+    if not isinstance(keys, list) or len(keys) != n:
+        raise WireError("extra_keys must be a list with one entry per block hash")
+    if not all(k is None or isinstance(k, list) for k in keys):
+        raise WireError("each extra_keys entry must be a list or null")
+    return keys if any(keys) else None
+
+
 def _event(e: Any) -> Event:
     if isinstance(e, dict):
         kind = e.get("type")
@@ -139,7 +165,8 @@ def _event(e: Any) -> Event:
         if parent is not None and not isinstance(parent, bytes | int):
             raise WireError("parent_block_hash must be bytes, an int or null")
         lora = get("lora_name")
-        return Stored(_hashes(get("block_hashes")), parent, tokens, size, lora or None)
+        hashes = _hashes(get("block_hashes"))
+        return Stored(hashes, parent, tokens, size, lora or None, _extra_keys(get, len(hashes)))
     if kind == "BlockRemoved":
         return Removed(_hashes(get("block_hashes")))
     if kind == "AllBlocksCleared":

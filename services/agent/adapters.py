@@ -72,6 +72,18 @@ def kv_events_args(ctx: LaunchContext) -> list[str]:
     return ["--kv-events-config", config]
 
 
+def sglang_kv_events_args(ctx: LaunchContext) -> list[str]:
+    """SGLang's `--kv-events-config` (sglang.srt.disaggregation.kv_events.KVEventsConfig):
+    the same JSON keys as vLLM's but no `enable_kv_cache_events` (the flag's presence
+    turns events on) and the publisher defaults to "null"; its PUB connects to a
+    non-wildcard endpoint too. Only the attention-TP rank 0 scheduler publishes, and a
+    data-parallel-attention rank r publishes to port + r, where nothing listens."""
+    if not ctx.kv_events_endpoint:
+        return []
+    config = f'{{"publisher":"zmq","endpoint":"{ctx.kv_events_endpoint}","topic":"kv"}}'
+    return ["--kv-events-config", config]
+
+
 def is_head(cmd: c.StartShard) -> bool:
     return cmd.nnodes <= 1 or cmd.node_rank == 0
 
@@ -144,6 +156,7 @@ def sglang(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--context-length", p.max_model_len)
     argv += _opt("--mem-fraction-static", p.gpu_memory_utilization)
     argv += _opt("--max-running-requests", p.max_num_seqs)
+    argv += sglang_kv_events_args(ctx)
     argv += p.engine_args
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
 
@@ -175,6 +188,9 @@ class Adapter:
     build: Callable[[c.StartShard, LaunchContext], LaunchSpec]
     serves_http: Callable[[c.StartShard], bool]
 
+
+# Engines that publish KV cache events the agent can relay.
+KV_EVENT_ENGINES = frozenset({"vllm", "sglang", "sim"})
 
 ADAPTERS: dict[str, Adapter] = {
     "vllm": Adapter(vllm, vllm_serves_http),

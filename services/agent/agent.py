@@ -659,7 +659,7 @@ class Agent:
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
         relay = None
-        if self.cfg.kv_events and cmd.profile.engine in ("vllm", "sim") and port:
+        if self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES and port:
             relay = self.kv_relays.open(cmd.shard_id)
         spec = adapter.build(
             cmd,

@@ -31,7 +31,7 @@ class AgentConfig(config.ConfigStruct, kw_only=True):
     engine_bind_host: str = ""  # "" -> advertise_address
     heartbeat_interval_seconds: float = 2.0
     load_interval_seconds: float = 0.25
-    # Relay vLLM / simulator KV cache events to routers (adds --kv-events-config to engines).
+    # Relay vLLM / SGLang / simulator KV cache events to routers (adds --kv-events-config).
     kv_events: bool = True
     ready_timeout_seconds: float = 1800.0  # large models load for many minutes
     ready_poll_seconds: float = 0.25

@@ -45,8 +45,19 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 _HASH_JSON_BYTES = 20
 
 
+def _extra(keys: list, lora_name: str | None) -> bytes | None:
+    """A block's extra keys as canonical hashes cover them: without the LoRA name vLLM
+    puts first, since the chain's root already stands for the adapter."""
+    if lora_name and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    return kvblocks.extra_bytes(keys)
+
+
 class BlockSet:
-    """An engine's cached blocks: engine hash -> canonical hash. Pure; no I/O."""
+    """An engine's cached blocks: engine hash -> canonical hash. Pure; no I/O.
+
+    A block's canonical hash covers its token ids and its extra keys (multimodal item
+    hashes, cache salt: llmgw.kvblocks), so such a block never matches a plain one."""
 
     def __init__(self) -> None:
         self.canon: dict[kvwire.BlockHash, int] = {}
@@ -74,12 +85,16 @@ class BlockSet:
                 except (OverflowError, TypeError):
                     self.orphans += len(ev.block_hashes)  # token ids outside uint32
                     continue
+                extras = ev.extra_keys
                 out = []
                 for i, eh in enumerate(ev.block_hashes):
                     block = data[i * span : (i + 1) * span]
                     if len(block) < span:
                         break
-                    h = kvblocks.chain_bytes(h, block)
+                    if extras is None or extras[i] is None:
+                        h = kvblocks.chain_bytes(h, block)
+                    else:
+                        h = kvblocks.chain_extra(h, block, _extra(extras[i], ev.lora_name))
                     canon[eh] = h
                     out.append(h)
                 if out:

@@ -24,12 +24,13 @@ class PromptBlocks:
     Truthiness and len() cost no hashing; indexing, iteration and `hashes` do, once.
     """
 
-    __slots__ = ("prompt", "block", "max_blocks", "_hashes")
+    __slots__ = ("prompt", "block", "max_blocks", "seed", "_hashes")
 
-    def __init__(self, prompt: bytes, block: int, max_blocks: int):
+    def __init__(self, prompt: bytes, block: int, max_blocks: int, seed: int = 0):
         self.prompt = prompt
         self.block = block
         self.max_blocks = max_blocks
+        self.seed = seed  # the chain's start: a request's cache_salt, hashed
         self._hashes: list[int] | None = None
 
     @property
@@ -38,7 +39,7 @@ class PromptBlocks:
         if hashes is None:
             data, block = self.prompt, self.block
             hashes = []
-            h = 0
+            h = self.seed
             for i in range(0, len(self) * block, block):
                 h = hash((h, data[i : i + block]))
                 hashes.append(h)
@@ -65,10 +66,14 @@ class PromptBlocks:
         return f"PromptBlocks({self.hashes!r})"
 
 
-def block_hashes(data: bytes, block: int, max_blocks: int) -> PromptBlocks:
+def block_hashes(
+    data: bytes, block: int, max_blocks: int, cache_salt: str | None = None
+) -> PromptBlocks:
     """Chained hashes of the full `block`-byte blocks of `data` (at most max_blocks),
-    computed when first read."""
-    return PromptBlocks(data, block, max_blocks)
+    computed when first read. A request's cache_salt starts the chain elsewhere: engines
+    share a salted prefix only with requests of the same salt, so the guess must too."""
+    seed = hash(("cache_salt", cache_salt)) if cache_salt else 0
+    return PromptBlocks(data, block, max_blocks, seed)
 
 
 class PrefixIndex:

@@ -6,7 +6,7 @@ way the engine makes them:
 
 - the simulator (`engine: sim`): its own byte tokens of the prompt it renders (its
   ChatML-like template, llmgw.chatprompt), computed here exactly;
-- vLLM with a tokenizer the catalog names (`scheduling.tokenizer`: a tokenizer.json
+- vLLM or SGLang with a tokenizer the catalog names (`scheduling.tokenizer`: a tokenizer.json
   or a directory holding one): completions prompts are encoded with the
   `tokenizers` package (special tokens added, as vLLM does); chat requests are
   rendered with the directory's chat template (tokenizer_config.json, jinja2), content
@@ -14,7 +14,9 @@ way the engine makes them:
   route is installed (TokenizerLoader), and until then there are no token ids;
 - anything else has no token ids.
 
-Without token ids an endpoint is scored by the approximate prefix guess instead.
+Without token ids an endpoint is scored by the approximate prefix guess instead. The
+request's cache_salt is not part of the token ids: the scorer hashes it into the first
+block (llmgw.kvblocks.salt_extra), as engines do.
 Nothing here raises on odd input: a prompt it cannot read has no token ids.
 """
 

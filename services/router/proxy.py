@@ -241,6 +241,7 @@ class Proxy:
     async def _dispatch(self, ex: Exchange, req: rq.Parsed, route: ModelRoute, path: str) -> None:
         ex.guard.total_at = self._ltime() + route.deadlines.total
         ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body))
+        ctx.salt = req.cache_salt
         walk = Walk(
             route,
             self.view.route,
@@ -288,7 +289,10 @@ class Proxy:
             ctx.model = route.name
             if pipeline.uses_prefix and not ctx.prefix and req.prompt:
                 ctx.prefix = block_hashes(
-                    req.prompt, settings.prefix_block_bytes, settings.prefix_max_blocks
+                    req.prompt,
+                    settings.prefix_block_bytes,
+                    settings.prefix_max_blocks,
+                    req.cache_salt,
                 )
             session = headers.get(pipeline.session_header) if pipeline.uses_session else None
             ctx.session = session.decode("latin-1") if session is not None else None

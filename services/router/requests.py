@@ -52,6 +52,7 @@ _decode_usage = msgspec.json.Decoder(_UsageHolder).decode
 _decode_response_usage = msgspec.json.Decoder(_ResponseHolder).decode
 _decode_response_event = msgspec.json.Decoder(_ResponseEvent).decode
 _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_str = msgspec.json.Decoder(str).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -66,6 +67,7 @@ class Parsed:
         "max_tokens",
         "content_type",
         "model_span",
+        "cache_salt",
     )
 
     def __init__(
@@ -78,6 +80,7 @@ class Parsed:
         max_tokens: int | None = None,
         content_type: str | None = None,
         model_span: tuple[int, int] | None = None,
+        cache_salt: str | None = None,
     ):
         self.kind = kind
         self.api = k.BY_NAME[kind]
@@ -88,6 +91,7 @@ class Parsed:
         self.max_tokens = max_tokens  # the completion allowance admission counts against tpm
         self.content_type = content_type  # a multipart body's, relayed as sent; None: JSON
         self.model_span = model_span  # where a multipart body holds the model's value
+        self.cache_salt = cache_salt  # vLLM's cache_salt, when a non-empty string
 
 
 def _allowance(text: bytes) -> int | None:
@@ -103,6 +107,16 @@ def _allowance(text: bytes) -> int | None:
     except ValueError:
         return None
     return max(0, int(value)) if math.isfinite(value) else None
+
+
+def _salt(raw: bytes) -> str | None:
+    """The cache salt if `raw` is a non-empty JSON string; anything else is the engine's
+    to refuse, and hashes as no salt."""
+    try:
+        salt = _decode_str(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return salt or None
 
 
 def parse(kind: str, body: bytes, content_type: bytes | None = None) -> Parsed:
@@ -123,7 +137,8 @@ def parse(kind: str, body: bytes, content_type: bytes | None = None) -> Parsed:
     limit = bytes(head.max_completion_tokens) or bytes(head.max_tokens)
     limit = limit or bytes(head.max_output_tokens)
     stream = bool(head.stream) and api.stream is not None
-    return Parsed(kind, head.model, stream, prompt, body, _allowance(limit))
+    salt = _salt(bytes(head.cache_salt)) if head.cache_salt else None
+    return Parsed(kind, head.model, stream, prompt, body, _allowance(limit), cache_salt=salt)
 
 
 # ---------------------------------------------------------------- multipart forms

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import LazyPromptHashes, token_count
+from llmgw.kvblocks import LazyPromptHashes, salt_extra, token_count
 from llmgw.router.circuit import CLOSED
 from llmgw.router.prompttokens import TOKENIZERS, tokens_for
 
@@ -49,7 +49,7 @@ class Settings:
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv")
+    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv", "salt")
 
     def __init__(
         self,
@@ -69,6 +69,8 @@ class Context:
         # kv_prefix's work on this prompt, kept for the request's retries: token ids by
         # engine kind, lazily computed block hashes by (engine kind, block size).
         self.kv: dict | None = None
+        # The request's cache_salt: engines key its first block by it, so must kv_prefix.
+        self.salt: str | None = None
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
@@ -336,7 +338,9 @@ class CachedPrefixScorer(_Stateless):
         for key, members in groups.items():
             hashes = memo.get(key)
             if hashes is None:
-                hashes = memo[key] = LazyPromptHashes(memo[key[0]], key[1], self.max_blocks)
+                hashes = memo[key] = LazyPromptHashes(
+                    memo[key[0]], key[1], self.max_blocks, first_extra=salt_extra(ctx.salt)
+                )
             n = len(hashes)
             if not n:
                 for i in members:

@@ -42,6 +42,9 @@ class RoutedFields(msgspec.Struct):
     max_tokens: msgspec.Raw = ABSENT
     max_completion_tokens: msgspec.Raw = ABSENT
     max_output_tokens: msgspec.Raw = ABSENT
+    # Raw: the engine judges it (vLLM: a non-empty string); the KV-event scorer keys a
+    # prompt's first block by it, as vLLM does, when it is a non-empty string.
+    cache_salt: msgspec.Raw = ABSENT
     # Raw: prefix affinity hashes the prompt's bytes as sent.
     messages: msgspec.Raw = ABSENT
     prompt: msgspec.Raw = ABSENT

@@ -204,7 +204,9 @@ class SimApp:
         cfg = self.config
         faults = self.faults.config
         hashes = (
-            tokens.block_hashes(job.prompt, cfg.block_size) if cfg.enable_prefix_caching else ()
+            tokens.block_hashes(job.prompt, cfg.block_size, tokens.salt_seed(job.cache_salt))
+            if cfg.enable_prefix_caching
+            else ()
         )
         reqs = []
         for out in job.outputs:
@@ -214,6 +216,7 @@ class SimApp:
                 final_reason=out.final_reason,
                 block_hashes=hashes,
                 prompt=job.prompt,
+                cache_salt=job.cache_salt,
                 hang_after=faults.hang_after_tokens,
                 first_token_delay=faults.slow_first_token_ms / 1000,
             )

@@ -59,6 +59,8 @@ class Request:
     block_hashes: tuple[int, ...] = ()
     # The prompt's bytes: the token ids KV events carry are cut from them.
     prompt: bytes = b""
+    # vLLM's cache_salt: the first block's hash (and KV event extra keys) covers it.
+    cache_salt: str | None = None
     # Faults: stop producing (but keep slot and blocks) after this many tokens; delay the first.
     hang_after: int | None = None
     first_token_delay: float = 0.0

@@ -98,6 +98,10 @@ class Publisher:
 
     def _stored_run(self, req: Request, run: list[int], span: int) -> None:
         first, last = run[0], run[-1]
+        # vLLM's extra keys: the salt on the request's first block, nothing on the others.
+        extra = (
+            [[req.cache_salt]] + [None] * (len(run) - 1) if req.cache_salt and not first else None
+        )
         self._add(
             kvwire.BlockStored(
                 block_hashes=[req.block_hashes[i] for i in run],
@@ -107,6 +111,7 @@ class Publisher:
                 lora_id=None,
                 medium="GPU",
                 lora_name=None,
+                extra_keys=extra,
             )
         )
 

@@ -92,6 +92,9 @@ class _Common(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     n: int | None = 1
     seed: int | None = None
+    # vLLM's extension: prefix-cache blocks of a salted request are shared only with
+    # requests of the same salt (its first block's hash covers the salt).
+    cache_salt: str | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -143,6 +146,7 @@ class Job:
     # Chat: top_logprobs to send (0 = the sampled token only); completions: `logprobs`.
     # None: no logprobs.
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     @property
     def pieces(self) -> list[str]:
@@ -237,6 +241,7 @@ class RequestParser:
             raise ApiError(
                 400, "stream_options is only allowed with stream = true", param="stream_options"
             )
+        check_cache_salt(req.cache_salt)
 
     def build(
         self,
@@ -291,6 +296,7 @@ class RequestParser:
             outputs=outputs,
             stream=bool(req.stream),
             include_usage=include_usage,
+            cache_salt=req.cache_salt,
         )
 
     def _output(
@@ -335,6 +341,29 @@ def _non_negative(value: int, param: str) -> int:
     if value < 0:
         raise ApiError(400, f"`{param}` must be a non-negative value, got {value}", param=param)
     return value
+
+
+# vLLM's limits on a cache salt (vllm.entrypoints.generate.base.protocol).
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def check_cache_salt(salt: str | None) -> None:
+    if salt is None:
+        return
+    if not salt:
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt",
+        )
+    if len(salt) > MAX_CACHE_SALT or not _SALT_FORBIDDEN.isdisjoint(salt):
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\', or NUL.",
+            param="cache_salt",
+        )
 
 
 def decode_body(decoder: msgspec.json.Decoder, body: bytes) -> Any:

@@ -45,6 +45,7 @@ _encode = msgspec.json.encode
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
+    cache_salt: str | None = None
     input: str | list[Any] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -133,7 +134,12 @@ class Parsed:
 def parse(body: bytes, parser: RequestParser, previous: ResponseStore) -> Parsed:
     req = decode_body(_decoder, body)
     shim = ChatRequest(
-        model=req.model, messages=[], stream=req.stream, seed=req.seed, stop=req.stop
+        model=req.model,
+        messages=[],
+        stream=req.stream,
+        seed=req.seed,
+        stop=req.stop,
+        cache_salt=req.cache_salt,
     )
     parser.check_common(shim)
     if req.background and req.stream:

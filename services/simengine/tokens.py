@@ -36,6 +36,12 @@ def count_tokens(prompt: bytes) -> int:
     return -(-len(prompt) // BYTES_PER_TOKEN)
 
 
+def salt_seed(cache_salt: str | None) -> int:
+    """The chain's seed for a request's blocks: a salt keys its first block, as in vLLM,
+    so a salted prefix is shared only with requests of the same salt."""
+    return hash(("cache_salt", cache_salt)) if cache_salt else 0
+
+
 def block_hashes(prompt: bytes, block_size: int, seed: int = 0) -> tuple[int, ...]:
     """Chained hashes of the prompt's full blocks: block i's hash covers blocks 0..i.
 

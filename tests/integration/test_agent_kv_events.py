@@ -58,6 +58,34 @@ async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
             await nats.flush()
             await asyncio.sleep(0.05)
         assert relayed[: len(expected)] == expected
+        # The same prompt under a cache_salt: the engine caches it apart, and its blocks
+        # reach the bus as the salted prompt hashes (salt in the first block's extra keys),
+        # none of them a block of the unsalted prompt.
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(
+                f"{ready.url}/v1/completions",
+                json={"model": "model-kv", "prompt": PROMPT, "max_tokens": 2,
+                      "cache_salt": "tenant-a"},
+            )  # fmt: skip
+            r.raise_for_status()
+            assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        salted = kvblocks.prompt_hashes(
+            byte_tokens(PROMPT.encode()), 16, 1000, first_extra=kvblocks.salt_extra("tenant-a")
+        )
+        for _ in range(400):
+            relayed = [
+                h
+                for m in events
+                for op in c.decode(m.data, c.KvEvents).ops
+                if op.op is c.KvOp.STORED
+                for h in op.hashes
+            ]
+            if len(relayed) >= len(expected) + len(salted):
+                break
+            await nats.flush()
+            await asyncio.sleep(0.05)
+        assert relayed[len(expected) : len(expected) + len(salted)] == salted
+        assert not set(salted) & set(expected)
         line = next(
             ln
             for ln in agent.metrics.text().decode().splitlines()

@@ -119,3 +119,92 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
         await asyncio.to_thread(vllm.stop)
         await sub.unsubscribe()
         await relays.stop()
+
+
+async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
+    nats, tiny, vllm_python, tmp_path
+):
+    """vLLM keys a salted request's first block by its cache_salt (and says so in the
+    event's extra keys): the index must not credit the engine with the unsalted prompt,
+    and must credit it with the salted repeat, as the engine's own cache hits do."""
+    from llmgw.router import requests as rq
+    from llmgw.router import scheduling as sc
+    from llmgw.router.kvindex import BlockIndex
+    from llmgw.router.prefix import block_hashes
+    from llmgw.router.prompttokens import TOKENIZERS
+    from tests.unit.test_router_kvindex import endpoint
+
+    relays = KvRelays("n-salt")
+    await relays.attach(nats)
+    relay = relays.open("v0")
+    ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
+    flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
+    vllm = await asyncio.to_thread(
+        lambda: _started(Vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
+    )
+    salted_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "cache_salt": "tenant-a"}
+    plain_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    try:
+        relay.url = vllm.url
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def complete(body) -> None:
+                (await http.post(f"{vllm.url}/v1/completions", json=body)).raise_for_status()
+
+            async def cache_hits() -> float:
+                text = (await http.get(f"{vllm.url}/metrics")).text
+                return sum(
+                    float(line.split()[-1])
+                    for line in text.splitlines()
+                    if line.startswith("vllm:prefix_cache_hits_total")
+                )
+
+            await complete(salted_body)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not relay.blocks.hashes():
+                await asyncio.sleep(0.05)
+            assert relay.blocks.block_size > 0, "no BlockStored from vLLM reached the relay"
+
+            # The router's index, fed the relay's snapshot as a router is.
+            reply = await nats.request(
+                subjects.kv_snapshot("n-salt", "v0"),
+                c.encode(c.KvSnapshotRequest(node="n-salt", shard_id="v0")),
+                timeout=10,
+            )
+            snap = c.decode(reply.data, c.KvSnapshot)
+            index = BlockIndex()
+            first = c.KvEvents(node="n-salt", shard_id="v0", epoch=snap.epoch,
+                               seq_first=snap.seq, seq_last=snap.seq,
+                               block_size=snap.block_size, ops=[])  # fmt: skip
+            assert index.offer("v0", first)
+            index.snapshot("v0", snap)
+
+            # The router's kv_prefix scorer, from the request bodies as a router gets them.
+            assert TOKENIZERS.wait(str(tiny), 60) is not None
+            scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+            scorer.configure(c.SchedulingSpec(tokenizer=str(tiny)))
+            eps = [endpoint("v0", engine="vllm")]
+
+            def share(body) -> float:
+                req = rq.parse("completions", msgspec.json.encode(body))
+                ctx = sc.Context(time.time(), MODEL, prefix=block_hashes(req.prompt, 256, 128))
+                ctx.salt = req.cache_salt
+                return scorer.overlaps(eps, ctx)[0]
+
+            assert share(plain_body) == 0.0  # the old relay and router said 1.0 here
+            assert share({**plain_body, "cache_salt": "tenant-b"}) == 0.0
+            assert share(salted_body) > 0.9
+
+            # The engine agrees: the unsalted prompt misses its cache, the salted repeat hits.
+            before = await cache_hits()
+            await complete(plain_body)
+            after_plain = await cache_hits()
+            await complete(salted_body)
+            after_salted = await cache_hits()
+            assert after_plain == before and after_salted > after_plain
+            print(f"\nvLLM block size {snap.block_size}, salted share {share(salted_body):.2f}, "
+                  f"cache hits {before:.0f} -> {after_plain:.0f} (plain) "
+                  f"-> {after_salted:.0f} (salted repeat)")  # fmt: skip
+    finally:
+        await asyncio.to_thread(vllm.stop)
+        await relays.stop()
