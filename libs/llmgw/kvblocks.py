@@ -55,6 +55,11 @@ def extra_bytes(keys: Sequence[Any] | None) -> bytes | None:
     return _extra_encode(list(keys))
 
 
+# Engines whose KV events carry no extra keys (read from SGLang's source): their blocks
+# are never stored under a salt, so a salted request cannot be scored by their events.
+EVENTS_WITHOUT_EXTRA_KEYS = frozenset({"sglang"})
+
+
 def salt_extra(cache_salt: str | None) -> bytes | None:
     """The extra keys of a request's first block under `cache_salt` (vLLM: the salt alone,
     when the request has no LoRA adapter and no multimodal item in that block)."""

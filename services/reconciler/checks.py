@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 
+from . import queries
 from .state import ClusterState
 
 _CONTROL = c.CHANNELS["controlEvents"]
@@ -29,11 +30,7 @@ def refusal(state: ClusterState, event: c.Message) -> str | None:
 def _placement_decided(state: ClusterState, ev: c.PlacementDecided) -> str | None:
     if ev.replica_id in state.replicas:
         return f"replica {ev.replica_id} is already placed"
-    taken: dict[tuple[str, str], str] = {}  # (node, gpu) -> the shard holding it
-    for shard in state.shards.values():
-        if not shard.terminal:
-            for gpu in shard.gpus:
-                taken[(shard.node, gpu)] = shard.shard_id
+    taken = queries.gpu_holders(state)
     for a in ev.assignments:
         node = state.nodes.get(a.node)
         if node is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 
@@ -61,8 +62,8 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
             "least 3 x leader.check_interval_seconds, so a cut-off leader steps down before "
             "Postgres frees the lock for another"
         )
-    if cfg.actor.autoscale_tick <= 0:
-        problems.append(f"actor.autoscale_tick = {cfg.actor.autoscale_tick}: must be > 0")
+    if not (math.isfinite(cfg.actor.autoscale_tick) and cfg.actor.autoscale_tick > 0):
+        problems.append(f"actor.autoscale_tick = {cfg.actor.autoscale_tick}: must be a number > 0")
     try:
         config.host_port(cfg.admin_listen, 9300)
     except config.ConfigError as exc:

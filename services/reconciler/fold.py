@@ -146,10 +146,9 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
         assignments=list(ev.assignments),
         decided_seq=seq,
         # What the replica runs is the profile declared when it was placed: a
-        # later ModelDeclared with another profile makes it outdated (reconcile.py).
+        # later ModelDeclared with another profile makes it outdated (queries.outdated).
         profile_digest=profile_digest(decl.profile) if decl is not None else "",
     )
-    _count_replica(state, ev.model, ev.replica_id)
     for a in ev.assignments:
         running = state.shards.get(a.shard_id)
         if ev.adopted and running is not None and running.node == a.node:
@@ -245,12 +244,6 @@ def _touch(shard: ShardView, seq: int, ts: float, changes: set[Change]) -> None:
     shard.updated_seq = seq
     shard.updated_at = ts
     changes.add(Change(ch.SHARD, shard.shard_id))
-
-
-def _count_replica(state: ClusterState, model: str, replica_id: str) -> None:
-    suffix = replica_id.rsplit("-r", 1)[-1]
-    n = int(suffix) if suffix.isdigit() else 0
-    state.replica_counter[model] = max(state.replica_counter.get(model, 0), n)
 
 
 _HANDLERS = {

@@ -9,16 +9,18 @@ in words an operator reads, so the log alone explains every decision and
 chosen and best-ranked nodes and counts the others by kind of reason
 (verdicts.py), so it stays small whatever the fleet size.
 
-A node can take a shard of the replica when, in this order of checks:
-  1. it is alive (not unreachable, not lost);
-  2. it runs the profile's engine;
-  3. its labels match every selector key of the profile;
-  4. it has `gpus_per_shard` free GPUs (not held by a non-finished shard) with
-     at least `min_gpu_memory_bytes` each;
-  5. for a multi-node replica (`shards_per_replica` > 1): it carries a fabric
-     label, and enough fitting nodes share that fabric value.
+A replica's nodes are chosen as the router chooses an endpoint: named filters
+in order, then one ranking step. The filters (each rejects a node with a
+verdict whose kind is its own test, see verdicts.py):
+  1. alive: not unreachable, not lost;
+  2. engine: it runs the profile's engine;
+  3. selector: its labels match every selector key of the profile;
+  4. free_gpus: it has `gpus_per_shard` free GPUs (not held by a non-finished
+     shard, see queries.busy_gpus) with at least `min_gpu_memory_bytes` each;
+  5. fabric, for a multi-node replica (`shards_per_replica` > 1) only: it
+     carries a fabric label, and enough nodes that passed 1-4 share its value.
 
-Ranking among the nodes that fit (the packing rule):
+Ranking among the nodes left (the packing rule):
   1. fewest shards of this model already on the node (spread a model's
      replicas, so one node going down takes as few of them as possible);
   2. fewest free fitting GPUs (best fit: fill the fullest node that still fits,
@@ -39,10 +41,11 @@ import hashlib
 import heapq
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 from llmgw import contracts as c
 
-from . import verdicts
+from . import queries, verdicts
 from .state import ClusterState, Liveness, NodeView, shard_id
 
 FABRIC_LABEL = "fabric"
@@ -76,11 +79,12 @@ class Fit:
     """One node's answer for one replica: the verdict plus what ranking needs."""
 
     node: str
-    fits: bool
-    reason: str
+    view: NodeView = field(repr=False)
+    fits: bool = True
+    reason: str = ""
     # What this reason has in common with other nodes' (no per-node numbers or times):
     # the group a large fleet counts the node in instead of listing it.
-    kind: str
+    kind: str = ""
     free: list[c.GpuInfo] = field(default_factory=list)  # the GPUs that fit, unordered
     model_shards: int = 0
     fabric: str | None = None
@@ -89,21 +93,20 @@ class Fit:
     def rank(self) -> tuple[int, int, str]:
         return (self.model_shards, len(self.free), self.node)
 
+    def reject(self, reason: str, kind: str) -> None:
+        self.fits, self.reason, self.kind = False, reason, kind
 
-class Usage:
-    """Per-node GPU use and per-node shard count of one model, in one pass over shards."""
+
+class Need:
+    """What one replica asks of every node, and the GPU use it is judged against."""
+
+    __slots__ = ("profile", "width", "busy", "model_shards")
 
     def __init__(self, state: ClusterState, model: str):
-        self.busy: dict[str, set[str]] = {}
-        self.model_shards: dict[str, int] = {}
-        for shard in state.shards.values():
-            if shard.terminal:
-                continue
-            self.busy.setdefault(shard.node, set()).update(shard.gpus)
-            if shard.model == model:
-                replica = state.replicas.get(shard.replica_id)
-                if replica is None or not replica.retired:
-                    self.model_shards[shard.node] = self.model_shards.get(shard.node, 0) + 1
+        self.profile = state.models[model].profile
+        self.width = self.profile.shards_per_replica
+        self.busy = queries.busy_gpus(state)
+        self.model_shards = queries.model_shards(state, model)
 
 
 def _take(eligible: list[c.GpuInfo], want: int) -> list[str]:
@@ -125,55 +128,222 @@ def _take(eligible: list[c.GpuInfo], want: int) -> list[str]:
     return [g.uuid for g in by_index[:want]]
 
 
+# ------------------------------------------------------------------ node filters
+#
+# Each filter passes the candidates that may host a shard and rejects the others
+# with a verdict: the reason in words, and its kind, which names the filter's
+# test without per-node numbers (verdicts.py groups a large fleet's nodes by it).
+# They run in order; a node's verdict is the first filter that rejects it.
+
+
+class NodeFilter(Protocol):
+    name: ClassVar[str]
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        """The candidates that pass; every other one is rejected (`Fit.reject`)."""
+
+
+class Alive:
+    """Not unreachable, not lost. Kinds: "unreachable", "lost"."""
+
+    name = "alive"
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        out = []
+        for f in cands:
+            node = f.view
+            if node.liveness == Liveness.ALIVE:
+                out.append(f)
+            else:
+                since = f"{node.liveness.value} since {clock_text(node.liveness_since)}"
+                f.reject(since, node.liveness.value)
+        return out
+
+
+class Engine:
+    """Runs the profile's engine. Kind: "does not run engine <engine>"."""
+
+    name = "engine"
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        engine = need.profile.engine
+        kind = f"does not run engine {engine}"
+        out = []
+        for f in cands:
+            if engine in f.view.engines:
+                out.append(f)
+            else:
+                f.reject(f"{kind} (runs {', '.join(sorted(f.view.engines)) or 'none'})", kind)
+        return out
+
+
+class Selector:
+    """Carries every label of the profile's selector, with its value, checked in key order.
+    Kinds: "has no label <k>, needs <k>=<v>", "label <k> does not match <k>=<v>"."""
+
+    name = "selector"
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        selector = need.profile.selector
+        if not selector:
+            return cands
+        keys = sorted(selector)
+        out = []
+        for f in cands:
+            labels = f.view.labels
+            for key in keys:
+                want = selector[key]
+                have = labels.get(key)
+                if have is None:
+                    missing = f"has no label {key}, needs {key}={want}"
+                    f.reject(missing, missing)
+                    break
+                if have != want:
+                    f.reject(
+                        f"label {key}={have} does not match {key}={want}",
+                        f"label {key} does not match {key}={want}",
+                    )
+                    break
+            else:
+                out.append(f)
+        return out
+
+
 def _too_few(need: int, what: str = "") -> str:
     return f"no free GPU{what}" if need == 1 else f"fewer than {need} free GPUs{what}"
 
 
-def _node_fit(node: NodeView, profile: c.ServingProfile, usage: Usage) -> Fit:
-    name = node.node
-    if node.liveness != Liveness.ALIVE:
-        since = f"{node.liveness.value} since {clock_text(node.liveness_since)}"
-        return Fit(name, False, since, node.liveness.value)
-    if profile.engine not in node.engines:
-        runs = ", ".join(sorted(node.engines)) or "none"
-        kind = f"does not run engine {profile.engine}"
-        return Fit(name, False, f"{kind} (runs {runs})", kind)
-    for key in sorted(profile.selector):
-        want = profile.selector[key]
-        have = node.labels.get(key)
-        if have is None:
-            missing = f"has no label {key}, needs {key}={want}"
-            return Fit(name, False, missing, missing)
-        if have != want:
-            kind = f"label {key} does not match {key}={want}"
-            return Fit(name, False, f"label {key}={have} does not match {key}={want}", kind)
-    busy = usage.busy.get(name, set())
-    free = [g for g in node.gpus.values() if g.uuid not in busy]
-    big = [g for g in free if g.memory_bytes >= profile.min_gpu_memory_bytes]
-    need = profile.gpus_per_shard
-    if len(big) < need:
-        total = len(node.gpus)
-        if len(big) < len(free):
-            memory = f"at least {gib(profile.min_gpu_memory_bytes)}"
-            return Fit(
-                name,
-                False,
-                f"{plural(len(free), 'free GPU')} of {total}, {len(big)} with {memory}, "
-                f"needs {need}",
-                _too_few(need, f" with {memory}"),
-            )
-        why = f"{plural(len(free), 'free GPU')} of {total}, needs {need}"
-        return Fit(name, False, why, _too_few(need))
-    shards_here = usage.model_shards.get(name, 0)
-    return Fit(
-        name,
-        True,
-        f"fits: {plural(len(big), 'free GPU')}, {plural(shards_here, 'shard')} of this model",
-        "fits, ranked below the nodes listed",
-        free=big,
-        model_shards=shards_here,
-        fabric=node.labels.get(FABRIC_LABEL),
-    )
+class FreeGpus:
+    """Has `gpus_per_shard` GPUs no unfinished shard holds, each with at least
+    `min_gpu_memory_bytes`; a passing node keeps them (`Fit.free`). Kinds: "no free
+    GPU", "fewer than <n> free GPUs", each with " with at least <m> GiB" when memory
+    is what is short."""
+
+    name = "free_gpus"
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        profile = need.profile
+        want = profile.gpus_per_shard
+        floor = profile.min_gpu_memory_bytes
+        out = []
+        for f in cands:
+            node = f.view
+            busy = need.busy.get(f.node, ())
+            free = [g for g in node.gpus.values() if g.uuid not in busy]
+            big = [g for g in free if g.memory_bytes >= floor]
+            if len(big) >= want:
+                f.free = big
+                out.append(f)
+                continue
+            total = len(node.gpus)
+            if len(big) < len(free):
+                memory = f"at least {gib(floor)}"
+                f.reject(
+                    f"{plural(len(free), 'free GPU')} of {total}, {len(big)} with {memory}, "
+                    f"needs {want}",
+                    _too_few(want, f" with {memory}"),
+                )
+            else:
+                f.reject(
+                    f"{plural(len(free), 'free GPU')} of {total}, needs {want}", _too_few(want)
+                )
+        return out
+
+
+FITS_KIND = "fits, ranked below the nodes listed"
+
+
+def _fits(cands: list[Fit], need: Need) -> None:
+    """The verdict of a node every per-node filter passed."""
+    for f in cands:
+        f.model_shards = here = need.model_shards.get(f.node, 0)
+        f.fabric = f.view.labels.get(FABRIC_LABEL)
+        f.reason = f"fits: {plural(len(f.free), 'free GPU')}, {plural(here, 'shard')} of this model"
+        f.kind = FITS_KIND
+
+
+class Fabric:
+    """For a multi-node replica only: carries a fabric label, and enough nodes that
+    passed every other filter share its value. Kinds: "has no fabric label, a <n>-node
+    replica needs one", "fits alone, but fewer than <n> fitting nodes share its fabric
+    label"."""
+
+    name = "fabric"
+
+    def select(self, cands: list[Fit], need: Need) -> list[Fit]:
+        width = need.width
+        if width <= 1:
+            return cands
+        groups: dict[str, list[Fit]] = {}
+        for f in cands:
+            if f.fabric is None:
+                no_label = f"has no {FABRIC_LABEL} label, a {width}-node replica needs one"
+                f.reject(no_label, no_label)
+            else:
+                groups.setdefault(f.fabric, []).append(f)
+        kind = f"fits alone, but fewer than {width} fitting nodes share its {FABRIC_LABEL} label"
+        out = []
+        for fabric, members in groups.items():
+            if len(members) >= width:
+                out += members
+                continue
+            for f in members:
+                f.reject(
+                    f"{f.reason.removeprefix('fits: ')}, but {FABRIC_LABEL}={fabric} has "
+                    f"{plural(len(members), 'fitting node')}, needs {width}",
+                    kind,
+                )
+        return out
+
+
+# Applied in this order; `_fits` gives the verdict of the nodes left before Fabric.
+NODE_FILTERS: tuple[NodeFilter, ...] = (Alive(), Engine(), Selector(), FreeGpus())
+GROUP_FILTERS: tuple[NodeFilter, ...] = (Fabric(),)
+
+
+def fit_nodes(state: ClusterState, model: str) -> tuple[list[Fit], list[Fit]]:
+    """(a verdict per registered node in node-id order, the nodes that fit in that order)."""
+    need = Need(state, model)
+    fits = [Fit(name, state.nodes[name]) for name in sorted(state.nodes)]
+    cands = fits
+    for f in NODE_FILTERS:
+        cands = f.select(cands, need)
+    _fits(cands, need)
+    for f in GROUP_FILTERS:
+        cands = f.select(cands, need)
+    return fits, cands
+
+
+# ------------------------------------------------------------------ ranking
+
+
+_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+
+
+def rank(cands: list[Fit], width: int) -> tuple[list[Fit], list[Fit], str]:
+    """(the nodes chosen, one per shard; the best-ranked nodes a large fleet lists; why
+    none are chosen) by the packing rule, among the nodes that fit.
+
+    A multi-node replica takes the best `width` nodes of one fabric group: the group
+    whose best nodes give the lowest (shards of this model, free GPUs) sum, then the
+    lowest fabric value.
+    """
+    best = heapq.nsmallest(verdicts.KEEP_BEST, cands, key=lambda f: f.rank)
+    if width == 1:
+        return best[:1], best, "" if best else "no node fits"
+    groups: dict[str, list[Fit]] = {}
+    for f in cands:
+        groups.setdefault(f.fabric or "", []).append(f)  # Fabric let only labelled nodes by
+    top: tuple[tuple[int, int, str], list[Fit]] | None = None
+    for fabric in sorted(groups):
+        pick = sorted(groups[fabric], key=lambda f: f.rank)[:width]
+        key = (sum(f.model_shards for f in pick), sum(len(f.free) for f in pick), fabric)
+        if top is None or key < top[0]:
+            top = (key, pick)
+    if top is not None:
+        return top[1], best, ""
+    count = _WORDS.get(width, str(width))
+    return [], best, f"no {count} fitting nodes share a {FABRIC_LABEL} label"
 
 
 def _requirements(model: c.ModelDeclared) -> str:
@@ -204,17 +374,11 @@ def place(
     """
     decl = state.models[model]
     profile = decl.profile
-    usage = Usage(state, model)
-    fits = [_node_fit(state.nodes[n], profile, usage) for n in sorted(state.nodes)]
-    width = profile.shards_per_replica
-    chosen, why = _multi_node(fits, width) if width > 1 else ([], "no node fits")
-    # After _multi_node: a node that cannot join a fabric group no longer fits.
-    best = heapq.nsmallest(verdicts.KEEP_BEST, (f for f in fits if f.fits), key=lambda f: f.rank)
-    if width == 1 and best:
-        chosen, why = best[:1], ""
+    fits, cands = fit_nodes(state, model)
+    chosen, best, why = rank(cands, profile.shards_per_replica)
     listed = {f.node for f in chosen + best}
 
-    fitting = sum(f.fits for f in fits)
+    fitting = len(cands)
     considered = f"{fitting} of {plural(len(fits), 'node')} fit"
     if not chosen:
         reason = why if fits else "no nodes are registered"
@@ -253,46 +417,3 @@ def place(
         verdict_groups=groups,
         explanation=f"{replica_id} placed on {where}; {considered}; ranked by {PACKING_RULE}",
     )
-
-
-_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
-
-
-def _multi_node(fits: list[Fit], width: int) -> tuple[list[Fit], str]:
-    """The best `width` fitting nodes of one fabric group, or why there are none.
-
-    A node that fits alone but cannot join a large enough group gets fits=False
-    and a reason saying so: for this replica it cannot host a shard.
-    """
-    groups: dict[str, list[Fit]] = {}
-    for f in fits:
-        if not f.fits:
-            continue
-        if f.fabric is None:
-            f.fits = False
-            f.reason = f.kind = f"has no {FABRIC_LABEL} label, a {width}-node replica needs one"
-            continue
-        groups.setdefault(f.fabric, []).append(f)
-    best: tuple[tuple[int, int, str], list[Fit]] | None = None
-    for fabric in sorted(groups):
-        members = sorted(groups[fabric], key=lambda f: f.rank)
-        if len(members) < width:
-            for f in members:
-                f.fits = False
-                f.reason = (
-                    f"{f.reason.removeprefix('fits: ')}, but {FABRIC_LABEL}={fabric} has "
-                    f"{plural(len(members), 'fitting node')}, needs {width}"
-                )
-                f.kind = (
-                    f"fits alone, but fewer than {width} fitting nodes share its "
-                    f"{FABRIC_LABEL} label"
-                )
-            continue
-        pick = members[:width]
-        key = (sum(f.model_shards for f in pick), sum(len(f.free) for f in pick), fabric)
-        if best is None or key < best[0]:
-            best = (key, pick)
-    if best is not None:
-        return best[1], ""
-    count = _WORDS.get(width, str(width))
-    return [], f"no {count} fitting nodes share a {FABRIC_LABEL} label"

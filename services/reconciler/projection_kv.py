@@ -49,7 +49,8 @@ from llmgw.projection import Key
 
 from . import changes as ch
 from .changes import Change
-from .state import ClusterState, replica_id
+from .queries import next_replica_id
+from .state import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _unplaceable(state: ClusterState, model: str) -> str:
     """
     if len(state.active_replicas(model)) >= state.desired_replicas(model):
         return ""
-    failed = state.failures.get(replica_id(model, state.replica_counter.get(model, 0) + 1))
+    failed = state.failures.get(next_replica_id(state, model))
     return failed.explanation if failed is not None else ""
 
 

@@ -18,7 +18,8 @@ from llmgw import subjects
 
 from . import rows, store
 from . import tables as t
-from .state import is_outdated, profile_digest
+from .queries import is_outdated
+from .state import profile_digest
 
 _ACTIVE_SHARD = t.Shard.state.not_in([s.value for s in c.TERMINAL_SHARD_STATES])
 # The state a replica shows: its least advanced shard's.
@@ -113,7 +114,7 @@ async def _replicas_with_shards(
                 "retired_reason": rep["retired_reason"],
                 "decided_seq": rep["decided_seq"],
                 "profile_digest": rep["profile_digest"],
-                # As reconcile.outdated() sees it: active, and placed with another
+                # As queries.outdated() sees it: active, and placed with another
                 # profile than the one declared now. A rolling update replaces it.
                 "outdated": not rep["retired"]
                 and rep["model"] in declared

@@ -27,15 +27,8 @@ from llmgw import contracts as c
 
 from . import fold, placement
 from .placement import event_id
-from .state import (
-    ClusterState,
-    Liveness,
-    ReplicaView,
-    ShardView,
-    is_outdated,
-    profile_digest,
-    replica_id,
-)
+from .queries import adoptable, is_ready, newest_first, next_replica_id, outdated
+from .state import ClusterState, Liveness, ReplicaView, ShardView
 
 MASTER_PORT_BASE = 29500  # multi-node rendezvous port = base + crc32(replica) % span
 MASTER_PORT_SPAN = 1000
@@ -79,8 +72,8 @@ class _Scratch:
     def apply(self, event: c.Message) -> None:
         if self.state is self.base:
             s = self.base
-            # The fold of control events touches replicas, shards, failures and the
-            # replica counter, never nodes or the catalog: share those.
+            # The fold of control events touches replicas, shards and failures, never
+            # nodes or the catalog: share those.
             self.state = ClusterState(
                 last_seq=s.last_seq,
                 nodes=s.nodes,
@@ -90,18 +83,10 @@ class _Scratch:
                 replicas={k: copy.copy(v) for k, v in s.replicas.items()},
                 shards={k: copy.copy(v) for k, v in s.shards.items()},
                 failures=dict(s.failures),
-                replica_counter=dict(s.replica_counter),
                 scaled=s.scaled,
             )
         self.seq += 1
         fold.apply(self.state, self.seq, event)
-
-
-def is_ready(state: ClusterState, replica: ReplicaView) -> bool:
-    return all(
-        (s := state.shards.get(sid)) is not None and s.state == c.ShardState.READY
-        for sid in replica.shard_ids
-    )
 
 
 def broken_shard(state: ClusterState, replica: ReplicaView) -> tuple[str, str] | None:
@@ -127,41 +112,6 @@ def _retire(sc: _Scratch, replica: ReplicaView, reason: str, ts: float) -> c.Rep
     )
     sc.apply(ev)
     return ev
-
-
-def adoptable(state: ClusterState, model: str) -> list[ShardView]:
-    """Shards a node runs for `model` that no active replica owns and that could serve as one.
-
-    Only single-shard replicas are adopted: a multi-node group cannot be
-    checked for consistency from registrations alone.
-    """
-    decl = state.models.get(model)
-    if decl is None or decl.profile.shards_per_replica != 1:
-        return []
-    want = profile_digest(decl.profile)
-    busy_by_owned: dict[str, set[str]] = {}
-    for s in state.shards.values():
-        owner = state.replicas.get(s.replica_id)
-        if not s.terminal and owner is not None and not owner.retired:
-            busy_by_owned.setdefault(s.node, set()).update(s.gpus)
-    out = []
-    for sid in sorted(state.shards):
-        s = state.shards[sid]
-        owner = state.replicas.get(s.replica_id)
-        node = state.nodes.get(s.node)
-        if (
-            s.model == model
-            and s.state == c.ShardState.READY
-            and (owner is None or owner.retired)
-            # A replica retired by a rolling update runs the old profile: never take it back.
-            and (owner is None or not is_outdated(owner.profile_digest, want))
-            and node is not None
-            and node.liveness == Liveness.ALIVE
-            and len(s.gpus) == decl.profile.gpus_per_shard
-            and not set(s.gpus) & busy_by_owned.get(s.node, set())
-        ):
-            out.append(s)
-    return out
 
 
 def control_events(
@@ -209,7 +159,7 @@ def control_events(
                     is_ready(sc.state, r),
                     r.replica_id not in stale,
                     -r.decided_seq,
-                    _number(r.replica_id),
+                    newest_first(r.replica_id),
                 ),
             )
             for replica in order[:surplus]:
@@ -229,7 +179,7 @@ def control_events(
             if budget == 0:
                 break
             budget -= 1
-            rid = replica_id(model, sc.state.replica_counter.get(model, 0) + 1)
+            rid = next_replica_id(sc.state, model)
             result = placement.place(sc.state, model, rid, state.last_seq, ts=ts)
             if isinstance(result, c.PlacementFailed):
                 if not _same_failure(sc.state.failures.get(rid), result):
@@ -240,19 +190,6 @@ def control_events(
             events.append(result)
             sc.apply(result)
     return events, adopted
-
-
-def outdated(state: ClusterState, model: str) -> list[ReplicaView]:
-    """Active replicas placed with another profile than the one declared now, newest first.
-
-    Newest first, like scale-down: the longest-running replicas keep serving longest.
-    """
-    decl = state.models.get(model)
-    if decl is None:
-        return []
-    want = profile_digest(decl.profile)
-    stale = [r for r in state.active_replicas(model) if is_outdated(r.profile_digest, want)]
-    return sorted(stale, key=lambda r: (-r.decided_seq, _number(r.replica_id)))
 
 
 def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
@@ -295,7 +232,7 @@ def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message
     for sid in victim.shard_ids:
         if sid in trial.shards:
             trial.shards[sid].state = c.ShardState.STOPPED
-    rid = replica_id(decl.name, trial.replica_counter.get(decl.name, 0) + 1)
+    rid = next_replica_id(trial, decl.name)
     if isinstance(placement.place(trial, decl.name, rid, sc.base.last_seq), c.PlacementFailed):
         return []
     reason = (
@@ -314,7 +251,7 @@ def _freeing(state: ClusterState, model: str) -> bool:
 
 
 def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.PlacementDecided:
-    rid = replica_id(model, sc.state.replica_counter.get(model, 0) + 1)
+    rid = next_replica_id(sc.state, model)
     was = shard.replica_id
     ev = c.PlacementDecided(
         id=event_id("decided", rid),
@@ -348,11 +285,6 @@ def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool
         and old.verdicts == new.verdicts
         and old.verdict_groups == new.verdict_groups
     )
-
-
-def _number(rid: str) -> int:
-    tail = rid.rsplit("-r", 1)[-1]
-    return -int(tail) if tail.isdigit() else 0
 
 
 # ---------------------------------------------------------------- commands

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from llmgw import contracts as c
 from llmgw.verdicttext import group_line
 
-from . import autoscale, fold, placement, reconcile, verdicts
+from . import autoscale, fold, placement, queries, verdicts
 from .state import ClusterState
 
 Decision = c.PlacementDecided | c.PlacementFailed
@@ -160,7 +160,7 @@ def _compare_groups(
 def _check_adoption(snapshot: ClusterState, ev: c.PlacementDecided) -> list[str]:
     if ev.model not in snapshot.models:
         return [f"adoption: model {ev.model} was not declared"]
-    candidates = {s.shard_id: s for s in reconcile.adoptable(snapshot, ev.model)}
+    candidates = {s.shard_id: s for s in queries.adoptable(snapshot, ev.model)}
     out = []
     for a in ev.assignments:
         shard = candidates.get(a.shard_id)
@@ -331,16 +331,17 @@ def render_inputs(inp: Inputs) -> list[str]:
             f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model)} replica(s) wanted"
         )
     lines.append("nodes at that point:")
-    usage = placement.Usage(st, rec.model)
+    busy_gpus = queries.busy_gpus(st)
+    model_shards = queries.model_shards(st, rec.model)
     for name in sorted(st.nodes):
         n = st.nodes[name]
-        busy = usage.busy.get(name, set())
+        busy = busy_gpus.get(name, set())
         free = sorted(g.uuid for g in n.gpus.values() if g.uuid not in busy)
         lines.append(
             f"  {name}: {n.liveness.value} since {placement.clock_text(n.liveness_since)}; "
             f"engines {','.join(sorted(n.engines)) or '-'}; labels {_labels(n.labels) or '-'}; "
             f"{len(free)}/{len(n.gpus)} GPUs free {free}; "
-            f"{usage.model_shards.get(name, 0)} shard(s) of {rec.model}"
+            f"{model_shards.get(name, 0)} shard(s) of {rec.model}"
         )
     lines.append("recorded verdicts:")
     lines += [f"  {v.node}: {v.reason}" for v in rec.verdicts]

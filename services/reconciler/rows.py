@@ -76,10 +76,6 @@ def _load_message(attr: str, cls: type[c.Message], key: str):
     return load
 
 
-def _load_counter(state: ClusterState, row: Row) -> None:
-    state.replica_counter[row["model"]] = row["last_n"]
-
-
 PROJECTIONS: dict[str, Projection] = {
     p.kind: p
     for p in (
@@ -139,14 +135,6 @@ PROJECTIONS: dict[str, Projection] = {
             lambda k, m: _message_row(m),
             _load_message("scaled", c.ModelScaled, "model"),
         ),
-        Projection(
-            "counter",
-            t.ReplicaCounter.__table__,
-            "model",
-            "replica_counter",
-            lambda k, n: {"model": k, "last_n": n},
-            _load_counter,
-        ),
     )
 }
 
@@ -180,11 +168,6 @@ def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
         if kind not in PROJECTIONS:
             raise ValueError(f"change kind {kind!r} has no projection table (see rows.py)")
         keys.setdefault(kind, set()).add(key)
-        if kind == ch.REPLICA:
-            # Replica ids are numbered per model; the counter moves with the replica.
-            replica = state.replicas.get(key)
-            if replica is not None:
-                keys.setdefault("counter", set()).add(replica.model)
     upserts: dict[str, list[Row]] = {}
     deletes: dict[str, list[str]] = {}
     for kind, kind_keys in keys.items():

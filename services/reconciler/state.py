@@ -86,12 +86,12 @@ class ClusterState(msgspec.Struct, kw_only=True):
     models: dict[str, c.ModelDeclared] = msgspec.field(default_factory=dict)
     tenants: dict[str, c.TenantDeclared] = msgspec.field(default_factory=dict)
     bands: list[c.Band] = msgspec.field(default_factory=list)
+    # Never removed: a retired replica stays, flagged, so its id is never given again
+    # (queries.next_replica_id) and a late event of it is never taken for a new one's.
     replicas: dict[str, ReplicaView] = msgspec.field(default_factory=dict)
     shards: dict[str, ShardView] = msgspec.field(default_factory=dict)
     # The latest failure to place, per replica id not yet placed.
     failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
-    # How many replicas each model has ever had: replica ids are <model>-r<n>, never reused.
-    replica_counter: dict[str, int] = msgspec.field(default_factory=dict)
     # The autoscaler's latest decision per autoscaled model (its `to_replicas` is the count).
     scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
 
@@ -119,14 +119,6 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def shards_on(self, node: str) -> list[ShardView]:
         return [s for s in self.shards.values() if s.node == node]
 
-    def busy_gpus(self, node: str) -> set[str]:
-        """GPUs held by shards on `node` that are not finished."""
-        out: set[str] = set()
-        for shard in self.shards.values():
-            if shard.node == node and not shard.terminal:
-                out.update(shard.gpus)
-        return out
-
 
 def profile_digest(profile: c.ServingProfile) -> str:
     """A stable digest of a serving profile: equal content, equal digest.
@@ -144,20 +136,6 @@ def profile_digest(profile: c.ServingProfile) -> str:
     }
     raw = msgspec.json.encode(content, order="sorted")
     return hashlib.sha256(raw).hexdigest()[:16]
-
-
-def is_outdated(placed_digest: str, declared_digest: str) -> bool:
-    """A replica placed with `placed_digest` runs another profile than the one declared now.
-
-    "" (placed before digests were recorded) is never outdated: such replicas are not rolled.
-    """
-    return bool(placed_digest) and placed_digest != declared_digest
-
-
-def replica_id(model: str, n: int) -> str:
-    from llmgw import subjects
-
-    return f"{subjects.safe_token(model)}-r{n}"
 
 
 def shard_id(replica: str, index: int) -> str:

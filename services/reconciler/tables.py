@@ -3,7 +3,7 @@
 Two kinds of table live here:
 
 - state projections (nodes, shards, replicas, models, tenants, bands,
-  placement_failures, replica_counters): one row per entry of `ClusterState`.
+  placement_failures, model_scaling): one row per entry of `ClusterState`.
   Column names are the field names of the state's views, so a row is
   `msgspec.to_builtins(view)` and a view is `msgspec.convert(row, View)`;
   loading the state back from these tables is exact.
@@ -161,15 +161,6 @@ class PlacementFailure(Base):
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
     term: Mapped[int] = mapped_column(BigInteger, server_default="0")  # the leader's
-
-
-class ReplicaCounter(Base):
-    """How many replicas a model has ever had: replica ids are never reused."""
-
-    __tablename__ = "replica_counters"
-
-    model: Mapped[str] = mapped_column(Text, primary_key=True)
-    last_n: Mapped[int]
 
 
 # ------------------------------------------------------------------ event-derived logs

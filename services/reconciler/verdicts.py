@@ -10,8 +10,9 @@ does not match zone=z1"), with its first few node ids and the first one's
 verdict word for word. A kind whose nodes give only a few distinct reasons
 ("label zone=z0 ...", "label zone=z2 ...") gets a group per reason, exact for
 every node in it; one whose reasons embed per-node numbers or times stays one
-group. The kinds come from the placement checks, which are bounded by the
-profile, not by the fleet; so is the number of groups (kinds x `SPLIT_UP_TO`).
+group. The kinds come from placement's node filters (placement.NODE_FILTERS,
+GROUP_FILTERS), each of which names its own, bounded by the profile, not by
+the fleet; so is the number of groups (kinds x `SPLIT_UP_TO`).
 
 Pure and deterministic like placement itself: nodes arrive in node-id order and
 groups are sorted, so `llmgw audit replay` re-derives the same summary.

@@ -2,7 +2,7 @@
 
 Not nats-py's `kv.watchall()`: its ordered consumer has no idle heartbeat, so
 after a server restart it noticed the loss only when its consumer was
-recreated, 7-16 s late (FIELD-NOTES). Here an ordered push consumer on
+recreated, 7-16 s late (measured). Here an ordered push consumer on
 `$KV.<bucket>.>` with `DeliverPolicy.LAST_PER_SUBJECT` and a 1 s idle
 heartbeat reads the `KV-Operation` header itself (DEL and PURGE remove a key).
 On top of that the owner calls `restart()` from the connection's reconnected

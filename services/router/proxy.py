@@ -187,10 +187,12 @@ class Proxy:
                     )
                 ex.model = route.name
                 grant = await gate.admit(req, route, who)
-                if not route.endpoints:
-                    # It waited in admission for the model's first replica: routes are
-                    # swapped whole on every change, so dispatch to the one that ended it.
-                    route = self.view.resolve(req.model) or route
+                # Routes are swapped whole on every change: after a wait in admission (for a
+                # first ready replica, say) dispatch to the current one, if it is still
+                # this model (an alias re-pointed meanwhile keeps what was admitted).
+                fresh = self.view.resolve(req.model)
+                if fresh is not None and fresh is not route and fresh.name == route.name:
+                    route = fresh
                 try:
                     ex.extra = grant.headers()
                     await self._dispatch(ex, req, route, scope["path"])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import LazyPromptHashes, salt_extra, token_count
+from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, salt_extra, token_count
 from llmgw.router.circuit import CLOSED
 from llmgw.router.prompttokens import TOKENIZERS, tokens_for
 
@@ -331,6 +331,8 @@ class CachedPrefixScorer(_Stateless):
             if not bs:
                 continue
             engine = cands[i].spec.engine
+            if ctx.salt and engine in EVENTS_WITHOUT_EXTRA_KEYS:
+                continue  # its events cannot tell salted blocks: the approximate guess
             if engine not in memo:
                 memo[engine] = tokens_for(engine, self.tokenizer, prompt)
             if memo[engine] is not None:

@@ -5,7 +5,7 @@
 One fast upstream (16 SSE events per answer, at once). In the same run, in
 turns: direct to the upstream; nginx as a plain reverse proxy (2 worker
 processes, upstream keep-alive, no buffering; skipped with a note when nginx
-is not installed); the bare relay DESIGN.md measured (Starlette, one raw ASGI
+is not installed); a bare relay (Starlette, one raw ASGI
 endpoint, aiohttp, nothing else; 2 workers); and the router with 2 workers and
 its full pipeline. `wrk` with 64 connections is the load; the best of the
 rounds counts (on a shared machine the slowest rounds measure the neighbours).

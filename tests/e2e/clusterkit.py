@@ -28,7 +28,8 @@ from llmgw.dev import cluster as devcluster
 def start_cluster(
     data_dir: Path, *, env: dict[str, str] | None = None, **overrides
 ) -> devcluster.DevCluster:
-    defaults = {"fresh": True, "ready_timeout": 90.0, "quiet": True}
+    # A loaded shared box can take minutes to start eight processes; a quiet one takes ~10 s.
+    defaults = {"fresh": True, "ready_timeout": 180.0, "quiet": True}
     spec = devcluster.ClusterSpec(data_dir=data_dir, **{**defaults, **overrides})
     cluster = devcluster.DevCluster(spec, env=env)
     try:

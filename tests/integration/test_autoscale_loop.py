@@ -20,7 +20,7 @@ from llmgw.reconciler import replay
 from llmgw.reconciler.actor import CONTROLLERS
 from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.autoscaler import AutoscaleConfig, AutoscaleController
-from llmgw.reconciler.reconcile import is_ready
+from llmgw.reconciler.queries import is_ready
 from tests.integration.test_control_loop import Cluster, wait_kv
 
 SPEC = c.AutoscaleSpec(

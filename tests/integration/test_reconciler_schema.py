@@ -62,3 +62,32 @@ def test_migrate_reports_an_unreachable_database():
     res = _llmgw("migrate", "--database-url", "postgresql://postgres@127.0.0.1:1/none")
     assert res.returncode == 1
     assert "cannot migrate" in res.stderr
+
+
+async def test_replica_counters_go_and_a_downgrade_refills_them_from_the_replicas(database_url):
+    # The next replica number is derived from the replicas (a retired one keeps its row);
+    # an older reconciler after a downgrade must find the counters it would have written.
+    engine = schema.make_engine(database_url)
+    try:
+        await schema.upgrade(engine, "0008")
+        async with engine.begin() as conn:
+            for rid, model, retired in (
+                ("m-r1", "m", False), ("m-r3", "m", True), ("org_x-r7", "org/x", True),
+            ):  # fmt: skip
+                await conn.execute(
+                    text(
+                        "INSERT INTO replicas (replica_id, model, assignments, decided_seq,"
+                        " profile_digest, retired, retired_reason)"
+                        " VALUES (:r, :m, '[]', 1, '', :t, '')"
+                    ),
+                    {"r": rid, "m": model, "t": retired},
+                )
+            await conn.execute(text("INSERT INTO replica_counters VALUES ('m', 3), ('org/x', 7)"))
+        await schema.upgrade(engine)
+        assert "replica_counters" not in await _tables(engine)
+        await schema.downgrade(engine, "0008")
+        async with engine.connect() as conn:
+            res = await conn.execute(text("SELECT model, last_n FROM replica_counters"))
+            assert sorted(tuple(r) for r in res) == [("m", 3), ("org/x", 7)]
+    finally:
+        await engine.dispose()

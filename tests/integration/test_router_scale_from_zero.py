@@ -83,3 +83,33 @@ async def test_a_request_waits_at_zero_then_is_served_and_an_unplaceable_model_g
             assert why in refused.json()["error"]["message"]
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_request_waiting_beside_a_draining_replica_goes_to_the_new_one(nats, sim):
+    # Scaling a model back up while its retired replica still drains: the route the
+    # request resolved lists only the draining endpoint; when the new replica is ready
+    # the request must be sent there, not 503 for want of a ready endpoint.
+    js = nats.jetstream()
+    await bus.provision(js)
+    old = c.Endpoint(
+        id="z-r0-s0", url="http://127.0.0.1:9", node="n0", state=c.EndpointState.DRAINING
+    )
+    await put_model(js, c.ModelEndpoints(model="z", scale_from_zero=True, endpoints=[old]))
+    url = nats.connected_url.geturl()
+    async with running_router(config(url, "r1")) as r, httpx.AsyncClient(timeout=60) as http:
+
+        async def routed():
+            return r.service.view.route("z") is not None
+
+        await wait_for(routed, what="the route of z")
+        req = asyncio.create_task(http.post(r.url + "/v1/chat/completions", json=chat("z")))
+
+        async def waiting():
+            return r.service.admission.controller.queued == 1
+
+        await wait_for(waiting, what="the request to wait in admission")
+        new = c.Endpoint(id="z-r1-s0", url=sim.url, node="n1", max_running=4)
+        await put_model(js, c.ModelEndpoints(model="z", scale_from_zero=True, endpoints=[old, new]))
+        answer = await asyncio.wait_for(req, 30)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"]

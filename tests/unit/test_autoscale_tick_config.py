@@ -1,6 +1,9 @@
 """The autoscaler's evaluation period comes from the reconciler's [actor] section."""
 
+import math
 import time
+
+import pytest
 
 from llmgw.reconciler.actor import ActorConfig
 from llmgw.reconciler.autoscale_controller import Autoscaler
@@ -16,6 +19,7 @@ def test_the_autoscaler_ticks_as_configured():
     assert Autoscaler(ctx, ActorConfig()).resync == 1.0
 
 
-def test_a_tick_that_is_not_positive_is_refused_naming_the_key():
-    (problem,) = validate(ReconcilerConfig(actor=ActorConfig(autoscale_tick=0)))
-    assert problem.startswith("actor.autoscale_tick = 0")
+@pytest.mark.parametrize("tick", [0, -1, math.inf, math.nan])
+def test_a_tick_that_is_not_a_positive_number_is_refused_naming_the_key(tick):
+    (problem,) = validate(ReconcilerConfig(actor=ActorConfig(autoscale_tick=tick)))
+    assert problem.startswith(f"actor.autoscale_tick = {tick}")

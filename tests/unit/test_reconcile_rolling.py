@@ -1,7 +1,7 @@
 """Rolling update: a changed serving profile replaces running replicas, one surge at a time."""
 
 from llmgw import contracts as c
-from llmgw.reconciler import reconcile
+from llmgw.reconciler import queries, reconcile
 from llmgw.reconciler.state import profile_digest
 
 from ._cluster import Log, model, node, status
@@ -64,7 +64,7 @@ def test_ready_surge_replica_retires_one_outdated_which_drains_first():
     assert placed(plan) == ["m-r4"]  # the next surge replica, in the same plan
     cmds = {cmd.shard_id: cmd for cmd in reconcile.decide(log.state).commands}
     assert isinstance(cmds["m-r2-s0"], c.DrainShard)  # ready: drained, not stopped
-    ready = [r for r in log.state.active_replicas("m") if reconcile.is_ready(log.state, r)]
+    ready = [r for r in log.state.active_replicas("m") if queries.is_ready(log.state, r)]
     assert len(ready) == 2  # never below the declared count
 
 
@@ -74,10 +74,10 @@ def test_roll_repeats_until_no_replica_is_outdated_then_settles():
     for _ in range(6):
         step(log)
         make_ready(log)
-        ready = [r for r in log.state.active_replicas("m") if reconcile.is_ready(log.state, r)]
+        ready = [r for r in log.state.active_replicas("m") if queries.is_ready(log.state, r)]
         assert len(ready) >= 2 and len(active(log)) <= 3
     assert active(log) == ["m-r3", "m-r4"]
-    assert reconcile.outdated(log.state, "m") == []
+    assert queries.outdated(log.state, "m") == []
     assert step(log).events == []
 
 
@@ -102,7 +102,7 @@ def test_no_room_to_surge_retires_one_outdated_at_a_time():
     log.append(status(log.state, "m-r1-s0", S.STOPPED))
     step(log)
     make_ready(log)
-    assert active(log) == ["m-r3", "m-r4"] and reconcile.outdated(log.state, "m") == []
+    assert active(log) == ["m-r3", "m-r4"] and queries.outdated(log.state, "m") == []
 
 
 def test_scale_down_during_a_roll_retires_outdated_replicas_first():
@@ -140,9 +140,9 @@ def test_a_field_added_to_the_profile_rolls_nothing_until_someone_sets_it():
         log.state.models["m"] = c.ModelDeclared(name="m", replicas=2, profile=profile)
 
     redeclare(_NextProfile(engine_args=["--old"]))
-    assert reconcile.outdated(log.state, "m") == [] and reconcile.decide(log.state).events == []
+    assert queries.outdated(log.state, "m") == [] and reconcile.decide(log.state).events == []
     redeclare(_NextProfile(engine_args=["--old"], speculative_tokens=4))
-    assert sorted(r.replica_id for r in reconcile.outdated(log.state, "m")) == ["m-r1", "m-r2"]
+    assert sorted(r.replica_id for r in queries.outdated(log.state, "m")) == ["m-r1", "m-r2"]
     assert placed(reconcile.decide(log.state)) == ["m-r3"]
 
 

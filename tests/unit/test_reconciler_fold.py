@@ -1,5 +1,5 @@
 from llmgw import contracts as c
-from llmgw.reconciler import fold
+from llmgw.reconciler import fold, queries
 from llmgw.reconciler.state import ClusterState, Liveness
 
 
@@ -37,8 +37,8 @@ def test_placement_then_status_then_node_lost():
     fold.apply(st, 1, registered("a"))
     fold.apply(st, 2, decided())
     assert st.shards["m-r1-s0"].state == c.ShardState.PENDING
-    assert st.busy_gpus("a") == {"GPU-0"}
-    assert st.replica_counter["m"] == 1
+    assert queries.busy_gpus(st)["a"] == {"GPU-0"}
+    assert queries.next_replica_id(st, "m") == "m-r2"
     fold.apply(
         st,
         3,
@@ -57,7 +57,10 @@ def test_placement_then_status_then_node_lost():
     assert st.shards["m-r1-s0"].state == c.ShardState.READY  # unreachable is not gone
     changes = fold.apply(st, 5, c.NodeLost(node="a", last_seen=1.0))
     assert ("shard", "m-r1-s0") in changes
-    assert st.shards["m-r1-s0"].state == c.ShardState.FAILED and st.busy_gpus("a") == set()
+    assert (
+        st.shards["m-r1-s0"].state == c.ShardState.FAILED
+        and queries.busy_gpus(st).get("a", set()) == set()
+    )
 
 
 def test_registration_is_the_truth_about_what_a_node_runs():
@@ -76,7 +79,7 @@ def test_registration_is_the_truth_about_what_a_node_runs():
     )
     fold.apply(st, 4, registered("a", [orphan]))
     assert st.shards["m-r1-s0"].state == c.ShardState.STOPPED
-    assert st.shards["x-r9-s0"].node == "a" and st.busy_gpus("a") == {"GPU-1"}
+    assert st.shards["x-r9-s0"].node == "a" and queries.busy_gpus(st)["a"] == {"GPU-1"}
 
 
 def test_copy_is_deep():
