@@ -582,9 +582,7 @@ class KvRelays:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         # A closed socket's port is released by ZMQ's I/O thread a moment later; terminating
-        # the context (every socket is closed, linger 0) waits for that, so once the agent has
-        # stopped its relays' ports are free for whoever binds them next.
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self._context.term), 5)
-        except TimeoutError:
-            log.warning("kv relays: ZMQ context did not terminate within 5 s")
+        # the context waits for that, so once the agent has stopped its relays' ports are
+        # free for whoever binds them next. destroy() first closes, with linger 0, any
+        # socket still open (a replay request cut short), so the wait cannot hang.
+        self._context.destroy(linger=0)
