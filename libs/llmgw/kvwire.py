@@ -88,6 +88,9 @@ class Stored:
     lora_name: str | None = None
     # Per block (as block_hashes): its extra keys, or None; None for none at all.
     extra_keys: list[list[Any] | None] | None = None
+    # Why these blocks cannot be hashed ("" when they can): a malformed `extra_keys`
+    # spoils one store, not the batch around it (its removals must still count).
+    unusable: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +134,8 @@ def _hashes(value: Any) -> list[BlockHash]:
 
 def _extra_keys(get, n: int) -> list[list[Any] | None] | None:
     """The per-block extra keys, all-None lists as None; a malformed list is a WireError,
-    not ignored: a salted or multimodal block read as plain tokens is a wrong match."""
+    not ignored: a salted or multimodal block read as plain tokens is a wrong match.
+    `_event` turns that error into an unusable store, not a lost batch."""
     keys = get("extra_keys")
     if keys is None:
         return None
@@ -166,7 +170,11 @@ def _event(e: Any) -> Event:
             raise WireError("parent_block_hash must be bytes, an int or null")
         lora = get("lora_name")
         hashes = _hashes(get("block_hashes"))
-        return Stored(hashes, parent, tokens, size, lora or None, _extra_keys(get, len(hashes)))
+        try:
+            extra = _extra_keys(get, len(hashes))
+        except WireError as exc:
+            return Stored(hashes, parent, tokens, size, lora or None, None, str(exc))
+        return Stored(hashes, parent, tokens, size, lora or None, extra)
     if kind == "BlockRemoved":
         return Removed(_hashes(get("block_hashes")))
     if kind == "AllBlocksCleared":

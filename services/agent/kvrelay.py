@@ -78,6 +78,10 @@ class BlockSet:
         canon = self.canon
         for ev in events:
             if isinstance(ev, kvwire.Stored):
+                if ev.unusable:
+                    # Not indexed (its canonical hashes are unknown), so blocks chained
+                    # on it are orphans; the relay counted it as malformed.
+                    continue
                 self.block_size = ev.block_size
                 if ev.parent is None:
                     h = kvblocks.root_for(ev.lora_name)
@@ -229,6 +233,15 @@ class EngineRelay:
             if self.malformed == 1 or self.malformed % 1000 == 0:
                 log.warning("shard %s: skipped malformed KV events (%s)", self.shard_id, exc)
             return None
+        for ev in events:
+            if isinstance(ev, kvwire.Stored) and ev.unusable:
+                self.malformed += 1
+                if self.malformed == 1 or self.malformed % 1000 == 0:
+                    log.warning(
+                        "shard %s: KV blocks not indexed, malformed store (%s)",
+                        self.shard_id,
+                        ev.unusable,
+                    )
         return seq, events
 
     def _apply(self, seq: int, events: list[kvwire.Event]) -> None:

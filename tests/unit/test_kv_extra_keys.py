@@ -61,19 +61,60 @@ def decode(payload: bytes) -> list[kvwire.Event]:
 # ------------------------------------------------------------------ the wire
 
 
-def test_extra_keys_are_decoded_per_block_and_a_malformed_list_is_refused():
+def test_extra_keys_are_decoded_per_block_and_a_malformed_list_spoils_only_its_store():
     # vLLM publishes each key untagged: an image as [mm_identifier, offset], a salt bare.
     (ev,) = decode(vllm_stored([1, 2, 3], TOKS, [[["img-a", 0]], [["img-a", 0]], None]))
-    assert ev.extra_keys == [[["img-a", 0]], [["img-a", 0]], None]
+    assert ev.extra_keys == [[["img-a", 0]], [["img-a", 0]], None] and not ev.unusable
     (ev,) = decode(vllm_stored([1, 2, 3], TOKS, [None, None, None]))  # vLLM's plain blocks
     assert ev.extra_keys is None
     for bad in ([["s"]], "salt", [["s"], 5, None]):  # one entry per block, lists or null
         payload = msgspec.msgpack.encode(
             [1.0, [{"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None,
-                    "token_ids": TOKS, "block_size": BS, "extra_keys": bad}]]
+                    "token_ids": TOKS, "block_size": BS, "extra_keys": bad},
+                   {"type": "BlockRemoved", "block_hashes": [7]}]]
         )  # fmt: skip
-        with pytest.raises(kvwire.WireError, match="extra_keys"):
-            decode(payload)
+        stored, removed = decode(payload)
+        assert "extra_keys" in stored.unusable
+        assert removed == kvwire.Removed([7])
+        # Read as plain tokens, a salted block would match unsalted prompts: not indexed.
+        assert stored_hashes(stored) == []
+
+
+async def test_a_malformed_store_keeps_the_rest_of_its_batch():
+    """One bad `extra_keys` list must not lose the batch's evictions: the relay would keep
+    crediting evicted blocks, and the batch's number would read as a gap."""
+    from llmgw.agent.kvrelay import EngineRelay
+
+    relay = EngineRelay("n1", "s1", publish=None, flush_seconds=3600)
+    try:
+
+        def stored(hashes, tokens, parent=None, extra_keys=None):
+            return kvwire.BlockStored(
+                block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                block_size=BS, lora_id=None, medium=None, lora_name=None,
+                extra_keys=extra_keys,
+            )  # fmt: skip
+
+        relay.receive(kvwire.frames("kv", 0, kvwire.encode_batch(0.0, [stored([1, 2], TOKS[:8])])))
+        batch = [
+            kvwire.BlockRemoved(block_hashes=[2], medium=None),
+            stored([3, 4], TOKS[4:12], parent=1, extra_keys=[["salt"]]),  # one entry, two blocks
+            stored([5], TOKS[4:8], parent=1),
+        ]
+        relay.receive(kvwire.frames("kv", 1, kvwire.encode_batch(0.0, batch)))
+        relay.receive(
+            kvwire.frames("kv", 2, kvwire.encode_batch(0.0, [stored([6], TOKS[8:12], 5)]))
+        )
+        expected = prompt_hashes(TOKS, BS, 9)
+        # Block 2 evicted, block 5 (= the second block again) stored, 6 chained on it; the
+        # malformed store's blocks are not credited, and a block chained on them is an orphan.
+        assert sorted(relay.blocks.hashes()) == sorted(expected)
+        assert relay.malformed == 1
+        assert relay.last_seq == 2 and relay.engine_gaps == 0
+        relay.receive(kvwire.frames("kv", 3, kvwire.encode_batch(0.0, [stored([9], TOKS[:4], 3)])))
+        assert relay.blocks.orphans == 1 and relay.engine_gaps == 0
+    finally:
+        await relay.close()
 
 
 # ------------------------------------------------------------------ the relay's canonical hashes
