@@ -80,13 +80,74 @@ def sglang_kv_events_args(ctx: LaunchContext) -> list[str]:
     the same JSON keys as vLLM's but no `enable_kv_cache_events` (the flag's presence
     turns events on) and the publisher defaults to "null"; its PUB connects to a
     non-wildcard endpoint too. Only the attention-TP rank 0 scheduler publishes, and a
-    data-parallel-attention rank r publishes to port + r, where nothing listens. Its
-    replay socket is vLLM's too (its replies leave out the topic frame)."""
+    data-parallel-attention rank r publishes to port + r (`kv_events_off_reason` keeps
+    events off then, and below a page size of 16). Its replay socket is vLLM's too (its
+    replies leave out the topic frame)."""
     if not ctx.kv_events_endpoint:
         return []
     replay = f'"replay_endpoint":"{ctx.kv_replay_endpoint}",' if ctx.kv_replay_endpoint else ""
     config = f'{{"publisher":"zmq","endpoint":"{ctx.kv_events_endpoint}",{replay}"topic":"kv"}}'
     return ["--kv-events-config", config]
+
+
+# SGLang's default page size is 1: every token would be a block and an event (relay
+# memory and bus traffic per token, snapshots past NATS's max_payload). Below this page
+# size its events stay off and routers use the approximate scorer for it.
+SGLANG_MIN_KV_EVENT_PAGE_SIZE = 16
+
+
+def flag_value(args: list[str], *names: str) -> str | None:
+    """The value the engine's argparse would give one of `names` (`--f N` or `--f=N`; the
+    last one wins), or None when none is set."""
+    value = None
+    for i, a in enumerate(args):
+        for name in names:
+            if a == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(name + "="):
+                value = a[len(name) + 1 :]
+    return value
+
+
+def _int_flag(args: list[str], *names: str) -> int | None:
+    value = flag_value(args, *names)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None  # the engine will refuse it itself
+
+
+def kv_events_off_reason(profile: c.ServingProfile) -> str:
+    """Why this profile's engine must not get KV events ("" when it may), from its
+    `engine_args`.
+
+    Data parallelism: every DP rank r > 0 of vLLM (`offset_endpoint_port`, by the global
+    rank, for both the publisher and the replay endpoint) and of SGLang publishes to the
+    relay's port + r. Relays sit on arbitrary loopback ports, so that port may be another
+    engine's relay: its numbering would interleave with that engine's and its blocks would
+    be credited to the wrong endpoint. So DP > 1 runs without events."""
+    args = profile.engine_args
+    if profile.engine == "vllm":
+        dp = _int_flag(args, "--data-parallel-size", "-dp")
+        if dp is not None and dp > 1:
+            return (
+                f"data parallel size {dp}: vLLM's rank r publishes to the relay's port + r, "
+                "which may be another engine's relay"
+            )
+    elif profile.engine == "sglang":
+        dp = _int_flag(args, "--dp-size", "--dp")
+        if dp is not None and dp > 1:
+            return (
+                f"data parallel size {dp}: SGLang's DP ranks publish to the relay's port + "
+                "rank (or, without DP attention, several schedulers under one numbering)"
+            )
+        page = _int_flag(args, "--page-size")
+        if page is None or page < SGLANG_MIN_KV_EVENT_PAGE_SIZE:
+            return (
+                f"page size {page or 1} (engine_args must set --page-size >= "
+                f"{SGLANG_MIN_KV_EVENT_PAGE_SIZE}): every page would be an event"
+            )
+    return ""
 
 
 def is_head(cmd: c.StartShard) -> bool:
@@ -130,7 +191,8 @@ def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--max-model-len", p.max_model_len)
     argv += _opt("--gpu-memory-utilization", p.gpu_memory_utilization)
     argv += _opt("--max-num-seqs", p.max_num_seqs)
-    argv += kv_events_args(ctx)
+    if not kv_events_off_reason(p):
+        argv += kv_events_args(ctx)
     argv += p.engine_args
     head = is_head(cmd)
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
@@ -161,7 +223,8 @@ def sglang(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--context-length", p.max_model_len)
     argv += _opt("--mem-fraction-static", p.gpu_memory_utilization)
     argv += _opt("--max-running-requests", p.max_num_seqs)
-    argv += sglang_kv_events_args(ctx)
+    if not kv_events_off_reason(p):
+        argv += sglang_kv_events_args(ctx)
     argv += p.engine_args
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
 

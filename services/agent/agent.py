@@ -662,7 +662,18 @@ class Agent:
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
         relay = None
-        if self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES and port:
+        kv_events = self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES
+        off = adapters.kv_events_off_reason(cmd.profile) if kv_events and port else ""
+        if off:
+            kv_events = False
+            log.warning(
+                "shard %s: %s KV events are off, routers use the approximate prefix scorer "
+                "for it: %s",
+                cmd.shard_id,
+                cmd.profile.engine,
+                off,
+            )
+        if kv_events and port:
             try:
                 replay_port = self.kv_relays.replay_port()
             except OSError as exc:
