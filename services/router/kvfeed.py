@@ -9,8 +9,11 @@ with a deadline) and replays what arrived meanwhile. Endpoints that appear in th
 projection get a snapshot request too, so an idle engine's cache is known before
 its next event; endpoints that leave it have their blocks dropped.
 
-One task per snapshot request, owned here and cancelled on stop; at most one per
-endpoint at a time, and a failed one is retried no sooner than `retry_seconds`.
+One task per endpoint being synced, owned here and cancelled on stop or when the
+endpoint leaves; it asks again after a failed or timed-out request on its own timer
+(`retry_seconds`, doubling up to `max_retry_seconds`), not at the engine's next event:
+an idle engine may send none for hours. Batches that arrive meanwhile stay buffered
+in the index and are replayed on top of the snapshot that finally comes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class KvEventFeed:
         *,
         request_timeout: float = 2.0,
         retry_seconds: float = 5.0,
+        max_retry_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         metrics=None,
     ):
@@ -48,13 +52,15 @@ class KvEventFeed:
         self.nc = nc
         self.request_timeout = request_timeout
         self.retry_seconds = retry_seconds
+        self.max_retry_seconds = max_retry_seconds
         self.clock = clock
         self.metrics = metrics  # RouterMetrics, or None
         self.malformed = 0
         self.unknown = 0
         self.foreign = 0  # batches whose subject, payload and endpoint disagree on the node
         self._tasks: dict[str, asyncio.Task] = {}
-        self._failed_at: dict[str, float] = {}
+        # Per endpoint whose last request failed: (when, how long to wait before the next).
+        self._failed_at: dict[str, tuple[float, float]] = {}
         self._by_url: dict[str, str] = {}
         self._sub = None
         self._sweeper: asyncio.Task | None = None
@@ -165,51 +171,66 @@ class KvEventFeed:
     def _fetch(self, node: str, endpoint_id: str) -> None:
         if endpoint_id in self._tasks or self._stopped:
             return
-        failed = self._failed_at.get(endpoint_id)
-        delay = 0.0
-        if failed is not None:
-            delay = max(0.0, failed + self.retry_seconds - self.clock())
-        self._tasks[endpoint_id] = asyncio.ensure_future(self._snapshot(node, endpoint_id, delay))
+        self._tasks[endpoint_id] = asyncio.ensure_future(self._sync(node, endpoint_id))
 
-    async def _snapshot(self, node: str, endpoint_id: str, delay: float) -> None:
-        again = False
+    def _retry_delay(self, endpoint_id: str) -> float:
+        failed = self._failed_at.get(endpoint_id)
+        if failed is None:
+            return 0.0
+        at, wait = failed
+        return max(0.0, at + wait - self.clock())
+
+    async def _sync(self, node: str, endpoint_id: str) -> None:
+        """Snapshots until one applies cleanly (or the endpoint leaves); every wait bounded."""
         try:
-            if delay:
-                await asyncio.sleep(delay)
-            ep = self.view.endpoints.get(endpoint_id)
-            shard_id = projection.serving_shard(endpoint_id)
-            req = c.KvSnapshotRequest(node=node, shard_id=shard_id)
-            try:
-                reply = await self.nc.request(
-                    subjects.kv_snapshot(node, shard_id),
-                    c.encode(req),
-                    timeout=self.request_timeout,
-                )
-                snap = c.decode(reply.data, c.KvSnapshot)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                # No relay for it (an engine without events), or the agent is away.
-                log.debug("no KV snapshot for %s on %s: %s", endpoint_id, node, exc)
-                self._failed_at[endpoint_id] = self.clock()
-                if self.metrics is not None:
-                    self.metrics.kv_snapshots.inc(("failed",))
-                self.index.snapshot_failed(endpoint_id)
+            while not self._stopped and endpoint_id in self.view.endpoints:
+                delay = self._retry_delay(endpoint_id)
+                if delay:
+                    await asyncio.sleep(delay)
+                    if endpoint_id not in self.view.endpoints:
+                        return
+                snap = await self._request(node, endpoint_id)
+                if endpoint_id not in self.view.endpoints:
+                    return
+                if snap is None:
+                    _, wait = self._failed_at.get(endpoint_id, (0.0, 0.0))
+                    wait = min(max(wait * 2, self.retry_seconds), self.max_retry_seconds)
+                    self._failed_at[endpoint_id] = (self.clock(), wait)
+                    self.index.snapshot_failed(endpoint_id)
+                    self._maybe_sweep()
+                    continue
+                self._failed_at.pop(endpoint_id, None)
+                if snap.truncated:
+                    log.warning(
+                        "KV snapshot of %s was truncated to %d blocks",
+                        endpoint_id,
+                        len(snap.hashes),
+                    )
+                again = self.index.snapshot(endpoint_id, snap)
                 self._maybe_sweep()
-                return
-            if ep is None or endpoint_id not in self.view.endpoints:
-                return
-            self._failed_at.pop(endpoint_id, None)
-            if self.metrics is not None:
-                self.metrics.kv_snapshots.inc(("ok",))
-            if snap.truncated:
-                log.warning(
-                    "KV snapshot of %s was truncated to %d blocks", endpoint_id, len(snap.hashes)
-                )
-            again = self.index.snapshot(endpoint_id, snap)
-            self._maybe_sweep()
+                if not again:
+                    return
         finally:
             if self._tasks.get(endpoint_id) is asyncio.current_task():
                 del self._tasks[endpoint_id]
-        if again:
-            self._fetch(node, endpoint_id)
+
+    async def _request(self, node: str, endpoint_id: str) -> c.KvSnapshot | None:
+        """The agent's snapshot of this engine, or None (within `request_timeout`)."""
+        shard_id = projection.serving_shard(endpoint_id)
+        req = c.KvSnapshotRequest(node=node, shard_id=shard_id)
+        try:
+            reply = await self.nc.request(
+                subjects.kv_snapshot(node, shard_id), c.encode(req), timeout=self.request_timeout
+            )
+            snap = c.decode(reply.data, c.KvSnapshot)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # No relay for it (an engine without events), or the agent is away or slow.
+            log.debug("no KV snapshot for %s on %s: %s", endpoint_id, node, exc)
+            if self.metrics is not None:
+                self.metrics.kv_snapshots.inc(("failed",))
+            return None
+        if self.metrics is not None:
+            self.metrics.kv_snapshots.inc(("ok",))
+        return snap

@@ -197,15 +197,14 @@ class BlockIndex:
         return False
 
     def snapshot_failed(self, endpoint_id: str) -> None:
-        """No snapshot came (no relay answers for it): forget the endpoint's blocks; its
-        next batch tries again."""
+        """No snapshot came (no relay answers, or not in time): forget the endpoint's
+        blocks (schedulers guess for it meanwhile) but stay resyncing, buffering batches
+        for the feed's next try, which replays those that follow its snapshot."""
         st = self.endpoints.get(endpoint_id)
         if st is None:
             return
         self._clear(st)
         st.synced = False
-        st.resyncing = False
-        st.buffered = []
 
     def drop(self, endpoint_id: str) -> None:
         """The endpoint left the projection: its blocks go, its slot is reused."""
