@@ -4,6 +4,7 @@ events reach the bus with canonical hashes, and a snapshot request is answered."
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 
@@ -303,3 +304,27 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
         await asyncio.wait_for(task, 20)
         sd2.close()
         life.kill_engines(second)
+
+
+async def test_a_data_parallel_engine_gets_no_relay_and_the_agent_says_why(
+    nats, nats_url, watch, tmp_path, caplog
+):
+    """Its DP ranks would publish to the relay's port + rank: another engine's relay, maybe."""
+    caplog.set_level(logging.WARNING, logger="llmgw.agent")
+    fake = tmp_path / "fake-vllm"  # an engine that only waits: the command line is the point
+    fake.write_text("#!/bin/sh\nexec sleep 120\n")
+    fake.chmod(0o755)
+    js = nats.jetstream()
+    cfg = agent_config("n-dp", nats_url, tmp_path / "state", vllm_command=[str(fake)])
+    async with running_agent(cfg) as agent:
+        await bus.publish(js, start_cmd("n-dp", "dp", engine="vllm", engine_args=["-dp", "2"]))
+        await bus.publish(js, start_cmd("n-dp", "one", engine="vllm", gpus=["GPU-fake-n-dp-1"]))
+        for shard_id in ("dp", "one"):
+            await watch.wait_for(status(shard_id, S.LOADING))
+        assert "--kv-events-config" not in agent.shards["dp"].rec.argv
+        assert "dp" not in agent.kv_relays.relays and not agent.shards["dp"].rec.kv_events_port
+        # Without data parallelism the same engine keeps its events.
+        assert "--kv-events-config" in agent.shards["one"].rec.argv
+        assert "one" in agent.kv_relays.relays
+    said = [r.getMessage() for r in caplog.records if "KV events are off" in r.getMessage()]
+    assert len(said) == 1 and "shard dp" in said[0] and "data parallel size 2" in said[0]
