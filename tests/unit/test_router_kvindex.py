@@ -81,6 +81,19 @@ def test_batches_apply_in_order_and_a_gap_asks_for_a_snapshot_then_replays():
     assert index.offer("a", batch(0, 0, stored(5), epoch="e2"))
 
 
+def test_a_failed_snapshot_keeps_what_arrived_for_the_next_try():
+    index = BlockIndex()
+    synced(index, "a", 1, seq=4)
+    assert index.offer("a", batch(6, 6, stored(2)))  # 5 was lost: resync
+    index.snapshot_failed("a")  # the agent did not answer in time
+    assert not index.has_events("a") and index.match([1], ["a"]) == {}
+    # Still resyncing: what arrives waits for the feed's next try, which replays it.
+    assert not index.offer("a", batch(7, 7, stored(3), removed(1)))
+    assert not index.snapshot("a", snap(5, 1))
+    assert index.match([1], ["a"]) == {"a": 0}  # evicted by batch 7
+    assert index.match([2], ["a"]) == {"a": 1} and index.match([3], ["a"]) == {"a": 1}
+
+
 def test_a_replay_that_finds_a_gap_asks_again():
     index = BlockIndex()
     index.offer("a", batch(1))
