@@ -24,7 +24,7 @@ import random
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import httpx
@@ -97,6 +97,13 @@ def next_port(
         if port not in taken and is_free(port):
             return port
     return None
+
+
+def held_ports(records: Iterable[ShardRecord]) -> set[int]:
+    """Every port these shards' records hold: HTTP, KV relay and replay socket. An engine
+    binds its ports only once its model is loaded (minutes), so until then only the
+    record says they are spoken for."""
+    return {p for rec in records for p in (rec.port, rec.kv_events_port, rec.kv_replay_port) if p}
 
 
 class Agent:
@@ -621,9 +628,10 @@ class Agent:
         )
 
     def _free_port(self) -> int | None:
-        taken = {s.rec.port for s in self.live_shards()}
-        if self._last_port is None and taken:
-            self._last_port = max(taken)  # adopted engines: go on after the newest
+        taken = held_ports(s.rec for s in self.live_shards())
+        http = [s.rec.port for s in self.live_shards() if s.rec.port in self.ports]
+        if self._last_port is None and http:
+            self._last_port = max(http)  # adopted engines: go on after the newest
         port = next_port(
             self.ports, taken, self._last_port, lambda p: port_is_free(self.bind_host, p)
         )
@@ -675,7 +683,9 @@ class Agent:
             )
         if kv_events and port:
             try:
-                replay_port = self.kv_relays.replay_port()
+                replay_port = self.kv_relays.replay_port(
+                    avoid=[self.ports], taken=held_ports(s.rec for s in self.live_shards()) | {port}
+                )
             except OSError as exc:
                 log.warning("shard %s: KV events without replay: %s", cmd.shard_id, exc)
                 replay_port = 0

@@ -38,7 +38,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import zmq
 import zmq.asyncio
@@ -49,6 +49,11 @@ from llmgw import kvblocks, kvwire, subjects
 log = logging.getLogger(__name__)
 
 Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+class _Superseded(Exception):
+    """A replay found the relay's state no longer its own (a new epoch, a newer replay)."""
+
 
 # Bytes per hash in a JSON snapshot, at most (19 digits and a comma), for sizing replies.
 _HASH_JSON_BYTES = 20
@@ -138,6 +143,10 @@ class EngineRelay:
         host: str = "127.0.0.1",
         replay_endpoint: str = "",
         replay_timeout: float = 5.0,
+        replay_quiet: float = 0.25,
+        replay_queue_timeout: float = 30.0,
+        replay_backoff: tuple[float, float] = (30.0, 600.0),
+        replay_gate: asyncio.Semaphore | None = None,
         flush_seconds: float = 0.01,
         max_ops: int = 512,
         metrics=None,
@@ -160,12 +169,25 @@ class EngineRelay:
         # The engine's replay socket ("" = none) and what asking it brought back.
         self.replay_endpoint = replay_endpoint
         self.replay_port = 0  # its port, as the owner recorded it
-        self.replay_timeout = replay_timeout
+        self.replay_timeout = replay_timeout  # for one replay, from when its turn comes
+        # vLLM sends a reply in one burst, so a pause this long after its first batch means
+        # its ROUTER dropped the rest (silently, past its high-water mark of 1,000).
+        self.replay_quiet = replay_quiet
+        self.replay_queue_timeout = replay_queue_timeout  # the longest wait for a turn
+        # Replays the owner lets run at once (one event loop serves every relay).
+        self._gate = replay_gate or asyncio.Semaphore(1)
+        # After a replay nobody answered, gaps are not replayed for a while (doubling).
+        self._backoff_first, self._backoff_max = replay_backoff
+        self._backoff = 0.0
+        self._no_replay_until = 0.0  # time.monotonic()
         self.replays = 0  # requests sent
         self.replayed = 0  # batches applied from replies
+        self.replays_skipped = 0  # gaps not replayed: during a back-off, or of our making
         self._live_seq = -1  # the last batch the engine's PUB sent us (not replayed)
+        self._unreadable = False  # a live message whose sequence number we could not read
         self._held: list[tuple[int, list[kvwire.Event]]] = []  # live batches during a replay
         self._replay_task: asyncio.Task | None = None
+        self._retired: set[asyncio.Task] = set()  # replays cancelled, not yet finished
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
@@ -199,8 +221,12 @@ class EngineRelay:
         """One batch from the engine's PUB socket."""
         parsed = self._parse(parts)
         if parsed is None:
+            self._unreadable = True
             return
         seq, events = parsed
+        # A gap right after a message we could not read may be that very message: the
+        # engine would replay the same bytes, so asking is pointless.
+        ours, self._unreadable = self._unreadable, False
         if seq <= self._live_seq:
             # Numbering started over: a new engine process behind the same socket.
             self._new_epoch()
@@ -211,6 +237,9 @@ class EngineRelay:
             pass  # a replay brought it already
         elif seq == self.last_seq + 1 or not self.replay_endpoint:
             self._apply(seq, events)
+        elif ours or time.monotonic() < self._no_replay_until:
+            self.replays_skipped += 1
+            self._apply(seq, events)  # the gap is counted, as without replay
         else:
             self._held.append((seq, events))
             self.request_replay()
@@ -226,12 +255,17 @@ class EngineRelay:
             self._replay_task = asyncio.ensure_future(self._catch_up())
 
     def _parse(self, parts: list[bytes]) -> tuple[int, list[kvwire.Event]] | None:
+        """(seq, events) of one engine message; a batch that cannot be read but whose
+        sequence number can is (seq, []): its events are lost (counted as malformed), but
+        it is no gap, since replay would bring the same bytes. None: not even that."""
         try:
             seq, _, events = kvwire.parse_frames(parts)
         except kvwire.WireError as exc:
             self.malformed += 1
             if self.malformed == 1 or self.malformed % 1000 == 0:
                 log.warning("shard %s: skipped malformed KV events (%s)", self.shard_id, exc)
+            if len(parts) == 3 and len(parts[1]) == 8:
+                return int.from_bytes(parts[1], "big", signed=True), []
             return None
         for ev in events:
             if isinstance(ev, kvwire.Stored) and ev.unusable:
@@ -284,19 +318,34 @@ class EngineRelay:
 
     async def _catch_up(self) -> None:
         me = asyncio.current_task()
-        deadline = asyncio.get_running_loop().time() + self.replay_timeout
+        outcome = ""  # of the last round; none ran: no turn came
+        replayed = self.replayed
         try:
-            while True:
-                before = self.last_seq
-                outcome = await self._replay_round(self.last_seq + 1, deadline)
-                self._apply_held(across_gaps=False)
-                if outcome == "failed" or self.last_seq == before:
-                    return  # no answer, or the engine no longer buffers the gap
-                if outcome == "end" and not self._held:
-                    return  # caught up
-                # The reply had a hole (the engine's ROUTER drops past its high-water mark
-                # when the relay reads too slowly), or a live batch after it went missing:
-                # ask again from there.
+            try:
+                async with asyncio.timeout(self.replay_queue_timeout):
+                    await self._gate.acquire()
+            except TimeoutError:
+                log.warning("shard %s: no turn for a KV event replay in time", self.shard_id)
+                return
+            try:
+                self._still_current(me)
+                # The deadline counts from this relay's turn, not from the wait for it.
+                deadline = asyncio.get_running_loop().time() + self.replay_timeout
+                while True:
+                    before = self.last_seq
+                    outcome = await self._replay_round(me, self.last_seq + 1, deadline)
+                    self._apply_held(across_gaps=False)
+                    if outcome == "failed" or self.last_seq == before:
+                        return  # no answer, or the engine no longer buffers the gap
+                    if outcome == "end" and not self._held:
+                        return  # caught up
+                    # The reply had a hole or lost its tail (the engine's ROUTER drops past
+                    # its high-water mark when the relay reads too slowly), or a live batch
+                    # after it went missing: ask again from there.
+            finally:
+                self._gate.release()
+        except _Superseded:
+            return  # a new epoch or a newer replay owns the state now
         except asyncio.CancelledError:
             if self._replay_task is me:
                 self._replay_task = None
@@ -306,27 +355,64 @@ class EngineRelay:
         finally:
             if self._replay_task is me:
                 self._replay_task = None
+                if outcome:
+                    self._after_replay(answered=outcome != "failed" or self.replayed > replayed)
                 self._apply_held(across_gaps=True)
 
-    async def _replay_round(self, start: int, deadline: float) -> str:
+    def _after_replay(self, *, answered: bool) -> None:
+        """Back off replaying while the engine's replay socket does not answer: each gap
+        would otherwise hold live batches for the whole deadline again."""
+        if answered:
+            self._backoff = 0.0
+            return
+        self._backoff = min(self._backoff_max, max(self._backoff_first, 2 * self._backoff))
+        self._no_replay_until = time.monotonic() + self._backoff
+        log.warning(
+            "shard %s: KV event gaps are not replayed for %.0f s (no answer from %s)",
+            self.shard_id,
+            self._backoff,
+            self.replay_endpoint,
+        )
+
+    def _still_current(self, me: asyncio.Task | None) -> None:
+        """After every await of a replay: a cancellation can be lost (on Python 3.11 a
+        wait whose result was already in swallows it), so the replay checks it is still
+        the relay's own before touching the state, which a new epoch has replaced."""
+        if self._replay_task is not me:
+            raise _Superseded
+
+    async def _replay_round(self, me: asyncio.Task | None, start: int, deadline: float) -> str:
         """Ask for the batches from `start` and apply the reply's run that continues the
-        applied ones: "end" (the whole reply came), "hole" (a batch inside it is
-        missing: the rest is dropped) or "failed" (no end marker by the deadline)."""
+        applied ones: "end" (the whole reply came), "hole" (a batch inside it, or its
+        tail, is missing: the rest is dropped) or "failed" (no end marker by the
+        deadline, or a pause in the reply before any batch was applied)."""
         loop = asyncio.get_running_loop()
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # the engine's ROUTER decides what it drops
         self.replays += 1
         first = True
+        heard = False
         n = 0
         try:
             sock.connect(self.replay_endpoint)
-            await sock.send_multipart(kvwire.replay_request(start))
+            async with asyncio.timeout_at(deadline):
+                await sock.send_multipart(kvwire.replay_request(start))
+            self._still_current(me)
             while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise TimeoutError
-                parts = kvwire.parse_replay(await asyncio.wait_for(sock.recv_multipart(), left))
+                # The first frame may be slow (vLLM's publisher thread looks at its replay
+                # socket between 100 ms waits on its queue); the rest come in one burst.
+                until = min(deadline, loop.time() + self.replay_quiet) if heard else deadline
+                try:
+                    async with asyncio.timeout_at(until):
+                        raw = await sock.recv_multipart()
+                except TimeoutError:
+                    if until >= deadline or n == 0:
+                        raise
+                    return "hole"  # its tail and end marker were dropped
+                self._still_current(me)
+                heard = True
+                parts = kvwire.parse_replay(raw)
                 if parts is None:
                     return "end"
                 parsed = self._parse(parts)
@@ -352,8 +438,10 @@ class EngineRelay:
                 n += 1
                 if len(self._ops) >= self.max_ops:
                     await self.flush()  # keep each bus message small
+                    self._still_current(me)
                 elif n % 256 == 0:
                     await asyncio.sleep(0)  # a long reply must not starve the agent
+                    self._still_current(me)
         except (TimeoutError, zmq.ZMQError) as exc:
             if self.metrics is not None:
                 self.metrics.kv_replay_failures.inc()
@@ -369,9 +457,13 @@ class EngineRelay:
             sock.close(linger=0)
 
     def _new_epoch(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            self._replay_task = None
+        task, self._replay_task = self._replay_task, None
+        if task is not None:
+            # Cancelled, and also no longer current: should the cancellation be lost, the
+            # replay still stops at its next await (_still_current). Kept until it ends.
+            task.cancel()
+            self._retired.add(task)
+            task.add_done_callback(self._retired.discard)
         self._held.clear()
         self._ops.clear()
         self._first = -1
@@ -463,13 +555,13 @@ class EngineRelay:
             self.request_replay()
 
     def close_socket(self) -> None:
-        for task in (self.task, self._flush_task, self._replay_task):
+        for task in (self.task, self._flush_task, self._replay_task, *self._retired):
             if task is not None:
                 task.cancel()
         self._sock.close(linger=0)
 
     async def close(self) -> None:
-        for task in (self.task, self._flush_task, self._replay_task):
+        for task in (self.task, self._flush_task, self._replay_task, *self._retired):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -496,10 +588,38 @@ def _port_is_free(host: str, port: int) -> bool:
     return True
 
 
+# The fewest ports above the kernel's ephemeral range worth taking replay ports from;
+# with fewer (a range ending near 65535), they come from below it.
+_MIN_ROOM_ABOVE = 512
+
+
+def replay_port_candidates(
+    ephemeral: tuple[int, int], avoid: Sequence[range] = (), taken: Collection[int] = ()
+) -> list[int]:
+    """The ports an engine's replay socket may get. Pure.
+
+    Outside the kernel's ephemeral range where there is room (`ephemeral`: its first and
+    last port), so no outgoing connection made while the engine loads lands on it first;
+    never in `avoid` (the agent's engine port range) nor `taken` (ports live shards hold:
+    an engine binds its HTTP and replay ports only once its model is loaded, minutes
+    after they were recorded, so a port's being free says nothing about them)."""
+    lo, hi = ephemeral
+
+    def allowed(span: range) -> list[int]:
+        return [p for p in span if p not in taken and not any(p in r for r in avoid)]
+
+    if 65535 - hi >= _MIN_ROOM_ABOVE:
+        ports = allowed(range(hi + 1, 65536))
+    else:
+        ports = allowed(range(1024, lo))
+    # An ephemeral range covering (nearly) every port: anywhere else, then.
+    return ports or allowed(range(1024, 65536))
+
+
 class KvRelays:
     """The agent's relays, by shard id, and the node's snapshot service."""
 
-    def __init__(self, node: str, host: str = "127.0.0.1", metrics=None):
+    def __init__(self, node: str, host: str = "127.0.0.1", metrics=None, replays_at_once: int = 2):
         self.node = node
         self.host = host
         self.metrics = metrics  # telemetry.AgentMetrics, or None
@@ -508,6 +628,9 @@ class KvRelays:
         self._sub = None
         self._closing: set[asyncio.Future] = set()
         self._context = zmq.asyncio.Context()
+        # Replays running at once, across relays: after an agent restart every adopted
+        # engine's relay asks for its whole buffer, and one event loop reads the replies.
+        self._replay_gate = asyncio.Semaphore(replays_at_once)
 
     async def _publish(self, subject: str, data: bytes) -> None:
         nc = self._nc
@@ -515,17 +638,17 @@ class KvRelays:
             raise ConnectionError("not connected to NATS")
         await nc.publish(subject, data)
 
-    def replay_port(self) -> int:
-        """A free loopback port for an engine's replay socket, which the engine binds.
-
-        Taken above the kernel's ephemeral range, so no outgoing connection made while
-        the engine starts (health probes, NATS) can land on it first; not one another
-        relay of this agent gave out (its engine may not have bound it yet)."""
-        lo, hi = _ephemeral_range()
-        taken = {r.replay_port for r in self.relays.values()}
-        candidates = list(range(hi + 1, 65536)) if hi < 65535 - 64 else list(range(1024, lo))
+    def replay_port(self, *, avoid: Sequence[range] = (), taken: Collection[int] = ()) -> int:
+        """A free loopback port for an engine's replay socket, which the engine binds:
+        one of `replay_port_candidates`, and none of this agent's relays' ports (their
+        engines may not have bound them yet). `avoid`: the engine port range; `taken`:
+        the ports the agent's live shards hold."""
+        held = set(taken)
+        for r in self.relays.values():
+            held.update((r.port, r.replay_port))
+        candidates = replay_port_candidates(_ephemeral_range(), avoid, held)
         for port in random.sample(candidates, min(64, len(candidates))):
-            if port not in taken and _port_is_free(self.host, port):
+            if _port_is_free(self.host, port):
                 return port
         raise OSError(errno.EADDRINUSE, "no free loopback port for a KV event replay socket")
 
@@ -550,7 +673,7 @@ class KvRelays:
             try:
                 relay = EngineRelay(
                     self.node, shard_id, publish=self._publish, port=port, host=self.host,
-                    metrics=self.metrics, context=self._context,
+                    metrics=self.metrics, context=self._context, replay_gate=self._replay_gate,
                     replay_endpoint=f"tcp://{self.host}:{replay_port}" if replay_port else "",
                 )  # fmt: skip
                 break

@@ -10,6 +10,7 @@ listening after the engine has stored blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -327,3 +328,252 @@ def test_replies_read_in_vllms_form_and_sglangs_which_has_no_topic():
     assert kvwire.parse_replay(kvwire.replay_end()) is None
     assert kvwire.parse_replay([b"", kvwire.END_SEQ, b""]) is None  # SGLang's end marker
     assert kvwire.parse_replay([b"", b"", seq, payload]) == [b"", seq, payload]  # no topic
+
+
+def numbered_batches(n: int = N) -> list[bytes]:
+    """The prompt's blocks as `n` engine batches, one block each, chained."""
+    out = []
+    parent = None
+    for i in range(n):
+        ev = kvwire.BlockStored(
+            block_hashes=[i + 1], parent_block_hash=parent,
+            token_ids=byte_tokens(PROMPT[i * 16 : (i + 1) * 16]),
+            block_size=BS, lora_id=None, medium=None, lora_name=None,
+        )  # fmt: skip
+        parent = i + 1
+        out.append(kvwire.encode_batch(0.0, [ev]))
+    return out
+
+
+class ScriptedEngine:
+    """A replay socket on loopback, served in this loop: each request is recorded, and
+    `reply(round, seq)` says whether that batch of the reply is sent (False: dropped, as
+    vLLM's ROUTER drops past its high-water mark); `end(round)` whether END is. `hold`
+    keeps every reply back until set."""
+
+    def __init__(self, ctx, batches: list[bytes], *, reply=None, end=None):
+        self.port = free_port()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{self.port}")
+        self.batches = batches
+        self.asked: list[int] = []
+        self.reply = reply or (lambda rnd, seq: True)
+        self.end = end or (lambda rnd: True)
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            peer, _, start = await self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
+            rnd = len(self.asked)
+            await self.hold.wait()
+            for seq in range(int.from_bytes(start, "big"), len(self.batches)):
+                if self.reply(rnd, seq):
+                    frames = kvwire.replay_reply(b"kv", seq, self.batches[seq])
+                    await self.router.send_multipart([peer, *frames])
+            if self.end(rnd):
+                await self.router.send_multipart([peer, *kvwire.replay_end()])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.router.close(0)
+
+
+async def test_a_reply_whose_tail_and_end_marker_are_dropped_is_asked_for_again():
+    """vLLM sends a reply in one burst and its ROUTER drops silently past 1,000 queued
+    messages: here the last two batches and the end marker of the first reply. The relay
+    must not wait out its deadline and then count the batches as lost: the engine still
+    holds them."""
+    ctx = zmq.asyncio.Context()
+    engine = ScriptedEngine(
+        ctx, numbered_batches(),
+        reply=lambda rnd, seq: rnd > 1 or seq < N - 2, end=lambda rnd: rnd > 1,
+    )  # fmt: skip
+    relay = EngineRelay("n1", "s1", publish=_discard, context=ctx, replay_timeout=30,
+                        replay_endpoint=f"tcp://127.0.0.1:{engine.port}")  # fmt: skip
+    try:
+        relay.start(engine_running=True)
+        await wait_for(lambda: not relay.replaying, timeout=60)
+        assert engine.asked == [0, N - 2]
+        assert relay.last_seq == N - 1 and relay.engine_gaps == 0 and relay.replayed == N
+        assert sorted(relay.blocks.hashes()) == sorted(EXPECTED)
+    finally:
+        await relay.close()
+        await engine.close()
+        ctx.term()
+
+
+async def _discard(subject: str, data: bytes) -> None:
+    pass
+
+
+class _PendingDealer:
+    """A DEALER whose replies the test hands over, so a reply can land in the same loop
+    iteration as the cancellation of the replay that asked for it."""
+
+    def __init__(self) -> None:
+        self.pending: list[asyncio.Future] = []
+
+    def setsockopt(self, *args) -> None:
+        pass
+
+    def connect(self, endpoint: str) -> None:
+        pass
+
+    async def send_multipart(self, parts) -> None:
+        pass
+
+    def recv_multipart(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(fut)
+        return fut
+
+    def close(self, linger=None) -> None:
+        pass
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.real = zmq.asyncio.Context()
+        self.dealer = _PendingDealer()
+
+    def socket(self, kind):
+        return self.dealer if kind == zmq.DEALER else self.real.socket(kind)
+
+
+def _batch(seq: int, h: int) -> list[bytes]:
+    ev = kvwire.BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=byte_tokens(b"y" * 16),
+                            block_size=BS, lora_id=None, medium=None, lora_name=None)  # fmt: skip
+    return kvwire.frames("kv", seq, kvwire.encode_batch(0.0, [ev]))
+
+
+async def test_a_replay_of_the_old_engine_process_never_lands_in_the_new_epoch():
+    """The reply of the engine process that is gone arrives in the loop iteration in which
+    the new process's first batch starts a new epoch (and cancels the replay)."""
+    ctx = _Context()
+    relay = EngineRelay("n1", "s1", publish=_discard, context=ctx, replay_timeout=30,
+                        replay_endpoint="tcp://127.0.0.1:1")  # fmt: skip
+    try:
+        relay.start(engine_running=True)  # adopted: asks for the buffer
+        await wait_for(lambda: ctx.dealer.pending, what="the replay request")
+        relay.receive(_batch(500, 1))  # live batches of the old process, held
+        relay.receive(_batch(501, 2))
+        ctx.dealer.pending[-1].set_result([b"", *_batch(400, 99)])
+        relay.receive(_batch(0, 7))  # a new engine process: new epoch
+        epoch = relay.epoch
+        for _ in range(20):
+            await asyncio.sleep(0)
+        relay.receive(_batch(1, 8))
+        assert relay.epoch == epoch and relay.last_seq == 1
+        canon = relay.blocks.canon
+        assert 7 in canon and 8 in canon and 99 not in canon and 1 not in canon
+        assert relay.engine_gaps == 0
+    finally:
+        await relay.close()
+        ctx.real.destroy(0)
+
+
+async def test_replays_wait_their_turn_and_each_deadline_starts_with_it():
+    """After an agent restart every adopted engine's relay asks for its whole buffer: at
+    most two replays run at once in the agent, and a relay's deadline starts when its turn
+    comes, not while it waits."""
+    relays = KvRelays("n1")
+    ctx = zmq.asyncio.Context()
+    engines = [ScriptedEngine(ctx, numbered_batches()) for _ in range(3)]
+    for e in engines[:2]:
+        e.hold.clear()  # the first two replies take their time
+    try:
+        opened = [
+            relays.open(f"s{i}", replay_port=e.port, engine_running=True)
+            for i, e in enumerate(engines)
+        ]
+        for r in opened:
+            r.replay_timeout = 30
+        await wait_for(lambda: engines[0].asked and engines[1].asked, what="two requests")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert opened[2].replays == 0 and opened[2].replaying  # waits, holding live batches
+        opened[2].replay_timeout = 0.5  # less than the others' replies take from now on
+        await asyncio.sleep(1.0)
+        for e in engines[:2]:
+            e.hold.set()
+        await wait_for(lambda: not any(r.replaying for r in opened), timeout=60)
+        for r in opened:
+            assert r.last_seq == N - 1 and r.engine_gaps == 0 and r.replayed == N
+    finally:
+        await relays.stop()
+        for e in engines:
+            await e.close()
+        ctx.term()
+
+
+async def test_after_a_replay_nobody_answered_the_next_gaps_are_not_held_back():
+    relay = EngineRelay("n1", "s1", publish=_discard, replay_timeout=0.3,
+                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    try:
+        relay.receive(_batch(0, 1))
+        relay.receive(_batch(2, 2))  # a gap: replay asked, nobody answers
+        assert relay.replaying
+        await wait_for(lambda: not relay.replaying, what="the replay's end")
+        assert relay.last_seq == 2 and relay.engine_gaps == 1 and relay.replays == 1
+        relay.receive(_batch(4, 3))  # a gap within the back-off: counted, not replayed
+        assert not relay.replaying and relay.last_seq == 4
+        assert relay.engine_gaps == 2 and relay.replays == 1
+    finally:
+        await relay.close()
+
+
+async def test_a_gap_left_by_a_batch_the_relay_could_not_read_is_not_replayed():
+    """The engine would replay the same bytes: asking for them again is pointless."""
+    relay = EngineRelay("n1", "s1", publish=_discard, replay_timeout=30,
+                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    try:
+        relay.receive(_batch(0, 1))
+        relay.receive([b"kv", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        relay.receive(_batch(2, 2))
+        assert not relay.replaying and relay.replays == 0 and relay.last_seq == 2
+        assert relay.malformed == 1
+        relay.receive([b"kv", b"not a sequence number"])  # which batch it was is unknown
+        relay.receive(_batch(4, 3))
+        assert not relay.replaying and relay.replays == 0 and relay.last_seq == 4
+        assert relay.malformed == 2
+        assert 2 in relay.blocks.canon and 3 in relay.blocks.canon
+    finally:
+        await relay.close()
+
+
+def test_replay_ports_avoid_the_engine_port_range_and_every_port_a_shard_holds():
+    engine_ports = range(8100, 8200)
+    held = {61_000, 61_001, 9_000}
+    # The kernel's ephemeral range ends high: replay ports come from below it.
+    below = kvrelay.replay_port_candidates((32768, 65535), [engine_ports], held)
+    assert below and not set(below) & (set(engine_ports) | held)
+    assert min(below) >= 1024 and max(below) < 32768
+    # The usual range (Linux's default): above it, up to 65535, but not a held port.
+    above = kvrelay.replay_port_candidates((32768, 60999), [engine_ports], held)
+    assert set(above) == set(range(61000, 65536)) - held
+    # Too little room above the range: below it instead.
+    tight = kvrelay.replay_port_candidates((32768, 65400), [engine_ports], held)
+    assert max(tight) < 32768
+    # No port outside the range at all: anywhere but the engine ports and held ones.
+    whole = kvrelay.replay_port_candidates((1024, 65535), [engine_ports], held)
+    assert whole and not set(whole) & (set(engine_ports) | held)
+
+
+async def test_the_agents_replay_port_is_neither_an_engine_port_nor_one_taken(monkeypatch):
+    monkeypatch.setattr(kvrelay, "_ephemeral_range", lambda: (20000, 65535))
+    monkeypatch.setattr(kvrelay, "_port_is_free", lambda host, port: True)
+    relays = KvRelays("n1")
+    try:
+        # The range ends high: ports come from below it, where the engine ports are. Every
+        # port there is held by a shard but 9000 and the engine ports (not bound yet).
+        taken = set(range(1024, 8100)) | set(range(8200, 20000))
+        port = relays.replay_port(avoid=[range(8100, 8200)], taken=taken - {9000})
+        assert port == 9000
+    finally:
+        await relays.stop()
