@@ -669,18 +669,31 @@ class KvRelays:
             task.add_done_callback(self._closing.discard)
         # Re-binding the port just closed races ZMQ's I/O thread releasing it: retry briefly.
         retry_until = time.monotonic() + 1.0 if old is not None and old.port == port else 0.0
-        while True:
-            try:
-                relay = EngineRelay(
-                    self.node, shard_id, publish=self._publish, port=port, host=self.host,
-                    metrics=self.metrics, context=self._context, replay_gate=self._replay_gate,
-                    replay_endpoint=f"tcp://{self.host}:{replay_port}" if replay_port else "",
-                )  # fmt: skip
-                break
-            except zmq.ZMQError as e:
-                if e.errno != errno.EADDRINUSE or time.monotonic() >= retry_until:
-                    raise
-                time.sleep(0.02)
+        # A random port may be another engine's replay port, free until that engine has
+        # loaded its model: such a socket is kept bound (so the next try gets another
+        # port) and closed once one fits.
+        reserved = {r.replay_port for r in self.relays.values()} | {replay_port}
+        misfits: list[EngineRelay] = []
+        try:
+            while True:
+                try:
+                    relay = EngineRelay(
+                        self.node, shard_id, publish=self._publish, port=port, host=self.host,
+                        metrics=self.metrics, context=self._context,
+                        replay_gate=self._replay_gate,
+                        replay_endpoint=f"tcp://{self.host}:{replay_port}" if replay_port else "",
+                    )  # fmt: skip
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EADDRINUSE or time.monotonic() >= retry_until:
+                        raise
+                    time.sleep(0.02)
+                    continue
+                if port or relay.port not in reserved or len(misfits) >= 8:
+                    break
+                misfits.append(relay)
+        finally:
+            for misfit in misfits:
+                misfit.close_socket()
         relay.replay_port = replay_port
         relay.start(engine_running=engine_running)
         self.relays[shard_id] = relay

@@ -577,3 +577,25 @@ async def test_the_agents_replay_port_is_neither_an_engine_port_nor_one_taken(mo
         assert port == 9000
     finally:
         await relays.stop()
+
+
+async def test_a_relays_random_port_is_never_a_replay_port_given_out(monkeypatch):
+    """A replay port is bound by its engine only once the model is loaded: until then a
+    relay binding a random port could take it, and the engine could not start its socket."""
+    relays = KvRelays("n1")
+    first = relays.open("s1", replay_port=relays.replay_port())
+    real = EngineRelay.__init__
+    tries = []
+
+    def onto_the_replay_port(self, *args, port=0, **kwargs):
+        tries.append(port)
+        if len(tries) == 1:
+            port = first.replay_port  # the kernel's random pick: that very port
+        real(self, *args, port=port, **kwargs)
+
+    monkeypatch.setattr(EngineRelay, "__init__", onto_the_replay_port)
+    try:
+        second = relays.open("s2")
+        assert len(tries) == 2 and second.port != first.replay_port
+    finally:
+        await relays.stop()
