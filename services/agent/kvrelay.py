@@ -23,9 +23,12 @@ its last `buffer_steps` batches; kvwire has the frames): the relay holds back th
 batches that arrive meanwhile, asks for the batches from the first missing one,
 applies them in order (skipping what it has), then the held ones. A relay that
 (re)attaches to a running engine asks for the whole buffer, so its block set is
-rebuilt. When the engine does not answer by the deadline, or no longer buffers the
-gap, the rest is what it was before replay: the gap is counted and logged, and the
-set may miss blocks or keep evicted ones until they are stored or removed again.
+rebuilt. A reply that pauses (the engine's ROUTER dropped the rest, end marker
+included) is asked for again from the first batch missing. Replays take turns across
+the agent's relays (KvRelays' gate), and a relay whose engine did not answer stops
+replaying for a while. When the engine does not answer by the deadline, or no longer
+buffers the gap, the rest is what it was before replay: the gap is counted and logged,
+and the set may miss blocks or keep evicted ones until they are stored or removed again.
 """
 
 from __future__ import annotations
