@@ -191,6 +191,7 @@ class EngineRelay:
         self._held: list[tuple[int, list[kvwire.Event]]] = []  # live batches during a replay
         self._replay_task: asyncio.Task | None = None
         self._retired: set[asyncio.Task] = set()  # replays cancelled, not yet finished
+        self._heard = False  # the current replay got any reply frame
         self._ops: list[c.KvBlockOp] = []
         self._first = -1
         self._flush_task: asyncio.Task | None = None
@@ -322,7 +323,7 @@ class EngineRelay:
     async def _catch_up(self) -> None:
         me = asyncio.current_task()
         outcome = ""  # of the last round; none ran: no turn came
-        replayed = self.replayed
+        self._heard = False
         try:
             try:
                 async with asyncio.timeout(self.replay_queue_timeout):
@@ -359,7 +360,7 @@ class EngineRelay:
             if self._replay_task is me:
                 self._replay_task = None
                 if outcome:
-                    self._after_replay(answered=outcome != "failed" or self.replayed > replayed)
+                    self._after_replay(answered=self._heard)
                 self._apply_held(across_gaps=True)
 
     def _after_replay(self, *, answered: bool) -> None:
@@ -414,7 +415,7 @@ class EngineRelay:
                         raise
                     return "hole"  # its tail and end marker were dropped
                 self._still_current(me)
-                heard = True
+                heard = self._heard = True
                 parts = kvwire.parse_replay(raw)
                 if parts is None:
                     return "end"
