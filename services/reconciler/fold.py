@@ -11,6 +11,7 @@ from __future__ import annotations
 from llmgw import contracts as c
 
 from . import changes as ch
+from . import replica_index
 from .changes import Change
 from .state import (
     NODE_LOST,
@@ -140,6 +141,10 @@ def _bands_declared(state: ClusterState, seq: int, ev: c.BandsDeclared) -> set[C
 def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) -> set[Change]:
     changes: set[Change] = {Change(ch.REPLICA, ev.replica_id)}
     decl = state.models.get(ev.model)
+    if ev.replica_id in state.replicas:
+        # Placed again (checks.py refuses it; a fold without checks may not): the
+        # index counted the replaced replica's model and cannot uncount it.
+        replica_index.forget(state)
     state.replicas[ev.replica_id] = ReplicaView(
         replica_id=ev.replica_id,
         model=ev.model,

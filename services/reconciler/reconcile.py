@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 
-from . import fold, placement
+from . import fold, placement, replica_index
 from .placement import event_id
 from .queries import adoptable, is_ready, newest_first, next_replica_id, outdated
 from .state import ClusterState, Liveness, ReplicaView, ShardView
@@ -85,6 +85,7 @@ class _Scratch:
                 failures=dict(s.failures),
                 scaled=s.scaled,
             )
+            replica_index.carry(s, self.state)
         self.seq += 1
         fold.apply(self.state, self.seq, event)
 

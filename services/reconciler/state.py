@@ -16,6 +16,8 @@ import msgspec
 
 from llmgw import contracts as c
 
+from . import replica_index
+
 # The reason a shard of a lost node carries: its replica is replaced, but the shard
 # itself said nothing about its profile (replacement back-off ignores it).
 NODE_LOST = "node lost"
@@ -78,7 +80,9 @@ class ReplicaView(msgspec.Struct, kw_only=True):
         return [a.shard_id for a in self.assignments]
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
+# dict=True: room for derived indexes kept beside the fields (replica_index), which
+# equality, encoding and the projection never see.
+class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     last_seq: int = 0
     # The newest leader term folded: control events of an older term are refused.
     term: int = 0
@@ -97,7 +101,9 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
     def copy(self) -> ClusterState:
         """A deep copy (placement experiments and replay must not touch the live state)."""
-        return msgspec.convert(msgspec.to_builtins(self), ClusterState)
+        out = msgspec.convert(msgspec.to_builtins(self), ClusterState)
+        replica_index.carry(self, out)
+        return out
 
     def desired_replicas(self, model: str) -> int:
         """How many replicas `model` should have: the catalog's count, or for an
