@@ -33,7 +33,9 @@ class _Replica(Protocol):
 def parse_replica_id(rid: str) -> tuple[str, int] | None:
     """(token, n) of a replica id `<token>-r<n>`; None for an id not of that form."""
     head, sep, tail = rid.rpartition("-r")
-    return (head, int(tail)) if sep and tail.isdigit() else None
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses, and a replica
+    # id an agent reports must never crash the fold.
+    return (head, int(tail)) if sep and tail.isascii() and tail.isdigit() else None
 
 
 class ReplicaIndex:

@@ -33,6 +33,7 @@ def test_replica_numbers_are_parsed_from_the_last_r_suffix():
     assert queries.replica_number("m") is None
     assert queries.parse_replica_id("org_model_v1-r4") == ("org_model_v1", 4)
     assert queries.parse_replica_id("m-r") is None
+    assert queries.parse_replica_id("m-r²") is None  # not an ASCII digit: int() would raise
     assert queries.replica_id("org/model:v1", 4) == "org_model_v1-r4"
 
 
