@@ -186,13 +186,13 @@ class Proxy:
                         param="model",
                     )
                 ex.model = route.name
+                version = self.view.version
                 grant = await gate.admit(req, route, who)
-                # Routes are swapped whole on every change: after a wait in admission (for a
-                # first ready replica, say) dispatch to the current one, if it is still
-                # this model (an alias re-pointed meanwhile keeps what was admitted).
-                fresh = self.view.resolve(req.model)
-                if fresh is not None and fresh is not route and fresh.name == route.name:
-                    route = fresh
+                if self.view.version != version:
+                    # Routes are swapped whole on every change: a request that waited in
+                    # admission (for a first ready replica, say) goes by its model's
+                    # current route (the admitted model, even if an alias moved meanwhile).
+                    route = self.view.route(route.name) or route
                 try:
                     ex.extra = grant.headers()
                     await self._dispatch(ex, req, route, scope["path"])
