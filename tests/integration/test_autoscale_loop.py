@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler import replay
-from llmgw.reconciler.actor import CONTROLLERS
-from llmgw.reconciler.autoscale_controller import Autoscaler
-from llmgw.reconciler.autoscaler import AutoscaleConfig, AutoscaleController
+from llmgw.reconciler.autoscaler import AutoscaleController
 from llmgw.reconciler.queries import is_ready
-from tests.integration.test_control_loop import Cluster, wait_kv
+from tests.integration.test_control_loop import FAST, Cluster, wait_kv
 
 SPEC = c.AutoscaleSpec(
     min=1,
@@ -34,31 +33,14 @@ SPEC = c.AutoscaleSpec(
 SLOTS = 8  # the simulated agents report max_running=8
 
 
-class FastAutoscaler(Autoscaler):
-    """The leader's autoscaler, evaluating five times a second."""
-
-    def __init__(self, ctx, cfg):
-        super().__init__(ctx, cfg)
-        self.inner.cfg = AutoscaleConfig(tick=0.2)
-        self.resync = self.inner.cfg.tick
+# The leader's autoscaler evaluating five times a second.
+FAST_AUTOSCALE = msgspec.structs.replace(FAST, autoscale_tick=0.2)
 
 
 @pytest.fixture
 async def cluster(nats):
-    js = nats.jetstream()
-    await bus.provision(js)
-    cl = Cluster(nats, js)
-    cl.leader.actor.factories = (
-        *(f for f in CONTROLLERS if f is not Autoscaler),
-        FastAutoscaler,
-    )
-    await cl.leader.start()
-    try:
+    async with (await Cluster.provisioned(nats, FAST_AUTOSCALE)).running() as cl:
         yield cl
-    finally:
-        await cl.leader.stop()
-        for a in cl.agents:
-            await a.stop()
 
 
 class Routers:
@@ -134,7 +116,7 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         # Demand stays high, but with 2 of 4 replicas ready the autoscaler does not ask again:
         # ten evaluations (each on live summaries, each past scale_up_after) decide nothing.
         autoscaler = leader.actor.controller("autoscale")
-        assert isinstance(autoscaler, FastAutoscaler)
+        assert autoscaler.resync == FAST_AUTOSCALE.autoscale_tick  # the fast one
         await evaluations(autoscaler.inner, 10)
         assert len(leader.of(c.ModelScaled)) == 1
 

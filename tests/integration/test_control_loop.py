@@ -214,10 +214,27 @@ class SimAgent:
 
 
 class Cluster:
-    def __init__(self, nc, js):
+    def __init__(self, nc, js, actor: ActorConfig = FAST):
         self.nc, self.js = nc, js
         self.agents: list[SimAgent] = []
-        self.leader = Leader(nc, js, Actor(FAST))
+        self.leader = Leader(nc, js, Actor(actor))
+
+    @classmethod
+    async def provisioned(cls, nc, actor: ActorConfig = FAST) -> Cluster:
+        js = nc.jetstream()
+        await bus.provision(js)
+        return cls(nc, js, actor)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Cluster]:
+        """The leader started; on leaving, the leader and every agent stopped."""
+        await self.leader.start()
+        try:
+            yield self
+        finally:
+            await self.leader.stop()
+            for a in self.agents:
+                await a.stop()
 
     async def add(self, name: str, **kw) -> SimAgent:
         agent = SimAgent(self.js, self.nc, name, **kw)
@@ -231,16 +248,8 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(nats):
-    js = nats.jetstream()
-    await bus.provision(js)
-    cl = Cluster(nats, js)
-    await cl.leader.start()
-    try:
+    async with (await Cluster.provisioned(nats)).running() as cl:
         yield cl
-    finally:
-        await cl.leader.stop()
-        for a in cl.agents:
-            await a.stop()
 
 
 async def kv_record(js, model: str) -> c.ModelEndpoints | None:

@@ -13,16 +13,8 @@ from tests.integration.test_control_loop import Cluster, ready_urls, wait_kv
 
 @pytest.fixture
 async def cluster(nats):
-    js = nats.jetstream()
-    await bus.provision(js)
-    cl = Cluster(nats, js)
-    await cl.leader.start()
-    try:
+    async with (await Cluster.provisioned(nats)).running() as cl:
         yield cl
-    finally:
-        await cl.leader.stop()
-        for a in cl.agents:
-            await a.stop()
 
 
 async def test_a_failing_kv_write_does_not_hold_placement_or_commands_back(cluster):

@@ -28,16 +28,8 @@ S = c.ShardState
 
 @pytest.fixture
 async def cluster(nats):
-    js = nats.jetstream()
-    await bus.provision(js)
-    cl = Cluster(nats, js)
-    await cl.leader.start()
-    try:
+    async with (await Cluster.provisioned(nats)).running() as cl:
         yield cl
-    finally:
-        await cl.leader.stop()
-        for a in cl.agents:
-            await a.stop()
 
 
 class ReportingAgent(SimAgent):

@@ -8,26 +8,16 @@ import pytest
 
 from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw.reconciler.actor import Actor
 from llmgw.reconciler.state import ClusterState
-from tests.integration.test_control_loop import FAST, Cluster, Leader, ready_urls, wait_kv
+from tests.integration.test_control_loop import FAST, Cluster, ready_urls, wait_kv
 
 RESYNC = msgspec.structs.replace(FAST, projection_resync_interval=0.5)
 
 
 @pytest.fixture
 async def cluster(nats):
-    js = nats.jetstream()
-    await bus.provision(js)
-    cl = Cluster(nats, js)
-    cl.leader = Leader(nats, js, Actor(RESYNC))
-    await cl.leader.start()
-    try:
+    async with (await Cluster.provisioned(nats, RESYNC)).running() as cl:
         yield cl
-    finally:
-        await cl.leader.stop()
-        for a in cl.agents:
-            await a.stop()
 
 
 async def test_a_late_foreign_write_and_a_deleted_key_are_repaired(cluster):
