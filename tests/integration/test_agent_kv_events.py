@@ -4,7 +4,9 @@ events reach the bus with canonical hashes, and a snapshot request is answered."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from pathlib import Path
 
 import httpx
 
@@ -18,6 +20,33 @@ from .test_agent_lifecycle import S, agent_config, running_agent, start_cmd, sta
 watch = life.watch  # the fixture
 
 PROMPT = "The same long prompt, block after block, for the prefix cache. " * 8
+
+
+@contextlib.asynccontextmanager
+async def agent_on(cfg, *, keep_engines: bool = False):
+    """An agent on `cfg`'s state dir, registered: yields (agent, its run task). On leaving
+    it stops; its engines keep running (to be adopted by the next) only if `keep_engines`
+    and the body did not fail."""
+    from llmgw.agent import engines
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.inventory import discover
+    from llmgw.agent.state import StateDir
+
+    sd = StateDir(Path(cfg.state_dir)).open()
+    inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
+    agent = Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg))
+    task = asyncio.create_task(agent.run())
+    failed = True
+    try:
+        await asyncio.wait_for(agent.registered.wait(), 20)
+        yield agent, task
+        failed = False
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, 20)
+        sd.close()
+        if failed or not keep_engines:
+            life.kill_engines(agent)
 
 
 async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
@@ -117,36 +146,15 @@ async def test_a_launched_engines_kv_events_reach_the_bus_and_snapshots_answer(
 async def test_a_restarted_agent_rebinds_the_relay_and_the_adopted_engine_reconnects(
     nats, nats_url, watch, tmp_path
 ):
-    from pathlib import Path
-
-    from llmgw.agent import engines
-    from llmgw.agent.agent import Agent
-    from llmgw.agent.inventory import discover
-    from llmgw.agent.state import StateDir
-
     js = nats.jetstream()
     cfg = agent_config("n-kv2", nats_url, tmp_path / "state")
+    async with agent_on(cfg, keep_engines=True) as (first, _):
+        await bus.publish(js, start_cmd("n-kv2", "kv2"))
+        ready = await watch.wait_for(status("kv2", S.READY))
+        port = first.shards["kv2"].rec.kv_events_port
+        assert port
 
-    def new_agent():
-        sd = StateDir(Path(cfg.state_dir)).open()
-        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
-        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
-
-    first, sd1 = new_agent()
-    task = asyncio.create_task(first.run())
-    await asyncio.wait_for(first.registered.wait(), 20)
-    await bus.publish(js, start_cmd("n-kv2", "kv2"))
-    ready = await watch.wait_for(status("kv2", S.READY))
-    port = first.shards["kv2"].rec.kv_events_port
-    assert port
-    first.stop()  # engines keep running
-    await asyncio.wait_for(task, 20)
-    sd1.close()
-
-    second, sd2 = new_agent()
-    task = asyncio.create_task(second.run())
-    try:
-        await asyncio.wait_for(second.registered.wait(), 20)
+    async with agent_on(cfg) as (second, _):
         relay = second.kv_relays.relays["kv2"]
         assert relay.port == port and relay.url == ready.url
         async with httpx.AsyncClient(timeout=30) as client:
@@ -160,67 +168,39 @@ async def test_a_restarted_agent_rebinds_the_relay_and_the_adopted_engine_reconn
                     break
                 await asyncio.sleep(0.1)
         assert relay.blocks.hashes(), "no KV events reached the re-bound relay"
-    finally:
-        second.stop()
-        await asyncio.wait_for(task, 20)
-        sd2.close()
-        life.kill_engines(second)
 
 
 async def test_an_adopted_engines_relay_port_taken_by_another_process_still_adopts_it(
     nats, nats_url, watch, tmp_path
 ):
     import socket
-    from pathlib import Path
-
-    from llmgw.agent import engines
-    from llmgw.agent.agent import Agent
-    from llmgw.agent.inventory import discover
-    from llmgw.agent.state import StateDir
 
     js = nats.jetstream()
     cfg = agent_config("n-kv3", nats_url, tmp_path / "state")
-
-    def new_agent():
-        sd = StateDir(Path(cfg.state_dir)).open()
-        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
-        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
-
-    first, sd1 = new_agent()
-    task = asyncio.create_task(first.run())
-    await asyncio.wait_for(first.registered.wait(), 20)
-    await bus.publish(js, start_cmd("n-kv3", "kv3"))
-    ready = await watch.wait_for(status("kv3", S.READY))
-    port = first.shards["kv3"].rec.kv_events_port
-    assert port
-    first.stop()  # engines keep running
-    await asyncio.wait_for(task, 20)
-    sd1.close()
+    async with agent_on(cfg, keep_engines=True) as (first, _):
+        await bus.publish(js, start_cmd("n-kv3", "kv3"))
+        ready = await watch.wait_for(status("kv3", S.READY))
+        port = first.shards["kv3"].rec.kv_events_port
+        assert port
 
     squatter = socket.socket()
-    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
-    squatter.bind(("127.0.0.1", port))  # another process takes the relay's port
-    squatter.listen()
-    second, sd2 = new_agent()
-    task = asyncio.create_task(second.run())
     try:
-        await asyncio.wait_for(second.registered.wait(), 20)
-        assert not task.done(), "the agent failed to start"
-        shard = second.shards["kv3"]
-        assert not shard.rec.terminal and "kv3" not in second.kv_relays.relays
-        assert second.metrics.kv_relay_bind_failures._value.get() == 1
-        async with httpx.AsyncClient(timeout=30) as client:  # the engine still serves
-            r = await client.post(
-                f"{ready.url}/v1/completions",
-                json={"model": "model-kv3", "prompt": PROMPT, "max_tokens": 1},
-            )
-            r.raise_for_status()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        squatter.bind(("127.0.0.1", port))  # another process takes the relay's port
+        squatter.listen()
+        async with agent_on(cfg) as (second, task):
+            assert not task.done(), "the agent failed to start"
+            shard = second.shards["kv3"]
+            assert not shard.rec.terminal and "kv3" not in second.kv_relays.relays
+            assert second.metrics.kv_relay_bind_failures._value.get() == 1
+            async with httpx.AsyncClient(timeout=30) as client:  # the engine still serves
+                r = await client.post(
+                    f"{ready.url}/v1/completions",
+                    json={"model": "model-kv3", "prompt": PROMPT, "max_tokens": 1},
+                )
+                r.raise_for_status()
     finally:
         squatter.close()
-        second.stop()
-        await asyncio.wait_for(task, 20)
-        sd2.close()
-        life.kill_engines(second)
 
 
 async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_and_meanwhile(
@@ -228,21 +208,8 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
 ):
     """The engine's replay socket (its port in the shard record) rebuilds the adopted
     engine's block set: what it stored before the agent stopped and while it was away."""
-    from pathlib import Path
-
-    from llmgw.agent import engines
-    from llmgw.agent.agent import Agent
-    from llmgw.agent.inventory import discover
-    from llmgw.agent.state import StateDir
-
     js = nats.jetstream()
     cfg = agent_config("n-kv4", nats_url, tmp_path / "state")
-
-    def new_agent():
-        sd = StateDir(Path(cfg.state_dir)).open()
-        inv = discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1")
-        return Agent(cfg, cfg.node_id, inv, sd, engines.detect(cfg)), sd
-
     before, meanwhile = PROMPT, PROMPT.replace("same", "other")
 
     async def complete(url: str, prompt: str) -> None:
@@ -256,10 +223,7 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
     def hashes(prompt: str) -> set[int]:
         return set(kvblocks.prompt_hashes(byte_tokens(prompt.encode()), 16, 1000))
 
-    first, sd1 = new_agent()
-    task = asyncio.create_task(first.run())
-    try:
-        await asyncio.wait_for(first.registered.wait(), 20)
+    async with agent_on(cfg, keep_engines=True) as (first, _):
         await bus.publish(js, start_cmd("n-kv4", "kv4"))
         ready = await watch.wait_for(status("kv4", S.READY))
         rec = first.shards["kv4"].rec
@@ -271,19 +235,9 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
             if hashes(before) <= set(relay.blocks.hashes()):
                 break
             await asyncio.sleep(0.05)
-    except BaseException:
-        life.kill_engines(first)
-        raise
-    finally:
-        first.stop()  # engines keep running
-        await asyncio.wait_for(task, 20)
-        sd1.close()
     await complete(ready.url, meanwhile)  # no relay listens
 
-    second, sd2 = new_agent()
-    task = asyncio.create_task(second.run())
-    try:
-        await asyncio.wait_for(second.registered.wait(), 20)
+    async with agent_on(cfg) as (second, _):
         relay = second.kv_relays.relays["kv4"]
         assert relay.replay_port == rec.kv_replay_port
         expected = hashes(before) | hashes(meanwhile)
@@ -299,11 +253,6 @@ async def test_a_restarted_agent_gets_back_the_blocks_its_engine_stored_before_a
         snap = c.decode(reply.data, c.KvSnapshot)
         assert expected <= set(snap.hashes), "the routers' snapshot misses the engine's blocks"
         assert second.metrics.kv_replayed._value.get() >= 1
-    finally:
-        second.stop()
-        await asyncio.wait_for(task, 20)
-        sd2.close()
-        life.kill_engines(second)
 
 
 async def test_a_data_parallel_engine_gets_no_relay_and_the_agent_says_why(
