@@ -61,7 +61,6 @@ class KvEventFeed:
         self._tasks: dict[str, asyncio.Task] = {}
         # Per endpoint whose last request failed: (when, how long to wait before the next).
         self._failed_at: dict[str, tuple[float, float]] = {}
-        self._by_url: dict[str, str] = {}
         self._sub = None
         self._sweeper: asyncio.Task | None = None
         self._stopped = False
@@ -87,7 +86,6 @@ class KvEventFeed:
 
     def endpoints_changed(self) -> None:
         endpoints = self.view.endpoints
-        self._by_url = {e.url: e.id for e in endpoints.values()}
         for ep_id in [e for e in self.index.endpoints if e not in endpoints]:
             self.index.drop(ep_id)
             self._failed_at.pop(ep_id, None)
@@ -109,11 +107,7 @@ class KvEventFeed:
     # -- events --------------------------------------------------------------------------
 
     def endpoint_for(self, batch: c.KvEvents) -> EndpointRuntime | None:
-        ep = self.view.by_shard.get(batch.shard_id)
-        if ep is None and batch.url:
-            ep_id = self._by_url.get(batch.url.rstrip("/"))
-            ep = self.view.endpoints.get(ep_id) if ep_id else None
-        return ep
+        return self.view.endpoint_of(batch.shard_id, batch.url)
 
     async def _on_msg(self, msg) -> None:
         result = self.handle(msg.data, msg.subject)

@@ -31,19 +31,10 @@ class SampleFeed:
     def __init__(self, view: EndpointView, clock: Callable[[], float] = time.monotonic):
         self.view = view
         self.clock = clock
-        self._by_url: dict[str, str] = {}
-        self._by_url_version = -1
         self.malformed = 0
 
     def endpoint_for(self, sample: c.LoadSample) -> EndpointRuntime | None:
-        ep = self.view.by_shard.get(sample.shard_id)
-        if ep is not None:
-            return ep
-        if self._by_url_version != self.view.version:
-            self._by_url = {e.url: e.id for e in self.view.endpoints.values()}
-            self._by_url_version = self.view.version
-        ep_id = self._by_url.get(sample.url.rstrip("/"))
-        return None if ep_id is None else self.view.endpoints.get(ep_id)
+        return self.view.endpoint_of(sample.shard_id, sample.url)
 
     def handle(self, raw: bytes) -> str:
         """One message from `llmgw.load.*`: "applied", "unknown" (no such endpoint) or

@@ -184,6 +184,7 @@ class EndpointView:
         # The same endpoints by the id of the shard that serves each: load samples and
         # KV event batches name their shard.
         self.by_shard: dict[str, EndpointRuntime] = {}
+        self._by_url: dict[str, EndpointRuntime] = {}
         self._listeners: list[Callable[[], None]] = []
         self._load_listeners: list[Callable[[EndpointRuntime], None]] = []
 
@@ -196,6 +197,14 @@ class EndpointView:
 
     def route(self, model: str) -> ModelRoute | None:
         return self._routes.get(model)
+
+    def endpoint_of(self, shard_id: str, url: str) -> EndpointRuntime | None:
+        """The endpoint a load sample or KV batch names: by its serving shard, else by
+        its URL (an engine not launched by the control plane's ids)."""
+        ep = self.by_shard.get(shard_id)
+        if ep is None and url:
+            ep = self._by_url.get(url.rstrip("/"))
+        return ep
 
     # ----------------------------------------------------------- reads for admin
 
@@ -302,6 +311,7 @@ class EndpointView:
             )
         self.endpoints = endpoints
         self.by_shard = {projection.serving_shard(i): ep for i, ep in endpoints.items()}
+        self._by_url = {ep.url: ep for ep in endpoints.values()}
         self._routes = new_routes
         self._names = table.names
         self.version += 1
