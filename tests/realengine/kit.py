@@ -56,6 +56,22 @@ class Engine:
         except OSError:
             return ""
 
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        """Until /health answers 200; stopped and raised with its log's tail if it exits
+        or the timeout passes first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM not healthy within {timeout:.0f}s:\n{self.log_tail()}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -87,29 +103,24 @@ def start_vllm(
     ctx = adapters.LaunchContext(port, [0], "127.0.0.1", devcatalog.vllm_command(python))
     spec = adapters.vllm(cmd, ctx)
     env = {**adapters.engine_environment(os.environ, spec), **devcatalog.VLLM_CPU_ENV}
-    log_path = directory / "vllm.log"
+    engine = launch(spec.argv, env, directory / "vllm.log", f"http://127.0.0.1:{port}")
+    engine.wait_healthy(timeout)
+    return engine
+
+
+def launch(argv: list[str], env: dict[str, str], log_path: Path, url: str) -> Engine:
+    """Start an engine in its own process group (stop() takes its workers too), its
+    output in `log_path`."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            spec.argv,
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
         )
-    engine = Engine(proc, f"http://127.0.0.1:{port}", log_path, spec.argv)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{engine.log_tail()}")
-        try:
-            if httpx.get(f"{engine.url}/health", timeout=2).status_code == 200:
-                return engine
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    engine.stop()
-    raise RuntimeError(f"vLLM not healthy within {timeout:.0f}s:\n{engine.log_tail()}")
+    return Engine(proc, url, log_path, argv)
 
 
 def wait(predicate, timeout: float, what: str, interval: float = 0.2):

@@ -20,7 +20,7 @@ from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
 from llmgw.router.prompttokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
-from tests.realengine.test_sim_parity import MODEL, Vllm, _started
+from tests.realengine.test_sim_parity import MODEL, _started, launch_vllm
 
 tiny = parity_test.tiny  # the fixture: the tiny model, built once per module
 
@@ -67,7 +67,7 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
     flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
     python = vllm_python
     vllm = await asyncio.to_thread(
-        lambda: _started(Vllm(python, tiny, tmp_path / "vllm.log", *flags))
+        lambda: _started(launch_vllm(python, tiny, tmp_path / "vllm.log", *flags))
     )
     try:
         relay.url = vllm.url
@@ -140,7 +140,7 @@ async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
     ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
     flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
     vllm = await asyncio.to_thread(
-        lambda: _started(Vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
+        lambda: _started(launch_vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
     )
     salted_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "cache_salt": "tenant-a"}
     plain_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}

@@ -19,7 +19,7 @@ from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.router.prompttokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
-from tests.realengine.test_sim_parity import MODEL, Vllm, _started
+from tests.realengine.test_sim_parity import MODEL, _started, launch_vllm
 
 tiny = parity_test.tiny  # the fixture: the tiny model, built once per module
 
@@ -67,7 +67,7 @@ async def test_vllm_replays_kv_events_the_relay_missed(nats, tiny, vllm_python, 
     )  # fmt: skip
     flags = kv_events_args(ctx)
     vllm = await asyncio.to_thread(
-        lambda: _started(Vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
+        lambda: _started(launch_vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
     )
     tokenizer = HfTokens(str(tiny))
 

@@ -15,9 +15,6 @@ time as a pooling model for `/v1/embeddings`: one engine at a time.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,7 @@ import pytest
 
 from llmgw.dev.servers import free_port
 from llmgw.dev.simkit import SimProcess, start_sim
-from tests.realengine import parity
+from tests.realengine import kit, parity
 
 pytestmark = pytest.mark.real_engine
 
@@ -69,79 +66,25 @@ KNOWN: dict[str, str] = {
 # -- engines ---------------------------------------------------------------------------------
 
 
-class Vllm:
-    def __init__(self, python: str, model: Path, log_path: Path, *flags: str, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        argv = [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            *flags,
-        ]
-        full_env = {
-            **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            **(env or {}),
-        }
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=full_env,
-                start_new_session=True,
-            )
-
-    def wait_healthy(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vLLM not healthy within {timeout:.0f}s:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        try:  # workers left in the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def launch_vllm(python: str, model: Path, log_path: Path, *flags: str, env=None) -> kit.Engine:
+    """A vLLM with the parity test's own flags and environment, started (not yet healthy)."""
+    port = free_port()
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+        *flags,
+    ]  # fmt: skip
+    full_env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **(env or {}),
+    }
+    return kit.launch(argv, full_env, log_path, f"http://127.0.0.1:{port}")
 
 
-def _started(vllm: Vllm) -> Vllm:
+def _started(vllm: kit.Engine) -> kit.Engine:
     try:
         vllm.wait_healthy()
     except BaseException:
@@ -502,7 +445,7 @@ def _tool_call_made(answer: tuple[int, str], stream: bool) -> bool:
 # Runs first (file order), before the generate engine exists: one vLLM at a time.
 def test_embeddings_match_vllm_pooling(vllm_python, tiny, sim, report, tmp_path):
     vllm = _started(
-        Vllm(
+        launch_vllm(
             vllm_python,
             tiny,
             tmp_path / "vllm-embed.log",
@@ -524,9 +467,9 @@ def test_embeddings_match_vllm_pooling(vllm_python, tiny, sim, report, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def vllm(vllm_python, tiny, tmp_path_factory) -> Iterator[Vllm]:
+def vllm(vllm_python, tiny, tmp_path_factory) -> Iterator[kit.Engine]:
     engine = _started(
-        Vllm(
+        launch_vllm(
             vllm_python,
             tiny,
             tmp_path_factory.mktemp("vllm") / "vllm.log",
