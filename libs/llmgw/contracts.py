@@ -208,7 +208,7 @@ class DeadlineSpec(msgspec.Struct, kw_only=True):
     total: float = 600.0
 
 
-# The API kinds a router relays (llmgw.router.kinds), which a model's `api_kinds` may name.
+# The API kinds a router relays (llmgw.router.request.kinds), which a model's `api_kinds` may name.
 API_KINDS = (
     "chat",
     "completions",

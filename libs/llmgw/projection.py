@@ -1,7 +1,7 @@
 """The router projection as stored in JetStream KV: which key holds which record, and the codec.
 
 The reconciler writes the projection (reconciler/projection_kv.py) and every router
-reads it (router/feeds.py, view.py, kvfeed.py); both sides go through this module,
+reads it (router/controlplane/feeds.py, view.py, kvfeed.py); both sides go through this module,
 so neither spells a key or the endpoint-id rule itself.
 
     bucket            key                          record

@@ -440,8 +440,8 @@ class RunningRouter:
 @contextlib.asynccontextmanager
 async def running_router(config) -> AsyncIterator[RunningRouter]:
     """A router in this event loop on free ports; `config` is a RouterConfig."""
-    from llmgw.router.admin import LocalStats, admin_app
-    from llmgw.router.app import RouterService
+    from llmgw.router.http.admin import LocalStats, admin_app
+    from llmgw.router.http.app import RouterService
     from llmgw.router.server import _Server, admin_config, public_config
 
     config = msgspec.structs.replace(

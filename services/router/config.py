@@ -25,8 +25,8 @@ from llmgw.contracts import (
     SchedulingSpec,
     UpstreamSpec,
 )
-from llmgw.router import routes
 from llmgw.router.admission import config as admission
+from llmgw.router.endpoints import routes
 
 
 class ModelConfig(cfg.ConfigStruct):

@@ -27,10 +27,10 @@ from pathlib import Path
 import uvicorn
 
 from llmgw.config import host_port
-from llmgw.router.admin import LocalStats, MergedStats, admin_app
-from llmgw.router.app import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
 from llmgw.router.config import RouterConfig
-from llmgw.router.httplimits import BoundedHttpToolsProtocol
+from llmgw.router.http.admin import LocalStats, MergedStats, admin_app
+from llmgw.router.http.app import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
+from llmgw.router.http.httplimits import BoundedHttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def serve_workers(config: RouterConfig) -> int:
     thread.start()
     try:
         uvicorn.run(
-            "llmgw.router.app:worker_app",
+            "llmgw.router.http.app:worker_app",
             factory=True,
             workers=config.workers,
             host=host,

@@ -241,7 +241,7 @@ async def hot_path_cost(n: int = 50_000) -> dict[str, float]:
     from llmgw import contracts
     from llmgw.router.admission import AdmissionGate, AdmissionSettings, TenantConfig
     from llmgw.router.admission.metrics import AdmissionMetrics
-    from llmgw.router.requests import Usage, parse
+    from llmgw.router.request.body import Usage, parse
 
     class Ep:
         def __init__(self, i: int):

@@ -63,8 +63,8 @@ from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import start_router
 from llmgw.dev.simkit import start_sim
 from llmgw.kvblocks import prompt_hashes, token_count
-from llmgw.router.kvindex import BlockIndex
-from llmgw.router.prompttokens import sim_tokens
+from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.tokens import sim_tokens
 
 MODEL = "m"
 NODE = "bench"
@@ -495,7 +495,7 @@ def start_vllm(python: str, model: str, endpoint: str, directory: Path):
 
 
 async def run_vllm(args) -> int:
-    from llmgw.router.prompttokens import HfTokens
+    from llmgw.router.kvcache.tokens import HfTokens
 
     # Prompts that fit the tiny model's 1,024 tokens, whole conversations included.
     global SYSTEM_WORDS, QUESTION_WORDS, TURNS

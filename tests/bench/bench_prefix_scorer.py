@@ -27,12 +27,12 @@ import msgspec
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
 from llmgw.kvblocks import prompt_hashes
-from llmgw.router import scheduling as sc
-from llmgw.router.kvindex import BlockIndex
-from llmgw.router.load import Load
-from llmgw.router.prefix import block_hashes
-from llmgw.router.prompttokens import sim_tokens
-from llmgw.router.view import EndpointRuntime, ViewSettings
+from llmgw.router.endpoints.load import Load
+from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
+from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.tokens import sim_tokens
+from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.prefix import block_hashes
 
 TARGET_US = 60.0
 PER_HELD_BLOCK_US = 2.0

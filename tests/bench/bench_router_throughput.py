@@ -36,12 +36,15 @@ CLIENTS = 64
 
 # py-spy frames grouped into what a reader of the profile cares about.
 LAYERS = [
-    ("router: proxy (parse, dispatch, relay)", ("router/proxy.py", "router/requests.py")),
+    (
+        "router: proxy (parse, dispatch, relay)",
+        ("router/request/handler.py", "router/request/body.py"),
+    ),
     (
         "router: scheduling pipeline",
-        ("router/scheduling.py", "router/prefix.py", "router/circuit.py"),
+        ("router/scheduling/pipeline.py", "router/scheduling/prefix.py", "router/relay/circuit.py"),
     ),
-    ("router: deadlines and disconnect guard", ("router/guard.py",)),
+    ("router: deadlines and disconnect guard", ("router/request/guard.py",)),
     ("router: metrics", ("router/metrics.py",)),
     ("router: admission", ("router/admission/",)),
     ("uvicorn (client side HTTP, ASGI send)", ("uvicorn/",)),

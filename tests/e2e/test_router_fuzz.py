@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw import keys
 from llmgw.dev.routerkit import start_router
 from llmgw.dev.simkit import start_sim
-from llmgw.router import validation as v
+from llmgw.router.request import validation as v
 
 pytestmark = pytest.mark.e2e
 

@@ -16,9 +16,9 @@ from llmgw import subjects as s
 from llmgw.reconciler import store
 from llmgw.reconciler.folder import Entry, Folder
 from llmgw.reconciler.tables import DeadLetter
-from llmgw.router.feeds import EndpointFeed
-from llmgw.router.kvwatch import Entry as KvEntry
-from llmgw.router.view import EndpointView
+from llmgw.router.controlplane.feeds import EndpointFeed
+from llmgw.router.controlplane.watch import Entry as KvEntry
+from llmgw.router.endpoints.view import EndpointView
 
 GPUS = {
     f"G{i}": {"uuid": f"G{i}", "index": i, "name": "H200", "memory_bytes": 1 << 30}

@@ -22,8 +22,8 @@ from llmgw.agent.kvrelay import KvRelays
 from llmgw.dev.routerkit import running_router
 from llmgw.dev.simkit import start_sim
 from llmgw.router import config as rc
-from llmgw.router import scheduling as sc
-from llmgw.router.prefix import block_hashes
+from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.prefix import block_hashes
 
 MODEL = "m"
 NODE = "n1"

@@ -9,8 +9,8 @@ import time
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
-from llmgw.router.kvfeed import KvEventFeed
-from llmgw.router.kvindex import BlockIndex
+from llmgw.router.kvcache.feed import KvEventFeed
+from llmgw.router.kvcache.index import BlockIndex
 
 from ..unit.test_router_kvfeed import view_with
 

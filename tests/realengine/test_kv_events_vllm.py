@@ -18,7 +18,7 @@ from llmgw import contracts as c
 from llmgw import kvblocks, subjects
 from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
-from llmgw.router.prompttokens import HfTokens
+from llmgw.router.kvcache.tokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
 from tests.realengine.test_sim_parity import MODEL, _started, launch_vllm
 
@@ -127,11 +127,11 @@ async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
     """vLLM keys a salted request's first block by its cache_salt (and says so in the
     event's extra keys): the index must not credit the engine with the unsalted prompt,
     and must credit it with the salted repeat, as the engine's own cache hits do."""
-    from llmgw.router import requests as rq
-    from llmgw.router import scheduling as sc
-    from llmgw.router.kvindex import BlockIndex
-    from llmgw.router.prefix import block_hashes
-    from llmgw.router.prompttokens import TOKENIZERS
+    from llmgw.router.kvcache.index import BlockIndex
+    from llmgw.router.kvcache.tokens import TOKENIZERS
+    from llmgw.router.request import body as rq
+    from llmgw.router.scheduling import pipeline as sc
+    from llmgw.router.scheduling.prefix import block_hashes
     from tests.unit.test_router_kvindex import endpoint
 
     relays = KvRelays("n-salt")

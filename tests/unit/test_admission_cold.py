@@ -13,7 +13,7 @@ from llmgw.contracts import EndpointState
 from llmgw.router.admission import AdmissionGate, AdmissionRejected, AdmissionSettings
 from llmgw.router.admission.controller import GRANTED
 from llmgw.router.admission.demand import model_demand
-from llmgw.router.load import Load
+from llmgw.router.endpoints.load import Load
 
 
 class Clock:

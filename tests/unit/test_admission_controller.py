@@ -13,7 +13,7 @@ from llmgw.contracts import EndpointState
 from llmgw.router.admission import QUEUED, AdmissionRejected, AdmissionSettings, Controller
 from llmgw.router.admission.config import TenantConfig
 from llmgw.router.admission.controller import DONE, GRANTED, REJECTED, Metrics
-from llmgw.router.load import Load
+from llmgw.router.endpoints.load import Load
 
 
 class Clock:

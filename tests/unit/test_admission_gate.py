@@ -12,7 +12,7 @@ from llmgw.router.admission import AdmissionGate, AdmissionRejected, AdmissionSe
 from llmgw.router.admission.config import TenantConfig
 from llmgw.router.admission.controller import GRANTED, REJECTED
 from llmgw.router.admission.gate import estimate_tokens
-from llmgw.router.requests import Usage
+from llmgw.router.request.body import Usage
 
 
 class Clock:

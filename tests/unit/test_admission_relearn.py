@@ -10,7 +10,7 @@ from llmgw import contracts
 from llmgw.contracts import EndpointState
 from llmgw.router.admission import AdmissionSettings, Controller
 from llmgw.router.admission.saturation import Detector, Pool
-from llmgw.router.load import Load
+from llmgw.router.endpoints.load import Load
 
 STEP = 0.25  # seconds between samples (the scrape interval; exact in binary)
 

@@ -7,7 +7,7 @@ import pytest
 from llmgw import contracts
 from llmgw.contracts import EndpointState
 from llmgw.router.admission.saturation import Detector, Pool
-from llmgw.router.load import Load
+from llmgw.router.endpoints.load import Load
 
 NOW = 500.0
 

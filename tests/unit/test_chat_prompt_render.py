@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from llmgw.kvblocks import prompt_hashes, sim_token_bytes
-from llmgw.router.prompttokens import sim_tokens
+from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.simengine.protocol import Limits, RequestParser
 
 TOOL_CALLS = [

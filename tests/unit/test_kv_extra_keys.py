@@ -16,10 +16,10 @@ from llmgw.agent import adapters
 from llmgw.agent.adapters import LaunchContext
 from llmgw.agent.kvrelay import BlockSet
 from llmgw.kvblocks import prompt_hashes, salt_extra
-from llmgw.router import requests as rq
-from llmgw.router import scheduling as sc
-from llmgw.router.kvindex import BlockIndex
-from llmgw.router.prefix import PrefixIndex, block_hashes
+from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.request import body as rq
+from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.prefix import PrefixIndex, block_hashes
 from llmgw.simengine import kvevents, tokens
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.protocol import ApiError, Limits, RequestParser
@@ -335,7 +335,7 @@ def test_the_sglang_adapter_points_its_publisher_at_the_relay():
 
 
 def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenizer(tmp_path):
-    from llmgw.router.prompttokens import TOKENIZERS
+    from llmgw.router.kvcache.tokens import TOKENIZERS
 
     from .test_router_tokenizer_load import write_tokenizer
 

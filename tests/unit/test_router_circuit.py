@@ -1,6 +1,6 @@
 """Passive health: the per-endpoint circuit breaker with a controllable clock."""
 
-from llmgw.router.circuit import CLOSED, HALF_OPEN, OPEN, Circuit
+from llmgw.router.relay.circuit import CLOSED, HALF_OPEN, OPEN, Circuit
 
 
 def test_consecutive_failures_open_the_circuit_and_a_success_resets_the_count():

@@ -14,15 +14,15 @@ from llmgw import config as cfg
 from llmgw import contracts as c
 from llmgw import keys, projection
 from llmgw.router import config as rc
-from llmgw.router import scheduling as sc
 from llmgw.router.admission import AdmissionRejected, AdmissionSettings, Controller
 from llmgw.router.admission.controller import GRANTED, QUEUED
 from llmgw.router.admission.gate import AdmissionGate
-from llmgw.router.feeds import EndpointFeed, TenantFeed
-from llmgw.router.kvwatch import Entry
-from llmgw.router.presence import LiveRouters
-from llmgw.router.samples import SampleFeed
-from llmgw.router.view import EndpointView
+from llmgw.router.controlplane.feeds import EndpointFeed, TenantFeed
+from llmgw.router.controlplane.presence import LiveRouters
+from llmgw.router.controlplane.samples import SampleFeed
+from llmgw.router.controlplane.watch import Entry
+from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.scheduling import pipeline as sc
 
 
 class Clock:

@@ -2,9 +2,9 @@
 client hears when none answered. Pure: no sockets, no clock."""
 
 from llmgw.contracts import Endpoint, ModelEndpoints
-from llmgw.router.dispatch import Failure, Walk, retry_after
-from llmgw.router.scheduling import Context
-from llmgw.router.view import EndpointView
+from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.relay.walk import Failure, Walk, retry_after
+from llmgw.router.scheduling.pipeline import Context
 
 BUSY = Failure("upstream_overloaded", "the engine answered 429", 429, retry_after=7)
 

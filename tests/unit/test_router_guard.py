@@ -2,7 +2,7 @@
 
 import asyncio
 
-from llmgw.router.guard import Guard
+from llmgw.router.request.guard import Guard
 
 
 async def never(message_type="http.request"):
@@ -108,7 +108,7 @@ async def test_the_watcher_waits_for_the_body_then_watches_the_client():
 
 
 async def test_the_guard_context_turns_its_own_cancel_into_one_deadline_error():
-    from llmgw.router.guard import DeadlinePassed
+    from llmgw.router.request.guard import DeadlinePassed
 
     async def body(guard):
         try:
@@ -126,7 +126,7 @@ async def test_the_guard_context_turns_its_own_cancel_into_one_deadline_error():
 
 
 async def test_the_guard_context_reports_a_client_that_left_as_client_gone():
-    from llmgw.router.guard import ClientGone
+    from llmgw.router.request.guard import ClientGone
 
     async def leaves():
         await asyncio.sleep(0.01)

@@ -1,6 +1,6 @@
 """Each API kind's end-of-stream rule: what counts as a complete stream."""
 
-from llmgw.router import kinds
+from llmgw.router.request import kinds
 
 COMPLETED = b'event: response.completed\ndata: {"type":"response.completed"}\n\n'
 DELTA = b'event: response.output_text.delta\ndata: {"delta":"event: response.completed\\n"}\n\n'

@@ -6,11 +6,11 @@ import asyncio
 
 from llmgw import contracts as c
 from llmgw import projection, subjects
-from llmgw.router.feeds import EndpointFeed
-from llmgw.router.kvfeed import KvEventFeed
-from llmgw.router.kvindex import BlockIndex
-from llmgw.router.kvwatch import Entry
-from llmgw.router.view import EndpointView
+from llmgw.router.controlplane.feeds import EndpointFeed
+from llmgw.router.controlplane.watch import Entry
+from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.kvcache.feed import KvEventFeed
+from llmgw.router.kvcache.index import BlockIndex
 
 
 class SnapshotAsker:

@@ -1,6 +1,6 @@
 """Load signals parsed from engines' /metrics pages."""
 
-from llmgw.router.load import parse_metrics
+from llmgw.router.endpoints.load import parse_metrics
 
 VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -6,7 +6,7 @@ answer 200 while the public port still refused connections."""
 
 from __future__ import annotations
 
-from llmgw.router.admin import LocalStats
+from llmgw.router.http.admin import LocalStats
 
 
 class Service:

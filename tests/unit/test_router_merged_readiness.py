@@ -8,8 +8,8 @@ import os
 import socket
 import time
 
-from llmgw.router import snapshots
-from llmgw.router.admin import MergedStats
+from llmgw.router.http import snapshots
+from llmgw.router.http.admin import MergedStats
 
 
 def write_ready_snapshot(directory):

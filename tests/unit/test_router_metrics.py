@@ -4,7 +4,7 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.router.admin import _exposition
+from llmgw.router.http.admin import _exposition
 from llmgw.router.metrics import RouterMetrics
 
 

@@ -1,6 +1,6 @@
 """Chained block hashes and the per-endpoint LRU index."""
 
-from llmgw.router.prefix import PrefixIndex, block_hashes
+from llmgw.router.scheduling.prefix import PrefixIndex, block_hashes
 
 
 def test_hashes_are_chained_so_equal_blocks_after_different_prefixes_differ():

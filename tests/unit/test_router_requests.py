@@ -2,8 +2,8 @@
 
 import pytest
 
-from llmgw.router import requests as rq
-from llmgw.router.errors import RouterError
+from llmgw.router.http.errors import RouterError
+from llmgw.router.request import body as rq
 
 
 def bad(kind, body, ctype=None):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 from llmgw.contracts import Endpoint, EndpointState, SchedulingSpec
-from llmgw.router import scheduling as sc
-from llmgw.router.load import Load
-from llmgw.router.prefix import block_hashes
-from llmgw.router.view import EndpointRuntime, ViewSettings
+from llmgw.router.endpoints.load import Load
+from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
+from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.prefix import block_hashes
 
 NOW = 1000.0
 SETTINGS = ViewSettings(circuit_failures=2, circuit_cooldown=10.0)

@@ -8,7 +8,7 @@ import time
 import msgspec
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from llmgw.router.prompttokens import HfTokens, TokenizerLoader
+from llmgw.router.kvcache.tokens import HfTokens, TokenizerLoader
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from llmgw.router import requests as rq
-from llmgw.router import validation as v
-from llmgw.router.errors import RouterError
+from llmgw.router.http.errors import RouterError
+from llmgw.router.request import body as rq
+from llmgw.router.request import validation as v
 
 HI = [{"role": "user", "content": "hi"}]
 

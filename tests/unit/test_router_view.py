@@ -1,9 +1,9 @@
 """The in-memory endpoint view: resolution, fallback chains and live updates."""
 
 from llmgw.contracts import Endpoint, EndpointState, ModelEndpoints
-from llmgw.router import routes
-from llmgw.router.load import Load
-from llmgw.router.view import EndpointView
+from llmgw.router.endpoints import routes
+from llmgw.router.endpoints.load import Load
+from llmgw.router.endpoints.view import EndpointView
 
 
 def rec(model, *eps, aliases=(), fallbacks=()):

@@ -8,7 +8,7 @@ retrying cannot help.
 
 from __future__ import annotations
 
-from llmgw.router.errors import RouterError, error_body
+from llmgw.router.http.errors import RouterError, error_body
 
 # reason -> (status, OpenAI error type, OpenAI error code)
 REASONS: dict[str, tuple[int, str, str | None]] = {

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from llmgw.router.requests import Parsed, Usage
-    from llmgw.router.view import ModelRoute
+    from llmgw.router.endpoints.view import ModelRoute
+    from llmgw.router.request.body import Parsed, Usage
 
 
 class Grant(Protocol):

@@ -30,8 +30,8 @@ from llmgw import contracts as c
 from llmgw import projection
 from llmgw.router.admission.config import AdmissionSettings, tenant_problems
 from llmgw.router.admission.config import check as admission_check
-from llmgw.router.kvwatch import Entry
-from llmgw.router.view import EndpointView
+from llmgw.router.controlplane.watch import Entry
+from llmgw.router.endpoints.view import EndpointView
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 from llmgw import contracts as c
 from llmgw import projection, subjects
-from llmgw.router.kvindex import BlockIndex
-from llmgw.router.view import EndpointRuntime, EndpointView
+from llmgw.router.endpoints.view import EndpointRuntime, EndpointView
+from llmgw.router.kvcache.index import BlockIndex
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from nats.aio.client import Client as NATS
 
 from llmgw import contracts as c
 from llmgw import subjects
-from llmgw.router.kvwatch import BucketWatcher, Entry
+from llmgw.router.controlplane.watch import BucketWatcher, Entry
 from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmgw.router import snapshots
+from llmgw.router.http import snapshots
 from llmgw.router.metrics import RouterMetrics
 
 # A worker whose snapshot is older than this no longer makes the parent ready.

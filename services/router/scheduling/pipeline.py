@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from llmgw.contracts import EndpointState, SchedulingSpec
 from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, salt_extra, token_count
-from llmgw.router.circuit import CLOSED
-from llmgw.router.prompttokens import TOKENIZERS, tokens_for
+from llmgw.router.kvcache.tokens import TOKENIZERS, tokens_for
+from llmgw.router.relay.circuit import CLOSED
 
 if TYPE_CHECKING:
-    from llmgw.router.view import EndpointRuntime
+    from llmgw.router.endpoints.view import EndpointRuntime
 
 
 @dataclass(frozen=True, slots=True)

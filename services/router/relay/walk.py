@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.router.errors import RouterError
-from llmgw.router.scheduling import Context
-from llmgw.router.view import EndpointRuntime, ModelRoute
+from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
+from llmgw.router.http.errors import RouterError
+from llmgw.router.scheduling.pipeline import Context
 
 TIMEOUT_STATUS = 504
 BROKEN_STATUS = 502

@@ -21,13 +21,13 @@ from collections.abc import Callable
 
 import aiohttp
 
-from llmgw.router import requests as rq
-from llmgw.router.dispatch import BROKEN_STATUS, BUSY, TIMEOUT_STATUS, Failure, retry_after
-from llmgw.router.exchange import Exchange
-from llmgw.router.guard import DeadlinePassed
-from llmgw.router.kinds import RESPONSES, StreamRule
+from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.view import EndpointRuntime, ModelRoute
+from llmgw.router.relay.walk import BROKEN_STATUS, BUSY, TIMEOUT_STATUS, Failure, retry_after
+from llmgw.router.request import body as rq
+from llmgw.router.request.exchange import Exchange
+from llmgw.router.request.guard import DeadlinePassed
+from llmgw.router.request.kinds import RESPONSES, StreamRule
 
 log = logging.getLogger(__name__)
 

@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw import logs
-from llmgw.router import kinds
-from llmgw.router import requests as rq
-from llmgw.router.dispatch import TIMEOUT_STATUS, Walk
-from llmgw.router.errors import RouterError, error_body
-from llmgw.router.exchange import Exchange, request_id
-from llmgw.router.guard import ClientGone, DeadlinePassed, Guard
+from llmgw.router.endpoints.view import EndpointView, ModelRoute
+from llmgw.router.http.errors import RouterError, error_body
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prefix import block_hashes
-from llmgw.router.scheduling import Context, request_key
-from llmgw.router.upstream import Upstream
-from llmgw.router.view import EndpointView, ModelRoute
+from llmgw.router.relay.upstream import Upstream
+from llmgw.router.relay.walk import TIMEOUT_STATUS, Walk
+from llmgw.router.request import body as rq
+from llmgw.router.request import kinds
+from llmgw.router.request.exchange import Exchange, request_id
+from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
+from llmgw.router.scheduling.pipeline import Context, request_key
+from llmgw.router.scheduling.prefix import block_hashes
 
 if TYPE_CHECKING:
     # The admission package implements the seam; the proxy only calls it.

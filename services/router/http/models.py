@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from llmgw.router.view import EndpointRuntime, ModelRoute
+from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 
 log = logging.getLogger(__name__)
 

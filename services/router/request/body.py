@@ -17,9 +17,9 @@ import re
 
 import msgspec
 
-from llmgw.router import kinds as k
-from llmgw.router import validation as v
-from llmgw.router.errors import RouterError
+from llmgw.router.http.errors import RouterError
+from llmgw.router.request import kinds as k
+from llmgw.router.request import validation as v
 
 KINDS = tuple(kind.name for kind in k.ALL)
 PATHS = {path: kind.name for path, kind in k.BY_PATH.items()}

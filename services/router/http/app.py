@@ -28,19 +28,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmgw import logs
-from llmgw.router import openapi, scheduling, snapshots
-from llmgw.router import proxy as px
-from llmgw.router import requests as rq
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
 from llmgw.router.config import RouterConfig, projection, resolve_router_id
-from llmgw.router.cors import Cors
-from llmgw.router.errors import RouterError, error_body
-from llmgw.router.kinds import RESPONSES_PREFIX
-from llmgw.router.kvindex import BlockIndex
+from llmgw.router.endpoints.scraper import Scraper
+from llmgw.router.endpoints.view import EndpointSource, EndpointView, StaticSource, ViewSettings
+from llmgw.router.http import openapi, snapshots
+from llmgw.router.http.cors import Cors
+from llmgw.router.http.errors import RouterError, error_body
+from llmgw.router.http.models import EngineModels
+from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.modelinfo import EngineModels
-from llmgw.router.scraper import Scraper
-from llmgw.router.view import EndpointSource, EndpointView, StaticSource, ViewSettings
+from llmgw.router.request import body as rq
+from llmgw.router.request import handler as px
+from llmgw.router.request.kinds import RESPONSES_PREFIX
+from llmgw.router.scheduling import pipeline as scheduling
 
 if TYPE_CHECKING:
     from llmgw.router.admission.seam import Gate
@@ -82,7 +83,7 @@ class RouterService:
         if source is None and config.nats_url:
             # Tenants and bands arrive later: the gate always exists, and the proxy uses
             # it only while it has something to do (_install_gate).
-            from llmgw.router.controlplane import ControlPlaneSource
+            from llmgw.router.controlplane.source import ControlPlaneSource
 
             self.admission = control_plane_gate(config, self.metrics.admission)
             source = ControlPlaneSource(

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 from llmgw import contracts as c
-from llmgw.router.load import Load
-from llmgw.router.view import EndpointRuntime, EndpointView
+from llmgw.router.endpoints.load import Load
+from llmgw.router.endpoints.view import EndpointRuntime, EndpointView
 
 log = logging.getLogger(__name__)
 

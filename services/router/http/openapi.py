@@ -1,7 +1,7 @@
 """The router's own OpenAPI document, served at GET /openapi.json on the public listener.
 
 The request schema is generated from the struct the router reads requests
-with (`llmgw.router.validation.RoutedFields`), so the document states exactly
+with (`llmgw.router.request.validation.RoutedFields`), so the document states exactly
 what a request is held to by the router; every other field passes through to
 the engine, which judges it. Responses are described as the router relays them: the
 engine's OpenAI-shaped answer (JSON, or server-sent events when streaming),
@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmgw import __version__
-from llmgw.router import kinds
-from llmgw.router import validation as v
+from llmgw.router.request import kinds
+from llmgw.router.request import validation as v
 
 _REF = "#/components/schemas/{name}"
 

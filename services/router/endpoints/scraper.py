@@ -18,9 +18,9 @@ import time
 import aiohttp
 
 from llmgw.router.config import ScrapeConfig
-from llmgw.router.load import parse_metrics
+from llmgw.router.endpoints.load import parse_metrics
+from llmgw.router.endpoints.view import EndpointView
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.view import EndpointView
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ from llmgw.contracts import (
     ModelEndpoints,
     UpstreamSpec,
 )
-from llmgw.router import routes, scheduling
-from llmgw.router.circuit import Circuit
-from llmgw.router.load import Load
-from llmgw.router.prefix import PrefixIndex
-from llmgw.router.requests import PATHS
+from llmgw.router.endpoints import routes
+from llmgw.router.endpoints.load import Load
+from llmgw.router.relay.circuit import Circuit
+from llmgw.router.request.body import PATHS
+from llmgw.router.scheduling import pipeline as scheduling
+from llmgw.router.scheduling.prefix import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmgw.contracts import ModelEndpoints, UpstreamSpec
-from llmgw.router import kinds, scheduling
+from llmgw.router.request import kinds
+from llmgw.router.scheduling import pipeline as scheduling
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

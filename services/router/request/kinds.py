@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from llmgw.router.errors import error_event
+from llmgw.router.http.errors import error_event
 
 _DONE = b"data: [DONE]\n\n"
 _RESPONSE_ENDS = (

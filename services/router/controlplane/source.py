@@ -35,13 +35,13 @@ from llmgw import bus, projection, subjects, tlsconfig
 from llmgw.router.admission import demand
 from llmgw.router.admission.gate import AdmissionGate
 from llmgw.router.config import RouterConfig
-from llmgw.router.feeds import EndpointFeed, TenantFeed
-from llmgw.router.kvfeed import KvEventFeed
-from llmgw.router.kvwatch import BucketWatcher, Entry
+from llmgw.router.controlplane.feeds import EndpointFeed, TenantFeed
+from llmgw.router.controlplane.presence import Presence
+from llmgw.router.controlplane.samples import SampleFeed
+from llmgw.router.controlplane.watch import BucketWatcher, Entry
+from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.kvcache.feed import KvEventFeed
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.presence import Presence
-from llmgw.router.samples import SampleFeed
-from llmgw.router.view import EndpointView
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 
-from llmgw.router.errors import RouterError
-from llmgw.router.guard import DeadlinePassed, Guard
-from llmgw.router.kinds import DONE_RULE, StreamRule
-from llmgw.router.requests import Usage
+from llmgw.router.http.errors import RouterError
+from llmgw.router.request.body import Usage
+from llmgw.router.request.guard import DeadlinePassed, Guard
+from llmgw.router.request.kinds import DONE_RULE, StreamRule
 
 _RID_OK = re.compile(rb"[\x21-\x7e]{1,128}").fullmatch
 _JSON = b"application/json"

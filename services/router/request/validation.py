@@ -10,7 +10,7 @@ relayed as it sent it). The router checks only what it needs itself:
   MAX_MODEL_NAME characters without control characters, `stream` a boolean.
 
 `RoutedFields` doubles as the schema of the OpenAPI document
-(`llmgw.router.openapi`), so the document says exactly what is enforced.
+(`llmgw.router.http.openapi`), so the document says exactly what is enforced.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from itertools import accumulate
 import msgspec
 
 from llmgw import config
-from llmgw.router.errors import RouterError
+from llmgw.router.http.errors import RouterError
 
 MAX_DEPTH = 64
 MAX_MODEL_NAME = 256

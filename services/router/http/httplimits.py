@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from llmgw.router.errors import error_body
+from llmgw.router.http.errors import error_body
 
 MAX_HEAD_BYTES = 32 * 1024  # request line and headers together (nginx's default is 32 KiB)
 MAX_HEADERS = 128
