@@ -1,6 +1,6 @@
 """The router projection as stored in JetStream KV: which key holds which record, and the codec.
 
-The reconciler writes the projection (reconciler/projection_kv.py) and every router
+The reconciler writes the projection (reconciler/controllers/projection/records.py) and every router
 reads it (router/controlplane/feeds.py, view.py, kvfeed.py); both sides go through this module,
 so neither spells a key or the endpoint-id rule itself.
 

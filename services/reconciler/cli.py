@@ -8,8 +8,7 @@ import signal
 import sys
 
 from llmgw import config, logs
-
-from .config import ReconcilerConfig, validate
+from llmgw.reconciler.config import ReconcilerConfig, validate
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve(cfg: ReconcilerConfig) -> int:
-    from .service import Reconciler
+    from llmgw.reconciler.service import Reconciler
 
     rec = Reconciler(cfg)
     loop = asyncio.get_running_loop()

@@ -9,9 +9,9 @@ import socket
 import msgspec
 
 from llmgw import bus, config, tlsconfig
-
-from . import leader, schema
-from .actor import ActorConfig
+from llmgw.reconciler import leader
+from llmgw.reconciler.controllers.manager import ActorConfig
+from llmgw.reconciler.store import schema
 
 
 class FoldConfig(config.ConfigStruct, kw_only=True):

@@ -31,13 +31,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from llmgw import adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
 from llmgw import tasks as llmgw_tasks
-
-from . import admin, consumer, leader, schema, store, streamid
-from . import metrics as m
-from .actor import Actor
-from .config import ReconcilerConfig, resolve_id
-from .folder import BatchResult, Folder
-from .state import ClusterState
+from llmgw.reconciler import leader
+from llmgw.reconciler import metrics as m
+from llmgw.reconciler.api import admin
+from llmgw.reconciler.config import ReconcilerConfig, resolve_id
+from llmgw.reconciler.controllers.manager import Actor
+from llmgw.reconciler.intake import consumer
+from llmgw.reconciler.intake.batch import BatchResult, Folder
+from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.store import schema, store, streamid
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,10 @@ from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
-from llmgw.reconciler import consumer, rebuild, schema, store, verify
-from llmgw.reconciler.folder import Folder
+from llmgw.reconciler.audit import rebuild, verify
+from llmgw.reconciler.intake import consumer
+from llmgw.reconciler.intake.batch import Folder
+from llmgw.reconciler.store import schema, store
 
 FOLD_TARGET = 5000.0
 REBUILD_BAR = 60.0

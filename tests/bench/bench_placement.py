@@ -37,9 +37,12 @@ from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
-from llmgw.reconciler import fold, placement, reconcile, replay
-from llmgw.reconciler.actor import Actor, ActorConfig
-from llmgw.reconciler.state import ClusterState, Liveness
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.controllers.replicas import placement
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState, Liveness
 
 GIB = 1 << 30
 HEARTBEAT_EVERY = 2.0

@@ -18,8 +18,9 @@ import argparse
 import time
 
 from llmgw import contracts as c
-from llmgw.reconciler import fold, queries, rows
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.state import fold, queries
+from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.store import rows
 
 TARGET_PER_CALL = 50e-6
 

@@ -21,8 +21,9 @@ from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev.servers import free_port
-from llmgw.reconciler import schema, verify
-from llmgw.reconciler import tables as t
+from llmgw.reconciler.audit import verify
+from llmgw.reconciler.store import schema
+from llmgw.reconciler.store import tables as t
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.reconciler import schema
+from llmgw.reconciler.store import schema
 
 
 @pytest.fixture

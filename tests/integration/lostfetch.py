@@ -13,8 +13,9 @@ from nats.js import api as jsapi
 
 from llmgw import bus
 from llmgw import subjects as s
-from llmgw.reconciler import consumer, store
-from llmgw.reconciler.folder import Folder
+from llmgw.reconciler.intake import consumer
+from llmgw.reconciler.intake.batch import Folder
+from llmgw.reconciler.store import store
 
 from .test_reconciler_store import registered
 

@@ -17,9 +17,9 @@ import pytest
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import replay
-from llmgw.reconciler.autoscaler import AutoscaleController
-from llmgw.reconciler.queries import is_ready
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.autoscale.demand import AutoscaleController
+from llmgw.reconciler.state.queries import is_ready
 from tests.integration.test_control_loop import FAST, Cluster, wait_kv
 
 SPEC = c.AutoscaleSpec(

@@ -71,7 +71,7 @@ class Folding:
 @pytest.fixture
 async def reconciler(nats, nats_url, database_url):
     """A leading reconciler on a fresh database; yields its operator API client."""
-    from llmgw.reconciler import schema
+    from llmgw.reconciler.store import schema
 
     engine = schema.make_engine(database_url)
     await schema.upgrade(engine)

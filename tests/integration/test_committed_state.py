@@ -17,9 +17,9 @@ import msgspec
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import schema, store
-from llmgw.reconciler.actor import Actor, ActorConfig
-from llmgw.reconciler.folder import Entry, Folder
+from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.intake.batch import Entry, Folder
+from llmgw.reconciler.store import schema, store
 
 CFG = ActorConfig(resync_interval=0.1, liveness_tick=0.1, unreachable_after=60, lost_after=120)
 # Long enough for many resync periods of the actor: what it would decide, it decides by then.

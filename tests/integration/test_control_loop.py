@@ -24,10 +24,11 @@ import pytest
 from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold, replay_cli
-from llmgw.reconciler.actor import Actor, ActorConfig
-from llmgw.reconciler.placement import Fit
-from llmgw.reconciler.state import ClusterState, Liveness
+from llmgw.reconciler.audit import replay_cli
+from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.controllers.replicas.placement import Fit
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState, Liveness
 
 S = c.ShardState
 FAST = ActorConfig(
@@ -409,9 +410,9 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
     """The part-1 reconciler (Postgres fold, leadership, operator API) driving the actor
     with FAST timings; yields its operator API's URL."""
     from llmgw.dev import servers as localservers
-    from llmgw.reconciler import schema
     from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
     from llmgw.reconciler.service import Reconciler
+    from llmgw.reconciler.store import schema
 
     engine = schema.make_engine(database_url)
     await schema.upgrade(engine)

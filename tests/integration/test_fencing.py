@@ -13,9 +13,9 @@ from sqlalchemy import select
 
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import store
-from llmgw.reconciler.folder import Entry, Folder
-from llmgw.reconciler.tables import DeadLetter
+from llmgw.reconciler.intake.batch import Entry, Folder
+from llmgw.reconciler.store import store
+from llmgw.reconciler.store.tables import DeadLetter
 from llmgw.router.controlplane.feeds import EndpointFeed
 from llmgw.router.controlplane.watch import Entry as KvEntry
 from llmgw.router.endpoints.view import EndpointView

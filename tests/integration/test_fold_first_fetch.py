@@ -11,7 +11,7 @@ new consumer's first message, never skipping) tells the two apart.
 
 from __future__ import annotations
 
-from llmgw.reconciler import tables as t
+from llmgw.reconciler.store import tables as t
 
 from .lostfetch import fold_ten_losing_fetch
 from .test_reconciler_store import count

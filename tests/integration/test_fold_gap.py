@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.reconciler import consumer
-from llmgw.reconciler import tables as t
+from llmgw.reconciler.intake import consumer
+from llmgw.reconciler.store import tables as t
 
 from .lostfetch import fold_ten_losing_fetch
 from .test_reconciler_store import count

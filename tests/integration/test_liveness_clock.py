@@ -27,9 +27,9 @@ import pytest
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold
-from llmgw.reconciler.actor import Actor
-from llmgw.reconciler.state import ClusterState, Liveness
+from llmgw.reconciler.controllers.manager import Actor
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState, Liveness
 
 from .test_control_loop import FAST, Leader, SimAgent
 

@@ -24,7 +24,7 @@ from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
-from llmgw.reconciler import schema
+from llmgw.reconciler.store import schema
 
 pytestmark = pytest.mark.e2e
 

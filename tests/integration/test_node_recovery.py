@@ -12,9 +12,9 @@ import pytest
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import store
-from llmgw.reconciler.folder import Entry, Folder
-from llmgw.reconciler.state import Liveness
+from llmgw.reconciler.intake.batch import Entry, Folder
+from llmgw.reconciler.state.model import Liveness
+from llmgw.reconciler.store import store
 from tests.integration.test_control_loop import (
     Cluster,
     Leader,

@@ -8,7 +8,7 @@ import pytest
 
 from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.state.model import ClusterState
 from tests.integration.test_control_loop import FAST, Cluster, ready_urls, wait_kv
 
 RESYNC = msgspec.structs.replace(FAST, projection_resync_interval=0.5)
@@ -41,7 +41,11 @@ async def test_a_late_foreign_write_and_a_deleted_key_are_repaired(cluster):
 
 
 async def test_a_deposed_leader_never_overwrites_a_newer_leaders_record(nats):
-    from llmgw.reconciler.projection_kv import KvProjection, Superseded, model_record
+    from llmgw.reconciler.controllers.projection.records import (
+        KvProjection,
+        Superseded,
+        model_record,
+    )
 
     js = nats.jetstream()
     await bus.provision(js)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from llmgw.reconciler import admin, schema
+from llmgw.reconciler.api import admin
+from llmgw.reconciler.store import schema
 
 
 async def get(app, path: str) -> httpx.Response:

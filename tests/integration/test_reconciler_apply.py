@@ -8,7 +8,7 @@ import subprocess
 from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import apply_cli
+from llmgw.reconciler.catalog import apply as apply_cli
 
 KEY = "sha256:" + "cd" * 32
 CATALOG = f"""

@@ -6,7 +6,8 @@ import asyncio
 
 import asyncpg
 
-from llmgw.reconciler import leader, schema
+from llmgw.reconciler import leader
+from llmgw.reconciler.store import schema
 
 
 async def test_one_leader_at_a_time_and_a_lost_connection_stops_the_leader_at_once(

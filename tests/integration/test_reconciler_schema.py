@@ -9,7 +9,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 
 from llmgw import procs
-from llmgw.reconciler import schema, tables
+from llmgw.reconciler.store import schema, tables
 
 
 async def _tables(engine) -> set[str]:

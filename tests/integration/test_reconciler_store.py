@@ -17,10 +17,12 @@ from sqlalchemy import func, select, text
 from llmgw import bus, procs
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler import fold, rebuild, store, verify
-from llmgw.reconciler import tables as t
-from llmgw.reconciler.folder import Entry, Folder
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.audit import rebuild, verify
+from llmgw.reconciler.intake.batch import Entry, Folder
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.store import store
+from llmgw.reconciler.store import tables as t
 
 S = c.ShardState
 

@@ -20,9 +20,11 @@ from sqlalchemy import select
 
 from llmgw import bus
 from llmgw import subjects as s
-from llmgw.reconciler import apply_cli, consumer, store
-from llmgw.reconciler import tables as t
-from llmgw.reconciler.folder import Folder
+from llmgw.reconciler.catalog import apply as apply_cli
+from llmgw.reconciler.intake import consumer
+from llmgw.reconciler.intake.batch import Folder
+from llmgw.reconciler.store import store
+from llmgw.reconciler.store import tables as t
 
 from . import inproc
 from .test_reconciler_store import registered

@@ -13,7 +13,7 @@ import contextlib
 from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw.opcli import apiclient, explain
-from llmgw.reconciler.state import profile_digest
+from llmgw.reconciler.state.model import profile_digest
 from tests.integration.test_control_loop import (
     DEADLINE,
     SimAgent,

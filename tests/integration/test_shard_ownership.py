@@ -8,9 +8,10 @@ import json
 from sqlalchemy import select
 
 from llmgw import subjects as s
-from llmgw.reconciler import projection_kv, store
-from llmgw.reconciler.folder import Entry, Folder
-from llmgw.reconciler.tables import DeadLetter
+from llmgw.reconciler.controllers.projection import records as projection_kv
+from llmgw.reconciler.intake.batch import Entry, Folder
+from llmgw.reconciler.store import store
+from llmgw.reconciler.store.tables import DeadLetter
 
 GPUS = {"G0": {"uuid": "G0", "index": 0, "name": "H200", "memory_bytes": 1 << 30}}
 

@@ -10,7 +10,7 @@ import pytest
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
-from llmgw.reconciler.commands import CommandTracker
+from llmgw.reconciler.controllers.replicas.commands import CommandTracker
 from tests.integration.test_agent_lifecycle import (
     Watch,
     agent_config,

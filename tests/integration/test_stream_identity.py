@@ -16,8 +16,8 @@ from sqlalchemy import select
 
 from llmgw import bus
 from llmgw import subjects as s
-from llmgw.reconciler import store, streamid
-from llmgw.reconciler import tables as t
+from llmgw.reconciler.store import store, streamid
+from llmgw.reconciler.store import tables as t
 
 from . import inproc
 from .test_reconciler_store import registered

@@ -5,8 +5,8 @@ from __future__ import annotations
 import zlib
 
 from llmgw import contracts as c
-from llmgw.reconciler import fold
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState
 
 GIB = 1 << 30
 

@@ -7,9 +7,11 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.opcli import explain
-from llmgw.reconciler import autoscale, fold, replay
-from llmgw.reconciler.autoscale import FROM_ZERO, SCALE_DOWN, SCALE_UP
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.autoscale import rule as autoscale
+from llmgw.reconciler.controllers.autoscale.rule import FROM_ZERO, SCALE_DOWN, SCALE_UP
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState
 
 SPEC = c.AutoscaleSpec(
     min=1,

@@ -15,12 +15,13 @@ import copy
 import pytest
 
 from llmgw import contracts as c
-from llmgw.reconciler import autoscale, fold
-from llmgw.reconciler.actor import ActorConfig
-from llmgw.reconciler.autoscale_controller import Autoscaler
-from llmgw.reconciler.autoscaler import AutoscaleController
-from llmgw.reconciler.controller import Context
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.controllers.autoscale import rule as autoscale
+from llmgw.reconciler.controllers.autoscale.controller import Autoscaler
+from llmgw.reconciler.controllers.autoscale.demand import AutoscaleController
+from llmgw.reconciler.controllers.manager import ActorConfig
+from llmgw.reconciler.controllers.runtime import Context
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState
 
 SPEC = c.AutoscaleSpec(
     min=1, max=6, target=0.8, scale_up_after_seconds=10, scale_down_after_seconds=30

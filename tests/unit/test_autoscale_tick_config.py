@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from llmgw.reconciler.actor import ActorConfig
-from llmgw.reconciler.autoscale_controller import Autoscaler
 from llmgw.reconciler.config import ReconcilerConfig, validate
-from llmgw.reconciler.controller import Context
+from llmgw.reconciler.controllers.autoscale.controller import Autoscaler
+from llmgw.reconciler.controllers.manager import ActorConfig
+from llmgw.reconciler.controllers.runtime import Context
 
 
 def test_the_autoscaler_ticks_as_configured():

@@ -3,8 +3,8 @@
 import pytest
 
 from llmgw import contracts as c
-from llmgw.reconciler.liveness import LivenessTracker
-from llmgw.reconciler.state import Liveness
+from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
+from llmgw.reconciler.state.model import Liveness
 
 from ._cluster import Log, node
 

@@ -1,7 +1,7 @@
 """Placement: pure, deterministic, and explained node by node."""
 
 from llmgw import contracts as c
-from llmgw.reconciler.placement import place
+from llmgw.reconciler.controllers.replicas.placement import place
 
 from ._cluster import Log, model, node
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from llmgw import contracts as c
-from llmgw.reconciler import placement
-from llmgw.reconciler.placement import Fit, Need, fit_nodes, rank
+from llmgw.reconciler.controllers.replicas import placement
+from llmgw.reconciler.controllers.replicas.placement import Fit, Need, fit_nodes, rank
 
 from ._cluster import Log, model, node
 

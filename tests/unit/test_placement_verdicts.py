@@ -6,9 +6,12 @@ import msgspec
 
 from llmgw import contracts as c
 from llmgw.opcli.explain import render
-from llmgw.reconciler import fold, reconcile, replay, verdicts
-from llmgw.reconciler.placement import place
-from llmgw.reconciler.state import ClusterState
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.controllers.replicas import verdicts
+from llmgw.reconciler.controllers.replicas.placement import place
+from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.model import ClusterState
 from llmgw.verdicttext import group_line
 
 from ._cluster import Log, model, node

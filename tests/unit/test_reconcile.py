@@ -1,8 +1,8 @@
 """Reconcile: what the state calls for, as events and commands, level-triggered."""
 
 from llmgw import contracts as c
-from llmgw.reconciler import reconcile
-from llmgw.reconciler.state import Liveness
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.state.model import Liveness
 
 from ._cluster import Log, model, node, status
 
@@ -213,7 +213,7 @@ def test_a_big_change_is_decided_in_bounded_plans():
 
 
 def test_a_model_whose_shards_keep_failing_is_replaced_ever_more_slowly():
-    from llmgw.reconciler.backoff import ReplacementBackoff
+    from llmgw.reconciler.controllers.replicas.backoff import ReplacementBackoff
 
     log = Log().append(node("a", 2), model("m"))
     backoff = ReplacementBackoff(initial=5.0, maximum=12.0)
@@ -241,7 +241,7 @@ def test_a_model_whose_shards_keep_failing_is_replaced_ever_more_slowly():
 
 
 def test_a_lost_node_is_no_reason_to_hold_back():
-    from llmgw.reconciler.backoff import ReplacementBackoff
+    from llmgw.reconciler.controllers.replicas.backoff import ReplacementBackoff
 
     log = Log().append(node("a", 1), node("b", 1), model("m"))
     settle(log)

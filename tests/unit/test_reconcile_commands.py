@@ -1,7 +1,7 @@
 """Command tracking: send once, re-issue with backoff until the state answers it."""
 
 from llmgw import contracts as c
-from llmgw.reconciler.commands import CommandTracker
+from llmgw.reconciler.controllers.replicas.commands import CommandTracker
 
 
 def stop(shard: str) -> c.StopShard:

@@ -3,8 +3,8 @@
 from llmgw import contracts as c
 from llmgw import projection
 from llmgw.projection import Key
-from llmgw.reconciler import projection_kv as p
-from llmgw.reconciler import reconcile
+from llmgw.reconciler.controllers.projection import records as p
+from llmgw.reconciler.controllers.replicas import plan as reconcile
 
 from ._cluster import Log, model, node, status
 

@@ -1,8 +1,9 @@
 """Rolling update: a changed serving profile replaces running replicas, one surge at a time."""
 
 from llmgw import contracts as c
-from llmgw.reconciler import queries, reconcile
-from llmgw.reconciler.state import profile_digest
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.state import queries
+from llmgw.reconciler.state.model import profile_digest
 
 from ._cluster import Log, model, node, status
 

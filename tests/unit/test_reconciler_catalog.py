@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from llmgw import contracts as c
-from llmgw.reconciler import catalog
+from llmgw.reconciler.catalog import spec as catalog
 
 KEY = "sha256:" + "ab" * 32
 

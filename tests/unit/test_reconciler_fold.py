@@ -1,6 +1,6 @@
 from llmgw import contracts as c
-from llmgw.reconciler import fold, queries
-from llmgw.reconciler.state import ClusterState, Liveness
+from llmgw.reconciler.state import fold, queries
+from llmgw.reconciler.state.model import ClusterState, Liveness
 
 
 def gpu(i: int) -> c.GpuInfo:

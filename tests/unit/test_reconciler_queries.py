@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from llmgw import contracts as c
-from llmgw.reconciler import queries, reconcile
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.state import queries
 
 from ._cluster import Log, model, node, status
 

@@ -17,9 +17,11 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw import subjects
-from llmgw.reconciler import checks, fold, queries, reconcile, replica_index, rows
-from llmgw.reconciler.folder import replace_contents
-from llmgw.reconciler.state import ClusterState, ReplicaView
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.intake.batch import replace_contents
+from llmgw.reconciler.state import checks, fold, queries, replica_index
+from llmgw.reconciler.state.model import ClusterState, ReplicaView
+from llmgw.reconciler.store import rows
 
 # Names that share a token ("a/b", "a.b", "a:b" -> "a_b"; "org/model:v1" and
 # "org_model_v1"), a name ending like a replica id, and plain ones.

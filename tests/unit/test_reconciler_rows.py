@@ -6,8 +6,9 @@ import msgspec
 import pytest
 
 from llmgw import contracts as c
-from llmgw.reconciler import fold, queries, rows
-from llmgw.reconciler.state import ClusterState, NodeView, ReplicaView, ShardView
+from llmgw.reconciler.state import fold, queries
+from llmgw.reconciler.state.model import ClusterState, NodeView, ReplicaView, ShardView
+from llmgw.reconciler.store import rows
 
 
 def events() -> list[c.Message]:

@@ -3,8 +3,10 @@
 import msgspec
 
 from llmgw import contracts as c
-from llmgw.reconciler import placement, reconcile, replay
-from llmgw.reconciler.placement import Fit
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.replicas import placement
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.controllers.replicas.placement import Fit
 
 from ._cluster import Log, model, node, status
 

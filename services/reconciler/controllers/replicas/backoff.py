@@ -1,0 +1,46 @@
+"""Replacement backoff: a model whose shards keep failing is re-placed ever more slowly.
+
+Without it, a profile that no engine can run (a bad argument, a model that
+does not fit in memory) would fail, be retired, be placed again and fail
+again as fast as the loop turns, flooding the log. Each failed shard (on a
+node that is alive: a lost node says nothing about the profile) doubles the
+wait before the model's next placement, up to a cap; a shard of the model
+becoming ready resets it. Retirements are never held back, only new
+placements, and only *when* is affected: *where* stays a pure function of the
+state, so replay is unchanged. The clock is a parameter.
+"""
+
+from __future__ import annotations
+
+from llmgw import contracts as c
+from llmgw.reconciler.state.changes import Change
+from llmgw.reconciler.state.model import NODE_LOST, ClusterState
+
+
+class ReplacementBackoff:
+    def __init__(self, initial: float = 5.0, maximum: float = 300.0):
+        self.initial = initial
+        self.maximum = maximum
+        self.failures: dict[str, int] = {}
+        self.until: dict[str, float] = {}
+
+    def observe(self, state: ClusterState, changes: set[Change], now: float) -> None:
+        for kind, key in changes:
+            shard = state.shards.get(key) if kind == "shard" else None
+            if shard is None:
+                continue
+            if shard.state == c.ShardState.READY:
+                self.failures.pop(shard.model, None)
+                self.until.pop(shard.model, None)
+            elif shard.state == c.ShardState.FAILED and shard.reason != NODE_LOST:
+                n = self.failures[shard.model] = self.failures.get(shard.model, 0) + 1
+                wait = min(self.maximum, self.initial * 2 ** (n - 1))
+                self.until[shard.model] = max(self.until.get(shard.model, 0.0), now + wait)
+
+    def held(self, now: float) -> set[str]:
+        """Models whose next placement must wait."""
+        return {m for m, t in self.until.items() if t > now}
+
+    def next_release(self, now: float) -> float | None:
+        """When the next held model may be placed again, if any is held."""
+        return min((t for t in self.until.values() if t > now), default=None)

@@ -1,0 +1,370 @@
+"""Reconcile: compare desired with actual state, say what to do about it. Pure.
+
+`decide(state, ts=...)` returns a `Plan`:
+  - `events`: control events to publish into the log, in order (replicas
+    retired, shards adopted, replicas placed or failing to place). They are
+    computed on a scratch copy of the state to which each earlier event of the
+    same plan is already applied, so two placements in one plan never take
+    the same GPU; `llmgw audit replay` re-derives them the same way.
+  - `commands`: the commands the *current* state calls for (level-triggered):
+    start pending shards, drain ready shards of retired replicas, stop every
+    other shard nobody wants. The command tracker sends new ones and re-issues
+    unanswered ones; a command that is no longer called for is closed.
+
+Like a Kubernetes controller, it reacts to state, not to the edge that
+changed it: running it twice on the same state yields the same plan, and the
+events it already published are recognised (a repeated identical
+PlacementFailed is not published again).
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from dataclasses import dataclass, field
+
+from llmgw import contracts as c
+from llmgw.reconciler.controllers.replicas import placement
+from llmgw.reconciler.controllers.replicas.placement import event_id
+from llmgw.reconciler.state import fold, replica_index
+from llmgw.reconciler.state.model import ClusterState, Liveness, ReplicaView, ShardView
+from llmgw.reconciler.state.queries import (
+    adoptable,
+    is_ready,
+    newest_first,
+    next_replica_id,
+    outdated,
+)
+
+MASTER_PORT_BASE = 29500  # multi-node rendezvous port = base + crc32(replica) % span
+MASTER_PORT_SPAN = 1000
+
+
+@dataclass
+class Plan:
+    events: list[c.Message] = field(default_factory=list)
+    commands: list[c.Message] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CommandTimings:
+    drain_deadline: float = 60.0
+    stop_grace: float = 10.0
+
+
+def decide(
+    state: ClusterState,
+    *,
+    ts: float = 0.0,
+    timings: CommandTimings | None = None,
+    max_placements: int | None = None,
+    hold: set[str] = frozenset(),
+) -> Plan:
+    events, adopted = control_events(state, ts=ts, max_placements=max_placements, hold=hold)
+    return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
+
+
+# ---------------------------------------------------------------- control events
+
+
+class _Scratch:
+    """The state plus this plan's events so far; copies only what the fold mutates."""
+
+    def __init__(self, state: ClusterState):
+        self.base = state
+        self.state = state
+        self.seq = state.last_seq
+
+    def apply(self, event: c.Message) -> None:
+        if self.state is self.base:
+            s = self.base
+            # The fold of control events touches replicas, shards and failures, never
+            # nodes or the catalog: share those.
+            self.state = ClusterState(
+                last_seq=s.last_seq,
+                nodes=s.nodes,
+                models=s.models,
+                tenants=s.tenants,
+                bands=s.bands,
+                replicas={k: copy.copy(v) for k, v in s.replicas.items()},
+                shards={k: copy.copy(v) for k, v in s.shards.items()},
+                failures=dict(s.failures),
+                scaled=s.scaled,
+            )
+            replica_index.carry(s, self.state)
+        self.seq += 1
+        fold.apply(self.state, self.seq, event)
+
+
+def broken_shard(state: ClusterState, replica: ReplicaView) -> tuple[str, str] | None:
+    """A shard of the replica that is gone (failed, stopped, or owned by someone else)."""
+    for sid in replica.shard_ids:
+        shard = state.shards.get(sid)
+        if shard is None or shard.replica_id != replica.replica_id:
+            return sid, "taken over by another replica"
+        if shard.terminal:
+            why = f": {shard.reason}" if shard.reason else ""
+            return sid, f"{shard.state.value}{why}"
+    return None
+
+
+def _retire(sc: _Scratch, replica: ReplicaView, reason: str, ts: float) -> c.ReplicaRetired:
+    ev = c.ReplicaRetired(
+        id=event_id("retired", replica.replica_id),
+        ts=ts,
+        model=replica.model,
+        replica_id=replica.replica_id,
+        based_on_seq=sc.base.last_seq,
+        reason=reason,
+    )
+    sc.apply(ev)
+    return ev
+
+
+def control_events(
+    state: ClusterState,
+    *,
+    ts: float = 0.0,
+    max_placements: int | None = None,
+    hold: set[str] = frozenset(),
+) -> tuple[list[c.Message], set[str]]:
+    """The control events the state calls for, and the ids of shards they adopt.
+
+    `max_placements` bounds the placement attempts of one plan, so a big
+    catalog change is decided in several short plans instead of one long one;
+    the rest follow once these are folded. Models in `hold` get no new
+    placements this time (their shards keep failing: see backoff.py).
+    """
+    sc = _Scratch(state)
+    budget = max_placements if max_placements is not None else -1
+    events: list[c.Message] = []
+    adopted: set[str] = set()
+
+    for rid in sorted(state.replicas):
+        replica = state.replicas[rid]
+        if not replica.retired and replica.model not in state.models:
+            events.append(_retire(sc, replica, "model removed from the catalog", ts))
+
+    for model in sorted(state.models):
+        decl = state.models[model]
+        for replica in sorted(sc.state.active_replicas(model), key=lambda r: r.replica_id):
+            broken = broken_shard(sc.state, replica)
+            if broken is not None:
+                reason = f"shard {broken[0]} {broken[1]}; replaced"
+                events.append(_retire(sc, replica, reason, ts))
+
+        desired = sc.state.desired_replicas(model)
+        active = sc.state.active_replicas(model)
+        stale = {r.replica_id for r in outdated(sc.state, model)}
+        # Surge 1: while outdated replicas run, one extra replica with the new profile.
+        surplus = len(active) - desired - (1 if stale else 0)
+        if surplus > 0:
+            # Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
+            order = sorted(
+                active,
+                key=lambda r: (
+                    is_ready(sc.state, r),
+                    r.replica_id not in stale,
+                    -r.decided_seq,
+                    newest_first(r.replica_id),
+                ),
+            )
+            for replica in order[:surplus]:
+                reason = f"scale down: {desired} wanted, {len(active)} active"
+                events.append(_retire(sc, replica, reason, ts))
+            continue
+
+        events.extend(_roll_step(sc, decl, ts))
+        wanted = desired + (1 if outdated(sc.state, model) else 0)
+        missing = 0 if model in hold else wanted - len(sc.state.active_replicas(model))
+        for shard in adoptable(sc.state, model)[:missing]:
+            ev = _adopt(sc, model, shard, ts)
+            events.append(ev)
+            adopted.add(shard.shard_id)
+            missing -= 1
+        for _ in range(missing):
+            if budget == 0:
+                break
+            budget -= 1
+            rid = next_replica_id(sc.state, model)
+            result = placement.place(sc.state, model, rid, state.last_seq, ts=ts)
+            if isinstance(result, c.PlacementFailed):
+                if not _same_failure(sc.state.failures.get(rid), result):
+                    events.append(result)
+                    sc.apply(result)
+                events.extend(_make_room(sc, decl, ts))
+                break  # the next replica of this model would fail the same way
+            events.append(result)
+            sc.apply(result)
+    return events, adopted
+
+
+def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+    """Retire one outdated replica once the surge replica has made it spare.
+
+    It is spare when more than `replicas` are active and retiring it leaves at
+    least `replicas` ready (an outdated replica that is not ready costs nothing).
+    """
+    stale = outdated(sc.state, decl.name)
+    active = sc.state.active_replicas(decl.name)
+    desired = sc.state.desired_replicas(decl.name)
+    if not stale or len(active) <= desired:
+        return []
+    victim = min(stale, key=lambda r: is_ready(sc.state, r))  # stable: newest first
+    ready = sum(1 for r in active if is_ready(sc.state, r))
+    if is_ready(sc.state, victim) and ready - 1 < desired:
+        return []
+    reason = f"rolling update: profile changed since {victim.replica_id} was placed"
+    return [_retire(sc, victim, reason, ts)]
+
+
+def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+    """No room for the surge replica: retire one outdated replica so the new one fits.
+
+    Only when every active replica runs, none is missing and no retired one
+    still drains, so the roll gives up at most one replica's capacity at a time
+    (the Kubernetes maxUnavailable=1 fallback): the retired one drains, then its
+    GPUs take the new profile.
+    """
+    stale = outdated(sc.state, decl.name)
+    active = sc.state.active_replicas(decl.name)
+    if not stale or len(active) != sc.state.desired_replicas(decl.name):
+        return []
+    if not all(is_ready(sc.state, r) for r in active) or _freeing(sc.state, decl.name):
+        return []
+    victim = stale[0]
+    # A new profile that would not fit even in the victim's place (a selector no
+    # node matches, more GPUs than a node has) must not cost a serving replica.
+    trial = sc.state.copy()
+    for sid in victim.shard_ids:
+        if sid in trial.shards:
+            trial.shards[sid].state = c.ShardState.STOPPED
+    rid = next_replica_id(trial, decl.name)
+    if isinstance(placement.place(trial, decl.name, rid, sc.base.last_seq), c.PlacementFailed):
+        return []
+    reason = (
+        f"rolling update: profile changed since {victim.replica_id} was placed; no room to surge"
+    )
+    return [_retire(sc, victim, reason, ts)]
+
+
+def _freeing(state: ClusterState, model: str) -> bool:
+    """A retired replica of `model` still holds GPUs: room is already on its way."""
+    return any(
+        not s.terminal and (owner := state.replicas.get(s.replica_id)) is not None and owner.retired
+        for s in state.shards.values()
+        if s.model == model
+    )
+
+
+def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.PlacementDecided:
+    rid = next_replica_id(sc.state, model)
+    was = shard.replica_id
+    ev = c.PlacementDecided(
+        id=event_id("decided", rid),
+        ts=ts,
+        model=model,
+        replica_id=rid,
+        based_on_seq=sc.base.last_seq,
+        assignments=[
+            c.ShardAssignment(
+                shard_id=shard.shard_id, shard_index=0, node=shard.node, gpus=list(shard.gpus)
+            )
+        ],
+        verdicts=[
+            c.NodeVerdict(
+                node=shard.node,
+                fits=True,
+                reason=f"already runs {shard.shard_id} ({','.join(shard.gpus)}), ready",
+            )
+        ],
+        explanation=f"{rid} adopts {shard.shard_id} (of {was}) that {shard.node} still runs",
+        adopted=True,
+    )
+    sc.apply(ev)
+    return ev
+
+
+def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool:
+    return (
+        old is not None
+        and old.model == new.model
+        and old.verdicts == new.verdicts
+        and old.verdict_groups == new.verdict_groups
+    )
+
+
+# ---------------------------------------------------------------- commands
+
+
+def command_key(shard_id: str, action: str) -> str:
+    """Deterministic, so the agent recognises a re-issued command as the same one."""
+    return f"{shard_id}:{action}"
+
+
+def commands(
+    state: ClusterState, *, skip: set[str] = frozenset(), timings: CommandTimings | None = None
+) -> list[c.Message]:
+    """Commands the state calls for, to alive nodes only, sorted by shard id."""
+    t = timings or CommandTimings()
+    out: list[c.Message] = []
+    for sid in sorted(state.shards):
+        shard = state.shards[sid]
+        node = state.nodes.get(shard.node)
+        if shard.terminal or sid in skip or node is None or node.liveness != Liveness.ALIVE:
+            continue
+        owner = state.replicas.get(shard.replica_id)
+        owned = owner is not None and any(
+            a.shard_id == sid and a.node == shard.node for a in owner.assignments
+        )
+        if owned and not owner.retired:
+            if shard.state == c.ShardState.PENDING:
+                out.append(_start(state, owner, shard))
+        elif shard.state == c.ShardState.READY and owned:
+            # Drain before stop: requests in flight finish, routers see "draining".
+            out.append(
+                c.DrainShard(
+                    key=command_key(sid, "drain"),
+                    node=shard.node,
+                    shard_id=sid,
+                    deadline_seconds=t.drain_deadline,
+                )
+            )
+        elif shard.state != c.ShardState.DRAINING:
+            out.append(
+                c.StopShard(
+                    key=command_key(sid, "stop"),
+                    node=shard.node,
+                    shard_id=sid,
+                    grace_seconds=t.stop_grace,
+                )
+            )
+    return out
+
+
+def _start(state: ClusterState, replica: ReplicaView, shard: ShardView) -> c.StartShard:
+    decl = state.models.get(replica.model)
+    profile = decl.profile if decl is not None else c.ServingProfile()
+    nnodes = len(replica.assignments)
+    master_addr, master_port = "", 0
+    if nnodes > 1:
+        rank0 = min(replica.assignments, key=lambda a: a.shard_index)
+        head = state.nodes.get(rank0.node)
+        master_addr = head.host.address if head is not None else ""
+        span = zlib.crc32(replica.replica_id.encode()) % MASTER_PORT_SPAN
+        master_port = MASTER_PORT_BASE + span
+    return c.StartShard(
+        key=command_key(shard.shard_id, "start"),
+        node=shard.node,
+        shard_id=shard.shard_id,
+        model=replica.model,
+        replica_id=replica.replica_id,
+        shard_index=shard.shard_index,
+        profile=profile,
+        gpus=list(shard.gpus),
+        served_model_name=replica.model,
+        nnodes=nnodes,
+        node_rank=shard.shard_index,
+        master_addr=master_addr,
+        master_port=master_port,
+    )

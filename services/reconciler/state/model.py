@@ -1,0 +1,147 @@
+"""The folded state of the cluster: what the event log says, and nothing else.
+
+`ClusterState` is built only by `fold.apply()` from events in log order. It
+holds desired state (models, tenants, bands) and actual state (nodes, replicas,
+shards, liveness). Placement and reconciliation read it; the Postgres tables
+are projections of it; `llmgw audit replay` rebuilds it from the archive. No
+wall clock is read here: every time in it came from an event.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import msgspec
+
+from llmgw import contracts as c
+from llmgw.reconciler.state import replica_index
+
+# The reason a shard of a lost node carries: its replica is replaced, but the shard
+# itself said nothing about its profile (replacement back-off ignores it).
+NODE_LOST = "node lost"
+
+
+class Liveness(str, enum.Enum):
+    ALIVE = "alive"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    node: str
+    gpus: dict[str, c.GpuInfo] = msgspec.field(default_factory=dict)
+    host: c.HostInfo = msgspec.field(default_factory=c.HostInfo)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    engines: list[str] = msgspec.field(default_factory=list)
+    boot_id: str = ""
+    liveness: Liveness = Liveness.ALIVE
+    liveness_since: float = 0.0  # ts of the event that set it
+    registered_seq: int = 0
+    registered_at: float = 0.0
+
+
+class ShardView(msgspec.Struct, kw_only=True):
+    shard_id: str
+    model: str
+    replica_id: str
+    shard_index: int = 0
+    node: str = ""
+    gpus: list[str] = msgspec.field(default_factory=list)
+    state: c.ShardState = c.ShardState.PENDING
+    url: str = ""
+    port: int = 0
+    reason: str = ""
+    exit_code: int | None = None
+    output_tail: list[str] = msgspec.field(default_factory=list)
+    max_running: int | None = None
+    updated_seq: int = 0
+    updated_at: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in c.TERMINAL_SHARD_STATES
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    replica_id: str
+    model: str
+    assignments: list[c.ShardAssignment] = msgspec.field(default_factory=list)
+    decided_seq: int = 0
+    # profile_digest() of the model's profile when it was placed; "" = not known
+    # (placed before this was recorded), which never counts as outdated.
+    profile_digest: str = ""
+    retired: bool = False
+    retired_reason: str = ""
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [a.shard_id for a in self.assignments]
+
+
+# dict=True: room for derived indexes kept beside the fields (replica_index), which
+# equality, encoding and the projection never see.
+class ClusterState(msgspec.Struct, kw_only=True, dict=True):
+    last_seq: int = 0
+    # The newest leader term folded: control events of an older term are refused.
+    term: int = 0
+    nodes: dict[str, NodeView] = msgspec.field(default_factory=dict)
+    models: dict[str, c.ModelDeclared] = msgspec.field(default_factory=dict)
+    tenants: dict[str, c.TenantDeclared] = msgspec.field(default_factory=dict)
+    bands: list[c.Band] = msgspec.field(default_factory=list)
+    # Never removed: a retired replica stays, flagged, so its id is never given again
+    # (queries.next_replica_id) and a late event of it is never taken for a new one's.
+    replicas: dict[str, ReplicaView] = msgspec.field(default_factory=dict)
+    shards: dict[str, ShardView] = msgspec.field(default_factory=dict)
+    # The latest failure to place, per replica id not yet placed.
+    failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
+    # The autoscaler's latest decision per autoscaled model (its `to_replicas` is the count).
+    scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
+
+    def copy(self) -> ClusterState:
+        """A deep copy (placement experiments and replay must not touch the live state)."""
+        out = msgspec.convert(msgspec.to_builtins(self), ClusterState)
+        replica_index.carry(self, out)
+        return out
+
+    def desired_replicas(self, model: str) -> int:
+        """How many replicas `model` should have: the catalog's count, or for an
+        autoscaled model the autoscaler's latest decision kept within [min, max]
+        (the bounds may have changed since), starting at min."""
+        decl = self.models.get(model)
+        if decl is None:
+            return 0
+        spec = decl.autoscale
+        if spec is None:
+            return decl.replicas
+        scaled = self.scaled.get(model)
+        n = scaled.to_replicas if scaled is not None else spec.min
+        return min(spec.max, max(spec.min, n))
+
+    def active_replicas(self, model: str) -> list[ReplicaView]:
+        return [r for r in self.replicas.values() if r.model == model and not r.retired]
+
+    def shards_on(self, node: str) -> list[ShardView]:
+        return [s for s in self.shards.values() if s.node == node]
+
+
+def profile_digest(profile: c.ServingProfile) -> str:
+    """A stable digest of a serving profile: equal content, equal digest.
+
+    Fields left at their default are not part of it, so adding a field to
+    ServingProfile (with a default that keeps today's behaviour) leaves every
+    digest as it was: otherwise the upgrade alone would roll every replica of
+    the fleet. Digests are stored with replicas: this must never change.
+    """
+    defaults = type(profile)()
+    content = {
+        name: getattr(profile, name)
+        for name in profile.__struct_fields__
+        if getattr(profile, name) != getattr(defaults, name)
+    }
+    raw = msgspec.json.encode(content, order="sorted")
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def shard_id(replica: str, index: int) -> str:
+    return f"{replica}-s{index}"

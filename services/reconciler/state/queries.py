@@ -1,0 +1,176 @@
+"""Questions asked of the folded state, each answered in one place. Pure, no I/O.
+
+Reconcile, placement, the fold's checks, the projection and replay all ask
+whether a replica is ready, which GPUs are busy, which replicas run an old
+profile, which shards could be adopted and what the next replica is called.
+Each answer lives here once, so those modules cannot drift apart on what
+"busy" or "ready" means.
+
+Replica ids are `<model token>-r<n>`. Replicas are never removed from the
+state: retiring one (scale down, rolling update, model removed) keeps it,
+flagged, and so does every table loaded back from the projection. So the
+highest number among a model's replica ids only grows, and the next replica
+gets one above it: an id is never reused, and a late event of a retired
+replica (a shard status, a stop) can never be taken for a new one's. Those
+highest numbers are kept by `replica_index`, so asking costs the same with
+100k retired replicas as with none.
+"""
+
+from __future__ import annotations
+
+from llmgw import contracts as c
+from llmgw import subjects
+from llmgw.reconciler.state.model import (
+    ClusterState,
+    Liveness,
+    ReplicaView,
+    ShardView,
+    profile_digest,
+)
+from llmgw.reconciler.state.replica_index import index_of, parse_replica_id
+
+# ---------------------------------------------------------------- replica ids
+
+
+def replica_id(model: str, n: int) -> str:
+    return f"{subjects.safe_token(model)}-r{n}"
+
+
+def replica_number(rid: str) -> int | None:
+    """The n of a replica id `<token>-r<n>`; None for an id not of that form."""
+    parsed = parse_replica_id(rid)
+    return parsed[1] if parsed is not None else None
+
+
+def next_replica_id(state: ClusterState, model: str) -> str:
+    """The id `model`'s next replica gets: one above every number its ids have had.
+
+    A number counts when the replica is the model's or its id carries the
+    model's token: a model removed and a new one whose name maps to the same
+    token (`a/b`, then `a.b`) must not take the first one's ids either.
+    """
+    top = index_of(state).top(subjects.safe_token(model), model)
+    return replica_id(model, top + 1)
+
+
+# ---------------------------------------------------------------- readiness
+
+
+def is_ready(state: ClusterState, replica: ReplicaView) -> bool:
+    """Every shard of the replica is ready (a draining one is not)."""
+    return all(
+        (s := state.shards.get(sid)) is not None and s.state == c.ShardState.READY
+        for sid in replica.shard_ids
+    )
+
+
+# ---------------------------------------------------------------- GPUs
+
+
+def holds_gpus(shard: ShardView) -> bool:
+    """A shard holds its GPUs until it has finished (stopped or failed)."""
+    return not shard.terminal
+
+
+def is_owned(state: ClusterState, shard: ShardView) -> bool:
+    """The shard belongs to a replica that is placed and not retired."""
+    owner = state.replicas.get(shard.replica_id)
+    return owner is not None and not owner.retired
+
+
+def busy_gpus(state: ClusterState, *, owned_only: bool = False) -> dict[str, set[str]]:
+    """GPUs per node held by shards that have not finished.
+
+    `owned_only`: only those held by active replicas' shards, leaving out the
+    ones an unowned shard still runs on (what adoption may take over).
+    """
+    out: dict[str, set[str]] = {}
+    for shard in state.shards.values():
+        if holds_gpus(shard) and (not owned_only or is_owned(state, shard)):
+            out.setdefault(shard.node, set()).update(shard.gpus)
+    return out
+
+
+def gpu_holders(state: ClusterState) -> dict[tuple[str, str], str]:
+    """(node, GPU) -> the id of the shard holding it, for every busy GPU."""
+    out: dict[tuple[str, str], str] = {}
+    for shard in state.shards.values():
+        if holds_gpus(shard):
+            for gpu in shard.gpus:
+                out[(shard.node, gpu)] = shard.shard_id
+    return out
+
+
+def model_shards(state: ClusterState, model: str) -> dict[str, int]:
+    """Per node, the running shards of `model` that are not retired replicas' (unowned count)."""
+    out: dict[str, int] = {}
+    for shard in state.shards.values():
+        if shard.model != model or not holds_gpus(shard):
+            continue
+        replica = state.replicas.get(shard.replica_id)
+        if replica is None or not replica.retired:
+            out[shard.node] = out.get(shard.node, 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------- profiles
+
+
+def is_outdated(placed_digest: str, declared_digest: str) -> bool:
+    """A replica placed with `placed_digest` runs another profile than the one declared now.
+
+    "" (placed before digests were recorded) is never outdated: such replicas are not rolled.
+    """
+    return bool(placed_digest) and placed_digest != declared_digest
+
+
+def outdated(state: ClusterState, model: str) -> list[ReplicaView]:
+    """Active replicas placed with another profile than the one declared now, newest first.
+
+    Newest first, like scale-down: the longest-running replicas keep serving longest.
+    """
+    decl = state.models.get(model)
+    if decl is None:
+        return []
+    want = profile_digest(decl.profile)
+    stale = [r for r in state.active_replicas(model) if is_outdated(r.profile_digest, want)]
+    return sorted(stale, key=lambda r: (-r.decided_seq, newest_first(r.replica_id)))
+
+
+def newest_first(rid: str) -> int:
+    """A sort key putting higher replica numbers first (an id without one last)."""
+    return -(replica_number(rid) or 0)
+
+
+# ---------------------------------------------------------------- adoption
+
+
+def adoptable(state: ClusterState, model: str) -> list[ShardView]:
+    """Shards a node runs for `model` that no active replica owns and that could serve as one.
+
+    Only single-shard replicas are adopted: a multi-node group cannot be
+    checked for consistency from registrations alone.
+    """
+    decl = state.models.get(model)
+    if decl is None or decl.profile.shards_per_replica != 1:
+        return []
+    want = profile_digest(decl.profile)
+    busy_by_owned = busy_gpus(state, owned_only=True)
+    out = []
+    for sid in sorted(state.shards):
+        s = state.shards[sid]
+        owner = state.replicas.get(s.replica_id)
+        node = state.nodes.get(s.node)
+        if (
+            s.model == model
+            and s.state == c.ShardState.READY
+            and (owner is None or owner.retired)
+            # A replica retired by a rolling update runs the old profile: never take it back.
+            and (owner is None or not is_outdated(owner.profile_digest, want))
+            and node is not None
+            and node.liveness == Liveness.ALIVE
+            and len(s.gpus) == decl.profile.gpus_per_shard
+            and not set(s.gpus) & busy_by_owned.get(s.node, set())
+        ):
+            out.append(s)
+    return out
