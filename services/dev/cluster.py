@@ -271,91 +271,32 @@ class DevCluster:
     # ------------------------------------------------------------ start
 
     def start(self) -> dict[str, Any]:
+        """Each step in the order a cluster needs them: bus and database, the
+        reconcilers, agents and routers, then the catalog; wait until it serves."""
         spec = self.spec
         if spec.fresh and self.data_dir.exists():
             shutil.rmtree(self.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         routers = [f"router-{i}" for i in range(1, spec.routers + 1)]
+        agents = [f"agent-{i}" for i in range(1, spec.agents + 1)]
         nats_names = ["nats"] + [f"nats-{i}" for i in range(2, self.nats_nodes + 1)]
         names = [*nats_names, "postgres"]
         names += [f"reconciler-{i}" for i in range(1, spec.reconcilers + 1)]
         names += routers + [f"{r}-admin" for r in routers]
-        agents = [f"agent-{i}" for i in range(1, spec.agents + 1)]
         names += [f"{a}-admin" for a in agents]
         ports = _ports(self.data_dir, names)
 
         self.say(f"data dir {self.data_dir}")
         self._start_nats([ports[n] for n in nats_names])
         self.say(f"nats-server {self.nats_url}")
-        self.pg = localservers.PostgresServer(self.data_dir / "pg", port=ports["postgres"]).start()
-        server_url = self.pg.url()
-        with contextlib.suppress(Exception):  # exists on a reused data dir
-            localservers.create_database(server_url, "llmgw")
-        database_url = self.pg.url("llmgw", driver="postgresql+asyncpg")
-        self.say(f"postgres {self.pg.url('llmgw')}")
-        self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
-
+        database_url = self._start_postgres(ports["postgres"])
         env = {"LLMGW_LOG_LEVEL": spec.log_level, **self.extra_env}
-        agent_env = {**env, **self._engine_env()}
-        api_urls = []
-        for i in range(1, spec.reconcilers + 1):
-            name = f"reconciler-{i}"
-            admin = f"127.0.0.1:{ports[name]}"
-            api_urls.append(f"http://{admin}")
-            argv = procs.llmgw_argv(
-                "reconciler",
-                "--nats",
-                self.nats_url,
-                "--database-url",
-                database_url,
-                "--admin-listen",
-                admin,
-                "--id",
-                name,
-            )
-            self.group.start(name, argv, env={**env, **self._identity("reconciler")})
-            if i == 1:
-                self._wait_http(f"http://{admin}/healthz", name, 60)
-
-        for i, name in enumerate(agents, start=1):
-            first = spec.engine_port_base + (i - 1) * 100
-            argv = procs.llmgw_argv(
-                "agent",
-                "--node-id", f"node-{i}",
-                "--nats", self.nats_url,
-                "--fake-gpus", spec.gpus,
-                "--labels", f"fabric=dev,zone=z{i}",
-                "--engine-port-range", f"{first}-{first + 99}",
-                "--state-dir", str(self.data_dir / name),
-                "--admin-listen", f"127.0.0.1:{ports[name + '-admin']}",
-            )  # fmt: skip
-            self.group.start(name, argv, env={**agent_env, **self._identity(f"agent-node-{i}")})
-
-        router_urls = []
-        for name in routers:
-            listen = f"127.0.0.1:{ports[name]}"
-            admin = f"127.0.0.1:{ports[name + '-admin']}"
-            cfg_path = self.data_dir / f"{name}.yaml"
-            cfg_path.write_text(yaml.safe_dump(_router_config(listen, admin, self.nats_url, name)))
-            argv = procs.llmgw_argv("router", "--config", str(cfg_path))
-            self.group.start(name, argv, env={**env, **self._identity(name)})
-            router_urls.append(f"http://{listen}/v1")
-
+        api_urls = self._start_reconcilers(ports, database_url, env)
+        self._start_agents(agents, ports, env)
+        router_urls = self._start_routers(routers, ports, env)
         self.info["api_url"] = api_urls[0]
         self._wait_nodes(spec.agents, 60)
-        demo_keys = _demo_keys(self.data_dir)
-        catalog_path = spec.catalog
-        if catalog_path is None:
-            catalog_path = self.data_dir / "catalog.yaml"
-            catalog_path.write_text(yaml.safe_dump(self._demo(demo_keys), sort_keys=False))
-        # What the try-it line says comes from the catalog applied, whichever it is.
-        applied = yaml.safe_load(catalog_path.read_text())
-        self.applied = devcatalog.try_it(applied if isinstance(applied, dict) else {}, demo_keys)
-        self._run_once(
-            "apply",
-            procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats_url),
-            env={**env, **self._identity("operator")},
-        )
+        demo_keys = self._apply_catalog(env)
 
         servers = (
             self.nats.servers if isinstance(self.nats, localservers.NatsCluster) else [self.nats]
@@ -377,7 +318,7 @@ class DevCluster:
             "processes": {name: child.pid for name, child in self.group.children.items()},
             "servers": {
                 "nats": nats_pids[0],
-                "postgres": self.pg.proc.pid if self.pg.proc else None,
+                "postgres": self.pg.proc.pid if self.pg and self.pg.proc else None,
             },
         }
         if len(nats_pids) > 1:
@@ -390,6 +331,90 @@ class DevCluster:
         self._wait_models_ready(self._ready_timeout())
         self._print_status()
         return self.info
+
+    def _start_postgres(self, port: int) -> str:
+        """PostgreSQL with the llmgw database at schema head; returns its URL."""
+        self.pg = localservers.PostgresServer(self.data_dir / "pg", port=port).start()
+        with contextlib.suppress(Exception):  # exists on a reused data dir
+            localservers.create_database(self.pg.url(), "llmgw")
+        database_url = self.pg.url("llmgw", driver="postgresql+asyncpg")
+        self.say(f"postgres {self.pg.url('llmgw')}")
+        self._run_once("migrate", procs.llmgw_argv("migrate", "--database-url", database_url))
+        return database_url
+
+    def _start_reconcilers(
+        self, ports: dict[str, int], database_url: str, env: dict[str, str]
+    ) -> list[str]:
+        """The reconcilers; the first is up before the rest start. Returns their API URLs."""
+        api_urls = []
+        for i in range(1, self.spec.reconcilers + 1):
+            name = f"reconciler-{i}"
+            admin = f"127.0.0.1:{ports[name]}"
+            api_urls.append(f"http://{admin}")
+            argv = procs.llmgw_argv(
+                "reconciler",
+                "--nats",
+                self.nats_url,
+                "--database-url",
+                database_url,
+                "--admin-listen",
+                admin,
+                "--id",
+                name,
+            )
+            self.group.start(name, argv, env={**env, **self._identity("reconciler")})
+            if i == 1:
+                self._wait_http(f"http://{admin}/healthz", name, 60)
+        return api_urls
+
+    def _start_agents(self, agents: list[str], ports: dict[str, int], env: dict[str, str]) -> None:
+        spec = self.spec
+        agent_env = {**env, **self._engine_env()}
+        for i, name in enumerate(agents, start=1):
+            first = spec.engine_port_base + (i - 1) * 100
+            argv = procs.llmgw_argv(
+                "agent",
+                "--node-id", f"node-{i}",
+                "--nats", self.nats_url,
+                "--fake-gpus", spec.gpus,
+                "--labels", f"fabric=dev,zone=z{i}",
+                "--engine-port-range", f"{first}-{first + 99}",
+                "--state-dir", str(self.data_dir / name),
+                "--admin-listen", f"127.0.0.1:{ports[name + '-admin']}",
+            )  # fmt: skip
+            self.group.start(name, argv, env={**agent_env, **self._identity(f"agent-node-{i}")})
+
+    def _start_routers(
+        self, routers: list[str], ports: dict[str, int], env: dict[str, str]
+    ) -> list[str]:
+        """The routers in control-plane mode; returns their OpenAI base URLs."""
+        router_urls = []
+        for name in routers:
+            listen = f"127.0.0.1:{ports[name]}"
+            admin = f"127.0.0.1:{ports[name + '-admin']}"
+            cfg_path = self.data_dir / f"{name}.yaml"
+            cfg_path.write_text(yaml.safe_dump(_router_config(listen, admin, self.nats_url, name)))
+            argv = procs.llmgw_argv("router", "--config", str(cfg_path))
+            self.group.start(name, argv, env={**env, **self._identity(name)})
+            router_urls.append(f"http://{listen}/v1")
+        return router_urls
+
+    def _apply_catalog(self, env: dict[str, str]) -> dict[str, str]:
+        """Apply the given catalog, or the demo one; returns the demo keys."""
+        demo_keys = _demo_keys(self.data_dir)
+        catalog_path = self.spec.catalog
+        if catalog_path is None:
+            catalog_path = self.data_dir / "catalog.yaml"
+            catalog_path.write_text(yaml.safe_dump(self._demo(demo_keys), sort_keys=False))
+        # What the try-it line says comes from the catalog applied, whichever it is.
+        applied = yaml.safe_load(catalog_path.read_text())
+        self.applied = devcatalog.try_it(applied if isinstance(applied, dict) else {}, demo_keys)
+        self._run_once(
+            "apply",
+            procs.llmgw_argv("apply", "-f", str(catalog_path), "--nats", self.nats_url),
+            env={**env, **self._identity("operator")},
+        )
+        return demo_keys
 
     # ------------------------------------------------------------ NATS
 
