@@ -54,7 +54,8 @@ def _unknown_plugins(where: str, sched: SchedulingSpec) -> list[str]:
 
 
 def _spec_problems(where: str, rec: ModelEndpoints) -> list[str]:
-    """What is wrong in a record the router can still serve (reported, never fatal)."""
+    """What is wrong in a record the router can still serve: reported (a router file
+    with any is refused), while a live record is served all the same."""
     problems = []
     for key in ("connect", "headers", "first_token", "idle", "total"):
         value = getattr(rec.deadlines, key)
