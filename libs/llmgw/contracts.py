@@ -184,6 +184,13 @@ class ShardStatus(Message, kw_only=True, tag="shard.status"):
 # ---------------------------------------------------------------- catalog events
 
 
+# The scheduling plugins a router has (llmgw.router.scheduling.pipeline FILTERS, SCORERS,
+# PICKERS), which a model's `scheduling` may name: the catalog refuses any other at apply.
+FILTER_NAMES = ("serves_model", "ready", "circuit")
+SCORER_NAMES = ("queue", "kv", "inflight", "prefix", "kv_prefix", "session")
+PICKER_NAMES = ("max_score", "p2c", "weighted_random")
+
+
 class SchedulingSpec(msgspec.Struct, kw_only=True):
     """The router's scheduling pipeline for one model: filters, weighted scorers, picker."""
 

@@ -204,3 +204,26 @@ def test_an_autoscaled_model_starts_at_min():
     cat = catalog.parse(yaml.safe_load("models: [{name: a, autoscale: {min: 0, max: 3}}]"))
     ev = cat.models[0].event()
     assert ev.replicas == 0 and ev.autoscale == c.AutoscaleSpec(min=0, max=3)
+
+
+def test_scheduling_may_name_only_plugins_the_router_has():
+    # A name no router knows used to be accepted, and froze every router's view (§5.1 of
+    # the structure review): the catalog refuses it, naming the field and the known names.
+    out = problems(
+        """
+models:
+  - name: m
+    profile: {engine: sim}
+    scheduling: {filters: [ready, warm], scorers: {kv_prefx: 6, kv: -1}, picker: max_scor}
+  - {name: ok, scheduling: {filters: [ready], scorers: {session: 0}, picker: p2c}}
+"""
+    )
+    assert out == [
+        "models[0] (name=m): scheduling.filters: unknown filter 'warm' "
+        "(known: serves_model, ready, circuit)",
+        "models[0] (name=m): scheduling.scorers: unknown scorer 'kv_prefx' "
+        "(known: queue, kv, inflight, prefix, kv_prefix, session)",
+        "models[0] (name=m): scheduling.scorers.kv: must be 0 or more, got -1.0",
+        "models[0] (name=m): scheduling.picker: unknown picker 'max_scor' "
+        "(known: max_score, p2c, weighted_random)",
+    ]

@@ -242,6 +242,30 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
             out.append(
                 f"{label}: api_kinds: unknown kind {kind!r} (known: {', '.join(c.API_KINDS)})"
             )
+    out += _check_scheduling(label, m.scheduling)
+    return out
+
+
+def _check_scheduling(label: str, s: c.SchedulingSpec) -> list[str]:
+    """Plugin names the routers have: a router cannot build a pipeline from any other."""
+    out = [
+        f"{label}: scheduling.filters: unknown filter {name!r} (known: {', '.join(c.FILTER_NAMES)})"
+        for name in s.filters
+        if name not in c.FILTER_NAMES
+    ]
+    for name, weight in s.scorers.items():
+        if name not in c.SCORER_NAMES:
+            out.append(
+                f"{label}: scheduling.scorers: unknown scorer {name!r} "
+                f"(known: {', '.join(c.SCORER_NAMES)})"
+            )
+        elif not weight >= 0:
+            out.append(f"{label}: scheduling.scorers.{name}: must be 0 or more, got {weight}")
+    if s.picker not in c.PICKER_NAMES:
+        out.append(
+            f"{label}: scheduling.picker: unknown picker {s.picker!r} "
+            f"(known: {', '.join(c.PICKER_NAMES)})"
+        )
     return out
 
 

@@ -4,7 +4,8 @@ Pure: built from the per-model records (`contracts.ModelEndpoints`) whether they
 come from the router's file or from the control plane. `check` lists every
 problem by name (the config loader refuses to start on any); `build` drops
 what is wrong and keeps the rest, because a live update from the control plane
-must never take the router down.
+must never take the router down: a faulty alias or fallback is dropped alone, a
+record naming a scheduling plugin this router does not have is dropped whole.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw.contracts import ModelEndpoints, UpstreamSpec
+from llmgw.contracts import ModelEndpoints, SchedulingSpec, UpstreamSpec
 from llmgw.router.request import kinds
 from llmgw.router.scheduling import pipeline as scheduling
 
@@ -29,27 +30,39 @@ class RouteTable:
     chains: dict[str, tuple[str, ...]]  # model, then its fallbacks (transitively) in order
 
 
-def _spec_problems(rec: ModelEndpoints) -> list[str]:
-    where = f"model {rec.model!r}"
+def _unknown_plugins(where: str, sched: SchedulingSpec) -> list[str]:
+    """Scheduling plugins this router does not have: it cannot build the model's
+    pipeline, so the whole record is dropped."""
+    problems = [
+        f"{where}: scheduling.filters: unknown filter {name!r} "
+        f"(known: {', '.join(sorted(scheduling.FILTERS))})"
+        for name in sched.filters
+        if name not in scheduling.FILTERS
+    ]
+    problems += [
+        f"{where}: scheduling.scorers: unknown scorer {name!r} "
+        f"(known: {', '.join(sorted(scheduling.SCORERS))})"
+        for name in sched.scorers
+        if name not in scheduling.SCORERS
+    ]
+    if sched.picker not in scheduling.PICKERS:
+        problems.append(
+            f"{where}: scheduling.picker: unknown picker {sched.picker!r} "
+            f"(known: {', '.join(sorted(scheduling.PICKERS))})"
+        )
+    return problems
+
+
+def _spec_problems(where: str, rec: ModelEndpoints) -> list[str]:
+    """What is wrong in a record the router can still serve: reported (a router file
+    with any is refused), while a live record is served all the same."""
     problems = []
     for key in ("connect", "headers", "first_token", "idle", "total"):
         value = getattr(rec.deadlines, key)
         if not value > 0:
             problems.append(f"{where}: deadlines.{key} = {value}: must be positive")
-    sched = rec.scheduling
-    for name in sched.filters:
-        if name not in scheduling.FILTERS:
-            problems.append(
-                f"{where}: scheduling.filters: unknown filter {name!r} "
-                f"(known: {', '.join(sorted(scheduling.FILTERS))})"
-            )
-    for name, weight in sched.scorers.items():
-        if name not in scheduling.SCORERS:
-            problems.append(
-                f"{where}: scheduling.scorers: unknown scorer {name!r} "
-                f"(known: {', '.join(sorted(scheduling.SCORERS))})"
-            )
-        elif not weight >= 0:
+    for name, weight in rec.scheduling.scorers.items():
+        if name in scheduling.SCORERS and not weight >= 0:
             problems.append(f"{where}: scheduling.scorers.{name} = {weight}: must be >= 0")
     for kind in rec.api_kinds:
         if kind not in kinds.BY_NAME:
@@ -60,11 +73,6 @@ def _spec_problems(rec: ModelEndpoints) -> list[str]:
     problems += upstream_problems(where, rec.upstream)
     for ep in rec.endpoints:
         problems += upstream_problems(f"{where}: endpoint {ep.id!r}", ep.upstream)
-    if sched.picker not in scheduling.PICKERS:
-        problems.append(
-            f"{where}: scheduling.picker: unknown picker {sched.picker!r} "
-            f"(known: {', '.join(sorted(scheduling.PICKERS))})"
-        )
     return problems
 
 
@@ -88,14 +96,34 @@ def upstream_problems(where: str, spec: UpstreamSpec) -> list[str]:
 def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
     """The usable route table and the problems that were skipped to get it."""
     problems: list[str] = []
+    by_name = _servable(records, problems)
+    names = _names(by_name, problems)
+    fallbacks = _fallbacks(by_name, names, problems)
+    cut = _cut_cycles(fallbacks, problems)
+    chains = {model: _chain(model, fallbacks, cut) for model in by_name}
+    problems += _url_clashes(by_name)
+    return RouteTable(by_name, names, chains), problems
+
+
+def _servable(records: Iterable[ModelEndpoints], problems: list[str]) -> dict[str, ModelEndpoints]:
+    """The records by model name, less repeats and those the router cannot serve."""
+    seen: set[str] = set()
     by_name: dict[str, ModelEndpoints] = {}
     for rec in records:
-        if rec.model in by_name:
+        if rec.model in seen:
             problems.append(f"model {rec.model!r}: declared more than once")
             continue
-        by_name[rec.model] = rec
-        problems += _spec_problems(rec)
+        seen.add(rec.model)
+        where = f"model {rec.model!r}"
+        unknown = _unknown_plugins(where, rec.scheduling)
+        problems += unknown + _spec_problems(where, rec)
+        if not unknown:
+            by_name[rec.model] = rec
+    return by_name
 
+
+def _names(by_name: dict[str, ModelEndpoints], problems: list[str]) -> dict[str, str]:
+    """Each model name and alias -> its model; an alias that clashes is dropped."""
     names = {name: name for name in by_name}
     for rec in by_name.values():
         for alias in rec.aliases:
@@ -108,8 +136,14 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
                 )
             else:
                 names[alias] = rec.model
+    return names
 
-    # Fallbacks may name a model or an alias; keep only those that resolve.
+
+def _fallbacks(
+    by_name: dict[str, ModelEndpoints], names: dict[str, str], problems: list[str]
+) -> dict[str, list[str]]:
+    """Each model's fallbacks as models: they may name a model or an alias; those that
+    resolve to nothing or to the model itself are dropped."""
     fallbacks: dict[str, list[str]] = {}
     for rec in by_name.values():
         resolved = []
@@ -124,9 +158,14 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
             else:
                 resolved.append(target)
         fallbacks[rec.model] = resolved
+    return fallbacks
 
-    # A fallback chain is walked depth first; a cycle would make "try the
-    # fallbacks of the fallback" loop, so the edge closing it is reported and cut.
+
+def _cut_cycles(fallbacks: dict[str, list[str]], problems: list[str]) -> set[tuple[str, str]]:
+    """The fallback edges that close a cycle, each reported.
+
+    A fallback chain is walked depth first; a cycle would make "try the fallbacks of
+    the fallback" loop, so the edge closing it is cut."""
     cut: set[tuple[str, str]] = set()
 
     def visit(model: str, path: list[str]) -> None:
@@ -140,24 +179,32 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
                 continue
             visit(fb, [*path, fb])
 
-    for model in by_name:
+    for model in fallbacks:
         visit(model, [model])
+    return cut
 
-    chains: dict[str, tuple[str, ...]] = {}
-    for model in by_name:
-        order: list[str] = []
 
-        def walk(m: str, order: list[str] = order) -> None:
-            if m in order:
-                return
-            order.append(m)
-            for fb in fallbacks[m]:
-                if (m, fb) not in cut:
-                    walk(fb)
+def _chain(
+    model: str, fallbacks: dict[str, list[str]], cut: set[tuple[str, str]]
+) -> tuple[str, ...]:
+    """The model, then its fallbacks depth first (transitively), each once."""
+    order: list[str] = []
 
-        walk(model)
-        chains[model] = tuple(order)
+    def walk(m: str) -> None:
+        if m in order:
+            return
+        order.append(m)
+        for fb in fallbacks[m]:
+            if (m, fb) not in cut:
+                walk(fb)
 
+    walk(model)
+    return tuple(order)
+
+
+def _url_clashes(by_name: dict[str, ModelEndpoints]) -> list[str]:
+    """Endpoints that two models list with different URLs: one id is one engine."""
+    problems = []
     seen_urls: dict[str, str] = {}
     for rec in by_name.values():
         for ep in rec.endpoints:
@@ -167,7 +214,7 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
                     f"model {rec.model!r}: endpoint {ep.id!r} has url {ep.url!r}, "
                     f"but another model lists it with {first!r}"
                 )
-    return RouteTable(by_name, names, chains), problems
+    return problems
 
 
 def check(records: Iterable[ModelEndpoints]) -> list[str]:

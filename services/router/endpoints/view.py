@@ -258,6 +258,8 @@ class EndpointView:
 
     def _rebuild(self) -> list[str]:
         table, problems = routes.build(self._records.values())
+        pipelines = self._pipelines(table.records, problems)
+        records = {name: rec for name, rec in table.records.items() if name in pipelines}
         for p in problems:
             log.warning("endpoint view: skipped: %s", p)
 
@@ -265,7 +267,7 @@ class EndpointView:
         endpoints: dict[str, EndpointRuntime] = {}
         served: dict[str, set[str]] = {}
         draining: set[str] = set()
-        for rec in table.records.values():
+        for rec in records.values():
             for spec in rec.endpoints:
                 ep = endpoints.get(spec.id)
                 if ep is None:
@@ -284,14 +286,7 @@ class EndpointView:
             ep.state = EndpointState.DRAINING if ep_id in draining else EndpointState.READY
 
         new_routes: dict[str, ModelRoute] = {}
-        for name, rec in table.records.items():
-            old = self._routes.get(name)
-            if old is not None and old.pipeline.spec == rec.scheduling:
-                pipeline = old.pipeline  # keeps learned state such as session affinity
-            else:
-                pipeline = scheduling.Pipeline(
-                    rec.scheduling, self.settings.scheduling, observer=self.observer
-                )
+        for name, rec in records.items():
             seen: set[str] = set()
             eps = []
             for spec in rec.endpoints:
@@ -301,7 +296,7 @@ class EndpointView:
             new_routes[name] = ModelRoute(
                 name=name,
                 endpoints=tuple(eps),
-                pipeline=pipeline,
+                pipeline=pipelines[name],
                 deadlines=rec.deadlines,
                 fallbacks=table.chains[name][1:],
                 headers=resolve_headers(rec.upstream),
@@ -319,6 +314,26 @@ class EndpointView:
         for listener in self._listeners:
             listener()
         return problems
+
+    def _pipelines(
+        self, records: dict[str, ModelEndpoints], problems: list[str]
+    ) -> dict[str, scheduling.Pipeline]:
+        """Each model's pipeline: the one it has while its spec is unchanged (it keeps
+        learned state such as session affinity), else a new one. A model whose pipeline
+        cannot be built is left out, so one record never stops the others."""
+        out = {}
+        for name, rec in records.items():
+            old = self._routes.get(name)
+            if old is not None and old.pipeline.spec == rec.scheduling:
+                out[name] = old.pipeline
+                continue
+            try:
+                out[name] = scheduling.Pipeline(
+                    rec.scheduling, self.settings.scheduling, observer=self.observer
+                )
+            except Exception as exc:  # a plugin failing to start fails its own model only
+                problems.append(f"model {name!r}: scheduling: cannot build its pipeline: {exc}")
+        return out
 
 
 class EndpointSource(Protocol):
