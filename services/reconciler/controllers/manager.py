@@ -22,7 +22,7 @@ back-off:
   - replicas (replicas_controller.py): placement, retirement, adoption, and
     the commands that carry them out;
   - projection (projection_controller.py): the routers' KV buckets;
-  - autoscale (autoscale_controller.py): routers' demand in, ModelScaled out.
+  - autoscale (autoscale/controller.py): routers' demand in, ModelScaled out.
 
 A failure in one (a KV write refused) backs that one off; the others go on.
 Every control event goes back into the log and the fold applies it like any
@@ -42,7 +42,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from llmgw import config
-from llmgw.reconciler.controllers.autoscale.controller import Autoscaler
+from llmgw.reconciler.controllers.autoscale.controller import AutoscaleController
 from llmgw.reconciler.controllers.liveness.controller import LivenessController
 from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
 from llmgw.reconciler.controllers.projection.controller import ProjectionController
@@ -97,7 +97,7 @@ CONTROLLERS: tuple[ControllerFactory, ...] = (
     LivenessController,
     ReplicaController,
     ProjectionController,
-    Autoscaler,
+    AutoscaleController,
 )
 
 
