@@ -19,7 +19,7 @@ from llmgw import contracts as c
 from llmgw import subjects
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 from llmgw.reconciler.intake.batch import replace_contents
-from llmgw.reconciler.state import checks, fold, queries, replica_index
+from llmgw.reconciler.state import checks, fold, ids, queries, replica_index
 from llmgw.reconciler.state.model import ClusterState, ReplicaView
 from llmgw.reconciler.store import rows
 
@@ -32,10 +32,10 @@ def scan(state: ClusterState, model: str) -> str:
     token = subjects.safe_token(model)
     top = 0
     for rid, replica in state.replicas.items():
-        parsed = queries.parse_replica_id(rid)
+        parsed = ids.parse_replica_id(rid)
         if parsed is not None and (parsed[0] == token or replica.model == model):
             top = max(top, parsed[1])
-    return queries.replica_id(model, top + 1)
+    return ids.replica_id(model, top + 1)
 
 
 def assert_same(state: ClusterState, where: str) -> None:

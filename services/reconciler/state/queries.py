@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 from llmgw import subjects
+from llmgw.reconciler.state.ids import replica_id, replica_number
 from llmgw.reconciler.state.model import (
     ClusterState,
     Liveness,
@@ -27,19 +28,9 @@ from llmgw.reconciler.state.model import (
     ShardView,
     profile_digest,
 )
-from llmgw.reconciler.state.replica_index import index_of, parse_replica_id
+from llmgw.reconciler.state.replica_index import index_of
 
 # ---------------------------------------------------------------- replica ids
-
-
-def replica_id(model: str, n: int) -> str:
-    return f"{subjects.safe_token(model)}-r{n}"
-
-
-def replica_number(rid: str) -> int | None:
-    """The n of a replica id `<token>-r<n>`; None for an id not of that form."""
-    parsed = parse_replica_id(rid)
-    return parsed[1] if parsed is not None else None
 
 
 def next_replica_id(state: ClusterState, model: str) -> str:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import placement
-from llmgw.reconciler.controllers.replicas.placement import event_id
 from llmgw.reconciler.state import fold, replica_index
+from llmgw.reconciler.state.ids import command_key, event_id
 from llmgw.reconciler.state.model import ClusterState, Liveness, ReplicaView, ShardView
 from llmgw.reconciler.state.queries import (
     adoptable,
@@ -295,11 +295,6 @@ def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool
 
 
 # ---------------------------------------------------------------- commands
-
-
-def command_key(shard_id: str, action: str) -> str:
-    """Deterministic, so the agent recognises a re-issued command as the same one."""
-    return f"{shard_id}:{action}"
 
 
 def commands(
