@@ -96,7 +96,7 @@ def test_the_index_gives_the_scans_ids_over_random_histories(seed: int, checked:
         assert_same(state, f"after event {step}")
         if step % 50 == 25:
             assert_same(state.copy(), f"copy after event {step}")
-            scratch = reconcile._Scratch(state)
+            scratch = reconcile.Scratch(state)
             scratch.apply(decided("q", queries.next_replica_id(state, "q")))
             assert_same(scratch.state, f"plan scratch after event {step}")
             assert_same(state, f"after the plan's scratch at event {step}")
