@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -47,11 +47,10 @@ from llmgw.reconciler.controllers.liveness.controller import LivenessController
 from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
 from llmgw.reconciler.controllers.projection.controller import ProjectionController
 from llmgw.reconciler.controllers.projection.records import KvProjection
-from llmgw.reconciler.controllers.replicas.commands import CommandTracker
 from llmgw.reconciler.controllers.replicas.controller import ReplicaController
 from llmgw.reconciler.controllers.runtime import Context, Controller, Runner
 from llmgw.reconciler.intake.gate import CommitGate
-from llmgw.reconciler.state.changes import ChangeSet
+from llmgw.reconciler.state.changes import Change, ChangeSet
 from llmgw.reconciler.state.model import ClusterState
 
 log = logging.getLogger(__name__)
@@ -134,11 +133,6 @@ class Actor:
         ctl = self.controller("liveness")
         return ctl.tracker if isinstance(ctl, LivenessController) else None
 
-    @property
-    def commands(self) -> CommandTracker | None:
-        ctl = self.controller("replicas")
-        return ctl.commands if isinstance(ctl, ReplicaController) else None
-
     async def start(
         self,
         nc: NATS,
@@ -173,12 +167,15 @@ class Actor:
             for r in self.runners
         ]
 
-    async def on_state_changed(self, state: ClusterState, changes) -> None:
-        """A batch was folded and committed: tell the controllers that watch what changed."""
+    async def on_state_changed(self, state: ClusterState, changes: Iterable[Change]) -> None:
+        """A batch was folded and committed: tell the controllers that watch what changed.
+
+        `changes` is what the fold reported for the batch; it is typed here, once.
+        """
         if self.ctx is None:
             return
         self.ctx.folded(state)
-        batch = changes if isinstance(changes, ChangeSet) else ChangeSet(changes)
+        batch = ChangeSet(changes)
         for runner in self.runners:
             runner.offer(batch)
 

@@ -245,9 +245,6 @@ class KvProjection:
             else:
                 await self._write(target, record)
 
-    async def sync(self, state: ClusterState, changes) -> None:
-        await self.apply(self.plan(state, changes))
-
     async def _write(self, target: Target, record: pj.Record | None) -> None:
         if record is None:
             return
