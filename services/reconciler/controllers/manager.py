@@ -46,7 +46,7 @@ from llmgw.reconciler.controllers.autoscale.controller import AutoscaleControlle
 from llmgw.reconciler.controllers.liveness.controller import LivenessController
 from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
 from llmgw.reconciler.controllers.projection.controller import ProjectionController
-from llmgw.reconciler.controllers.projection.records import KvProjection
+from llmgw.reconciler.controllers.projection.writer import KvProjection
 from llmgw.reconciler.controllers.replicas.controller import ReplicaController
 from llmgw.reconciler.controllers.runtime import Context, Controller, Runner
 from llmgw.reconciler.intake.gate import CommitGate
