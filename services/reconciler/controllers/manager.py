@@ -1,9 +1,9 @@
 """The acting half of the reconciler leader: a manager of small controllers.
 
-The leader loop (the folding consumer that holds leadership) drives an `Actor`
-through three calls:
+The leader loop (the folding consumer that holds leadership) drives a
+`Manager` through three calls:
 
-    actor = Actor(ActorConfig())
+    actor = Manager(ActorConfig())
     await actor.start(nc, js, state, term=term, gate=gate, synced_seq=seq)
     await actor.on_state_changed(state, changes)  # after each folded + committed batch
     await actor.stop()                            # on losing leadership, or at shutdown
@@ -13,22 +13,22 @@ while it holds only committed events; `synced_seq` is how far the fold must
 get before anyone acts (the term's own TermStarted event: everything logged
 before this leader began). `changes` is what the batch changed.
 
-The actor itself decides nothing. It runs one `Runner` (controller.py) per
+The manager itself decides nothing. It runs one `Runner` (runtime.py) per
 controller, each level-triggered with its own wake, resync period and
 back-off:
 
-  - liveness (liveness_controller.py): heartbeats in; node unreachable / lost /
+  - liveness (liveness/controller.py): heartbeats in; node unreachable / lost /
     recovered out;
-  - replicas (replicas_controller.py): placement, retirement, adoption, and
+  - replicas (replicas/controller.py): placement, retirement, adoption, and
     the commands that carry them out;
-  - projection (projection_controller.py): the routers' KV buckets;
+  - projection (projection/controller.py): the routers' KV buckets;
   - autoscale (autoscale/controller.py): routers' demand in, ModelScaled out.
 
 A failure in one (a KV write refused) backs that one off; the others go on.
 Every control event goes back into the log and the fold applies it like any
 other, so the state only ever comes from the log. To add a controller, write
 a `Controller` subclass and add its factory to `CONTROLLERS` (or pass
-`controllers=` to `Actor`): see docs/reconciler.md.
+`controllers=` to `Manager`): see docs/reconciler.md.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ CONTROLLERS: tuple[ControllerFactory, ...] = (
 )
 
 
-class Actor:
-    """Runs the controllers while this process is the leader."""
+class Manager:
+    """The controller manager: runs the controllers while this process is the leader."""
 
     def __init__(
         self,
