@@ -35,7 +35,7 @@ from llmgw.reconciler import leader
 from llmgw.reconciler import metrics as m
 from llmgw.reconciler.api import admin
 from llmgw.reconciler.config import ReconcilerConfig, resolve_id
-from llmgw.reconciler.controllers.manager import Actor
+from llmgw.reconciler.controllers.manager import Manager
 from llmgw.reconciler.intake import consumer
 from llmgw.reconciler.intake.batch import BatchResult, Folder
 from llmgw.reconciler.state.model import ClusterState
@@ -51,12 +51,12 @@ class Reconciler:
         self,
         cfg: ReconcilerConfig,
         *,
-        actor_factory: Callable[[], Actor] | None = None,
+        actor_factory: Callable[[], Manager] | None = None,
     ):
         self.cfg = cfg
         self.id = resolve_id(cfg)
         self.role = admin.Role(self.id)
-        self.actor_factory = actor_factory or (lambda: Actor(cfg.actor))
+        self.actor_factory = actor_factory or (lambda: Manager(cfg.actor))
         self.stop = asyncio.Event()
         self.state: ClusterState | None = None  # the live state while leading
         self.nc: NATS | None = None
@@ -306,7 +306,7 @@ class Reconciler:
         )
 
     async def _fold_loop(
-        self, psub, resubscribe: consumer.Resubscribe, folder: Folder, actor: Actor
+        self, psub, resubscribe: consumer.Resubscribe, folder: Folder, actor: Manager
     ) -> None:
         async def on_batch(result: BatchResult, pending: int) -> None:
             m.EVENTS_FOLDED.inc(result.folded)

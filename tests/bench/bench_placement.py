@@ -14,7 +14,7 @@ folded batch), and `audit replay` of the resulting log.
 
 Part B, the live loop on a real nats-server: a fleet process registers the
 nodes, heartbeats each every 2 s (core NATS into LLMGW_HEARTBEATS), and
-answers start commands with shard-ready events. This process runs the Actor
+answers start commands with shard-ready events. This process runs the Manager
 behind an in-memory fold (the Postgres fold of part 1 is not included).
 Figures: CPU of this process while only heartbeats flow and while the 500
 replicas are placed and started, time until all are ready in the KV
@@ -38,7 +38,7 @@ from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.dev import servers as localservers
 from llmgw.reconciler.audit import replay
-from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.controllers.manager import ActorConfig, Manager
 from llmgw.reconciler.controllers.replicas import placement
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 from llmgw.reconciler.state import fold
@@ -243,7 +243,7 @@ async def fleet(url: str, nodes: int) -> None:
 class MemoryLeader:
     """The leader loop without Postgres: fold the stream into a state, tell the actor."""
 
-    def __init__(self, nc, js, actor: Actor):
+    def __init__(self, nc, js, actor: Manager):
         self.nc, self.js, self.actor = nc, js, actor
         self.state = ClusterState()
         self.liveness_events: list[c.Message] = []
@@ -292,7 +292,7 @@ async def part_b(nodes: int, replicas: int, steady: float) -> dict:
         js = nc.jetstream()
         await bus.provision(js)
         cfg = ActorConfig(unreachable_after=6.0, lost_after=15.0, liveness_tick=0.5)
-        actor = Actor(cfg)
+        actor = Manager(cfg)
         leader = MemoryLeader(nc, js, actor)
         task = asyncio.create_task(leader.run())
         proc = await asyncio.create_subprocess_exec(

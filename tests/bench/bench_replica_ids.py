@@ -18,7 +18,7 @@ import argparse
 import time
 
 from llmgw import contracts as c
-from llmgw.reconciler.state import fold, queries
+from llmgw.reconciler.state import fold, ids, queries
 from llmgw.reconciler.state.model import ClusterState
 from llmgw.reconciler.store import rows
 
@@ -35,7 +35,7 @@ def history(models: int, cycles: int) -> tuple[ClusterState, list[str]]:
         fold.apply(state, seq, c.ModelDeclared(name=name, replicas=1))
     for n in range(1, cycles + 1):
         for name in names:
-            rid = queries.replica_id(name, n)
+            rid = ids.replica_id(name, n)
             seq += 1
             fold.apply(
                 state,

@@ -18,7 +18,7 @@ from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler.audit import replay
-from llmgw.reconciler.controllers.autoscale.demand import AutoscaleController
+from llmgw.reconciler.controllers.autoscale.controller import AutoscaleController
 from llmgw.reconciler.state.queries import is_ready
 from tests.integration.test_control_loop import FAST, Cluster, wait_kv
 
@@ -117,7 +117,7 @@ async def test_scale_up_beyond_the_free_gpus_then_down_by_draining(cluster):
         # ten evaluations (each on live summaries, each past scale_up_after) decide nothing.
         autoscaler = leader.actor.controller("autoscale")
         assert autoscaler.resync == FAST_AUTOSCALE.autoscale_tick  # the fast one
-        await evaluations(autoscaler.inner, 10)
+        await evaluations(autoscaler, 10)
         assert len(leader.of(c.ModelScaled)) == 1
 
         routers.in_flight = 2  # 2 of 16 slots: under the low mark of 0.4

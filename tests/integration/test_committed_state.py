@@ -17,7 +17,7 @@ import msgspec
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.controllers.manager import ActorConfig, Manager
 from llmgw.reconciler.intake.batch import Entry, Folder
 from llmgw.reconciler.store import schema, store
 
@@ -65,7 +65,7 @@ async def test_no_decision_on_a_batch_whose_commit_has_not_happened(nats, engine
     decisions = await Decisions().start(nats)
     folder = Folder(engine, await store.load_state(engine))
     await folder.fold_batch([registered()])
-    actor = Actor(CFG)
+    actor = Manager(CFG)
     await actor.start(nats, js, folder.state, gate=folder.gate)
     lock = await asyncpg.connect(schema.asyncpg_dsn(database_url))
     fold: asyncio.Task | None = None
@@ -99,7 +99,7 @@ async def test_a_new_leader_decides_nothing_until_its_fold_reaches_the_term_star
     folder = Folder(engine, await store.load_state(engine))
     await folder.fold_batch([registered(), declared(2)])
     # The log held more when the term began (seq 4): a removal the fold has not read yet.
-    actor = Actor(CFG)
+    actor = Manager(CFG)
     await actor.start(nats, js, folder.state, gate=folder.gate, synced_seq=4)
     try:
         await asyncio.sleep(WINDOW)

@@ -1,7 +1,7 @@
 """The control loop on real NATS: decisions, commands, agents answering, liveness, KV.
 
 A small in-test leader folds LLMGW_EVENTS into a ClusterState and drives the
-Actor exactly as the reconciler's leader loop does (start, on_state_changed
+Manager exactly as the reconciler's leader loop does (start, on_state_changed
 after each batch, stop). Agents are simulated in-process: they heartbeat,
 answer commands with shard-status events, and can be "killed" (heartbeats
 stop, commands go unanswered). Timings are scaled down (a node is lost after two
@@ -25,7 +25,7 @@ from llmgw import bus, projection
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.reconciler.audit import replay_cli
-from llmgw.reconciler.controllers.manager import Actor, ActorConfig
+from llmgw.reconciler.controllers.manager import ActorConfig, Manager
 from llmgw.reconciler.controllers.replicas.placement import Fit
 from llmgw.reconciler.state import fold
 from llmgw.reconciler.state.model import ClusterState, Liveness
@@ -49,7 +49,7 @@ DEADLINE = 15.0
 class Leader:
     """Fold the event stream into a state and tell the actor, batch by batch."""
 
-    def __init__(self, nc, js, actor: Actor):
+    def __init__(self, nc, js, actor: Manager):
         self.nc, self.js, self.actor = nc, js, actor
         self.state = ClusterState()
         self.events: list[tuple[int, c.Message]] = []
@@ -218,7 +218,7 @@ class Cluster:
     def __init__(self, nc, js, actor: ActorConfig = FAST):
         self.nc, self.js = nc, js
         self.agents: list[SimAgent] = []
-        self.leader = Leader(nc, js, Actor(actor))
+        self.leader = Leader(nc, js, Manager(actor))
 
     @classmethod
     async def provisioned(cls, nc, actor: ActorConfig = FAST) -> Cluster:
@@ -391,7 +391,7 @@ async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
     await leader.actor.stop()  # leadership lost
     dead.kill()
     await asyncio.sleep(FAST.lost_after + 0.3)  # silence no leader was watching
-    successor = Actor(FAST)
+    successor = Manager(FAST)
     leader.actor = successor
     await successor.start(nats, js, leader.state)
     assert successor.projection.writes == 0  # the buckets already matched the state

@@ -27,7 +27,7 @@ import pytest
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler.controllers.manager import Actor
+from llmgw.reconciler.controllers.manager import Manager
 from llmgw.reconciler.state import fold
 from llmgw.reconciler.state.model import ClusterState, Liveness
 
@@ -53,7 +53,7 @@ async def test_a_wall_clock_step_neither_loses_the_fleet_nor_keeps_a_dead_node(n
     js = nats.jetstream()
     await bus.provision(js)
     wall = SteppableClock()
-    leader = Leader(nats, js, Actor(ROOMY, clock=wall))
+    leader = Leader(nats, js, Manager(ROOMY, clock=wall))
     agents = [SimAgent(js, nats, "live"), SimAgent(js, nats, "dies")]
     await leader.start()
     try:
@@ -100,7 +100,7 @@ async def test_a_stored_heartbeat_from_a_clock_ahead_does_not_recover_a_lost_nod
     watch = await nats.subscribe(s.EVENTS_ALL, cb=on_event)
     # The new leader's wall clock is a minute behind the NATS server's: the stored
     # heartbeat looks a minute younger than now.
-    actor = Actor(ROOMY, clock=SteppableClock(-60.0))
+    actor = Manager(ROOMY, clock=SteppableClock(-60.0))
     back = SimAgent(js, nats, "b-back")
     await actor.start(nats, js, state)
     try:
@@ -124,7 +124,7 @@ async def test_a_lost_command_is_reissued_after_the_wall_clock_steps_back(nats):
     js = nats.jetstream()
     await bus.provision(js)
     wall = SteppableClock()
-    leader = Leader(nats, js, Actor(ROOMY, clock=wall))
+    leader = Leader(nats, js, Manager(ROOMY, clock=wall))
     agent = SimAgent(js, nats, "node", drop_first_start=True)  # the first StartShard is lost
     await leader.start()
     try:

@@ -41,11 +41,8 @@ async def test_a_late_foreign_write_and_a_deleted_key_are_repaired(cluster):
 
 
 async def test_a_deposed_leader_never_overwrites_a_newer_leaders_record(nats):
-    from llmgw.reconciler.controllers.projection.records import (
-        KvProjection,
-        Superseded,
-        model_record,
-    )
+    from llmgw.reconciler.controllers.projection.records import model_record
+    from llmgw.reconciler.controllers.projection.writer import KvProjection, Superseded
 
     js = nats.jetstream()
     await bus.provision(js)

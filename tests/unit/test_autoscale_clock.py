@@ -11,16 +11,17 @@ per tick, the wall one the same plus a step.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
-from llmgw.reconciler.controllers.autoscale.controller import Autoscaler
-from llmgw.reconciler.controllers.autoscale.demand import AutoscaleController
+from llmgw.reconciler.controllers.autoscale.controller import AutoscaleController
 from llmgw.reconciler.controllers.manager import ActorConfig
 from llmgw.reconciler.controllers.runtime import Context
 from llmgw.reconciler.state import fold
+from llmgw.reconciler.state.changes import ChangeSet
 from llmgw.reconciler.state.model import ClusterState
 
 SPEC = c.AutoscaleSpec(
@@ -49,26 +50,39 @@ class Msg:
         self.data = c.encode(summary)
 
 
+@dataclass
+class FoldingContext(Context):
+    """A leader's context whose published events fold at once, as the actor's do."""
+
+    fired: list[c.ModelScaled] = field(default_factory=list)
+
+    async def publish(self, ev: c.Message) -> int:
+        assert isinstance(ev, c.ModelScaled)
+        self.fired.append(ev)
+        seq = self.state.last_seq + 1
+        fold.apply(self.state, seq, ev)
+        return seq
+
+
 class Leader:
-    """The controller over a folded state; its events fold at once, as the actor's do."""
+    """The controller over a folded state, on the two clocks the test moves."""
 
     def __init__(self, clocks: Clocks, state: ClusterState | None = None):
         self.clocks = clocks
         self.state = state or ClusterState()
         if state is None:
-            self._fold(c.ModelDeclared(name="m", replicas=1, autoscale=SPEC))
-        self.ctl = AutoscaleController(clock=clocks.wall, monotonic=clocks.monotonic)
-        self.fired: list[c.ModelScaled] = []
-
-    def _fold(self, ev: c.Message) -> int:
-        seq = self.state.last_seq + 1
-        fold.apply(self.state, seq, ev)
-        return seq
-
-    async def _publish(self, ev: c.Message) -> int:
-        assert isinstance(ev, c.ModelScaled)
-        self.fired.append(ev)
-        return self._fold(ev)
+            fold.apply(self.state, 1, c.ModelDeclared(name="m", replicas=1, autoscale=SPEC))
+        ctx = FoldingContext(
+            nc=None,
+            js=None,
+            term=1,
+            gate=None,
+            clock=clocks.wall,
+            monotonic=clocks.monotonic,
+            state=self.state,
+        )
+        self.fired = ctx.fired
+        self.ctl = AutoscaleController(ctx, ActorConfig())
 
     async def run(self, seconds: int, in_flight: int) -> None:
         """A second per tick: a router's summary arrives, then the controller evaluates."""
@@ -77,8 +91,8 @@ class Leader:
             ready = self.state.desired_replicas("m")
             demand = c.ModelDemand(in_flight=in_flight, capacity=ready * SLOTS, ready=ready)
             summary = c.DemandSummary(router_id="r1", models={"m": demand})
-            await self.ctl._on_summary(Msg(summary))  # stamped by the controller's clock
-            await self.ctl._tick(self.state, self._publish)
+            await self.ctl.on_summary(Msg(summary))  # stamped by the controller's clock
+            await self.ctl.reconcile(self.state, ChangeSet())
 
 
 @pytest.mark.parametrize("step", [3600.0, -3600.0], ids=["forward", "back"])
@@ -131,6 +145,6 @@ def test_the_leader_hands_its_autoscaler_both_of_its_clocks():
     ctx = Context(
         nc=None, js=None, term=1, gate=None, clock=clocks.wall, monotonic=clocks.monotonic
     )
-    inner = Autoscaler(ctx, ActorConfig()).inner
-    assert inner.clock == clocks.wall
-    assert inner.monotonic == clocks.monotonic
+    autoscaler = AutoscaleController(ctx, ActorConfig())
+    assert autoscaler.clock == clocks.wall
+    assert autoscaler.monotonic == clocks.monotonic

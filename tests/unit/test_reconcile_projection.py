@@ -4,6 +4,7 @@ from llmgw import contracts as c
 from llmgw import projection
 from llmgw.projection import Key
 from llmgw.reconciler.controllers.projection import records as p
+from llmgw.reconciler.controllers.projection import writer
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 
 from ._cluster import Log, model, node, status
@@ -106,7 +107,7 @@ def test_a_tenant_named_like_the_bands_key_gets_its_own_record():
     log = Log().append(
         c.BandsDeclared(bands=[c.Band(name="gold")]), c.TenantDeclared(name="bands", band="gold")
     )
-    kv = p.KvProjection(js=None)
+    kv = writer.KvProjection(js=None)
     written = {target: record for target, record in kv.full_plan(log.state)}
     assert set(written) == {
         (projection.TENANTS_BUCKET, projection.BANDS_KEY),

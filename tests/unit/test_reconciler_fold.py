@@ -82,6 +82,48 @@ def test_registration_is_the_truth_about_what_a_node_runs():
     assert st.shards["x-r9-s0"].node == "a" and queries.busy_gpus(st)["a"] == {"GPU-1"}
 
 
+def test_a_status_keeps_what_it_leaves_empty_a_registration_takes_every_field():
+    st = ClusterState()
+    fold.apply(st, 1, registered("a"))
+    fold.apply(st, 2, decided())
+    url = "http://a:8000"
+    ready = c.ShardStatus(
+        node="a",
+        shard_id="m-r1-s0",
+        model="m",
+        replica_id="m-r1",
+        state=c.ShardState.READY,
+        url=url,
+        port=8000,
+        gpus=["GPU-0"],
+    )
+    fold.apply(st, 3, ready)
+    # A failure before anything listens says no URL, port or GPUs: the known ones stay.
+    failed = c.ShardStatus(
+        node="a", shard_id="m-r1-s0", model="m", replica_id="m-r1", state=c.ShardState.FAILED
+    )
+    fold.apply(st, 4, failed)
+    shard = st.shards["m-r1-s0"]
+    assert (shard.state, shard.url, shard.port, shard.gpus) == (
+        c.ShardState.FAILED,
+        url,
+        8000,
+        ["GPU-0"],
+    )
+    # A registration is the node's whole inventory: what it says is what the shard is.
+    again = c.ShardInfo(
+        shard_id="m-r1-s0", model="m", replica_id="m-r1", state=c.ShardState.LOADING, gpus=["GPU-1"]
+    )
+    fold.apply(st, 5, registered("a", [again]))
+    shard = st.shards["m-r1-s0"]
+    assert (shard.state, shard.url, shard.port, shard.gpus) == (
+        c.ShardState.LOADING,
+        "",
+        0,
+        ["GPU-1"],
+    )
+
+
 def test_copy_is_deep():
     st = ClusterState()
     fold.apply(st, 1, registered("a"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import plan as reconcile
-from llmgw.reconciler.state import queries
+from llmgw.reconciler.state import ids, queries
 
 from ._cluster import Log, model, node, status
 
@@ -27,15 +27,15 @@ def active(log: Log, name: str) -> list[str]:
 
 
 def test_replica_numbers_are_parsed_from_the_last_r_suffix():
-    assert queries.replica_number("m-r12") == 12
-    assert queries.replica_number("org_model-v1-r3") == 3
-    assert queries.replica_number("a-r-r2") == 2
-    assert queries.replica_number("m-rx") is None
-    assert queries.replica_number("m") is None
-    assert queries.parse_replica_id("org_model_v1-r4") == ("org_model_v1", 4)
-    assert queries.parse_replica_id("m-r") is None
-    assert queries.parse_replica_id("m-r²") is None  # not an ASCII digit: int() would raise
-    assert queries.replica_id("org/model:v1", 4) == "org_model_v1-r4"
+    assert ids.replica_number("m-r12") == 12
+    assert ids.replica_number("org_model-v1-r3") == 3
+    assert ids.replica_number("a-r-r2") == 2
+    assert ids.replica_number("m-rx") is None
+    assert ids.replica_number("m") is None
+    assert ids.parse_replica_id("org_model_v1-r4") == ("org_model_v1", 4)
+    assert ids.parse_replica_id("m-r") is None
+    assert ids.parse_replica_id("m-r²") is None  # not an ASCII digit: int() would raise
+    assert ids.replica_id("org/model:v1", 4) == "org_model_v1-r4"
 
 
 def test_next_replica_id_never_reuses_a_number_after_scale_down():

@@ -19,7 +19,7 @@ from llmgw import contracts as c
 from llmgw import subjects
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 from llmgw.reconciler.intake.batch import replace_contents
-from llmgw.reconciler.state import checks, fold, queries, replica_index
+from llmgw.reconciler.state import checks, fold, ids, queries, replica_index
 from llmgw.reconciler.state.model import ClusterState, ReplicaView
 from llmgw.reconciler.store import rows
 
@@ -32,10 +32,10 @@ def scan(state: ClusterState, model: str) -> str:
     token = subjects.safe_token(model)
     top = 0
     for rid, replica in state.replicas.items():
-        parsed = queries.parse_replica_id(rid)
+        parsed = ids.parse_replica_id(rid)
         if parsed is not None and (parsed[0] == token or replica.model == model):
             top = max(top, parsed[1])
-    return queries.replica_id(model, top + 1)
+    return ids.replica_id(model, top + 1)
 
 
 def assert_same(state: ClusterState, where: str) -> None:
@@ -96,7 +96,7 @@ def test_the_index_gives_the_scans_ids_over_random_histories(seed: int, checked:
         assert_same(state, f"after event {step}")
         if step % 50 == 25:
             assert_same(state.copy(), f"copy after event {step}")
-            scratch = reconcile._Scratch(state)
+            scratch = reconcile.Scratch(state)
             scratch.apply(decided("q", queries.next_replica_id(state, "q")))
             assert_same(scratch.state, f"plan scratch after event {step}")
             assert_same(state, f"after the plan's scratch at event {step}")

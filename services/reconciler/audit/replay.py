@@ -44,6 +44,7 @@ from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.replicas import placement, verdicts
 from llmgw.reconciler.state import fold, queries
 from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.wording import clock_text, gib
 from llmgw.verdicttext import group_line
 
 Decision = c.PlacementDecided | c.PlacementFailed
@@ -328,7 +329,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         p = decl.profile
         lines.append(
             f"profile: engine {p.engine}, {p.gpus_per_shard} GPU(s) per shard x "
-            f"{p.shards_per_replica} shard(s), min GPU memory {placement.gib(p.min_gpu_memory_bytes)}, "
+            f"{p.shards_per_replica} shard(s), min GPU memory {gib(p.min_gpu_memory_bytes)}, "
             f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model)} replica(s) wanted"
         )
     lines.append("nodes at that point:")
@@ -339,7 +340,7 @@ def render_inputs(inp: Inputs) -> list[str]:
         busy = busy_gpus.get(name, set())
         free = sorted(g.uuid for g in n.gpus.values() if g.uuid not in busy)
         lines.append(
-            f"  {name}: {n.liveness.value} since {placement.clock_text(n.liveness_since)}; "
+            f"  {name}: {n.liveness.value} since {clock_text(n.liveness_since)}; "
             f"engines {','.join(sorted(n.engines)) or '-'}; labels {_labels(n.labels) or '-'}; "
             f"{len(free)}/{len(n.gpus)} GPUs free {free}; "
             f"{model_shards.get(name, 0)} shard(s) of {rec.model}"

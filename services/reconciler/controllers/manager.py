@@ -1,9 +1,9 @@
 """The acting half of the reconciler leader: a manager of small controllers.
 
-The leader loop (the folding consumer that holds leadership) drives an `Actor`
-through three calls:
+The leader loop (the folding consumer that holds leadership) drives a
+`Manager` through three calls:
 
-    actor = Actor(ActorConfig())
+    actor = Manager(ActorConfig())
     await actor.start(nc, js, state, term=term, gate=gate, synced_seq=seq)
     await actor.on_state_changed(state, changes)  # after each folded + committed batch
     await actor.stop()                            # on losing leadership, or at shutdown
@@ -13,22 +13,22 @@ while it holds only committed events; `synced_seq` is how far the fold must
 get before anyone acts (the term's own TermStarted event: everything logged
 before this leader began). `changes` is what the batch changed.
 
-The actor itself decides nothing. It runs one `Runner` (controller.py) per
+The manager itself decides nothing. It runs one `Runner` (runtime.py) per
 controller, each level-triggered with its own wake, resync period and
 back-off:
 
-  - liveness (liveness_controller.py): heartbeats in; node unreachable / lost /
+  - liveness (liveness/controller.py): heartbeats in; node unreachable / lost /
     recovered out;
-  - replicas (replicas_controller.py): placement, retirement, adoption, and
+  - replicas (replicas/controller.py): placement, retirement, adoption, and
     the commands that carry them out;
-  - projection (projection_controller.py): the routers' KV buckets;
-  - autoscale (autoscale_controller.py): routers' demand in, ModelScaled out.
+  - projection (projection/controller.py): the routers' KV buckets;
+  - autoscale (autoscale/controller.py): routers' demand in, ModelScaled out.
 
 A failure in one (a KV write refused) backs that one off; the others go on.
 Every control event goes back into the log and the fold applies it like any
 other, so the state only ever comes from the log. To add a controller, write
 a `Controller` subclass and add its factory to `CONTROLLERS` (or pass
-`controllers=` to `Actor`): see docs/reconciler.md.
+`controllers=` to `Manager`): see docs/reconciler.md.
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from llmgw import config
-from llmgw.reconciler.controllers.autoscale.controller import Autoscaler
+from llmgw.reconciler.controllers.autoscale.controller import AutoscaleController
 from llmgw.reconciler.controllers.liveness.controller import LivenessController
 from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
 from llmgw.reconciler.controllers.projection.controller import ProjectionController
-from llmgw.reconciler.controllers.projection.records import KvProjection
-from llmgw.reconciler.controllers.replicas.commands import CommandTracker
+from llmgw.reconciler.controllers.projection.writer import KvProjection
 from llmgw.reconciler.controllers.replicas.controller import ReplicaController
 from llmgw.reconciler.controllers.runtime import Context, Controller, Runner
 from llmgw.reconciler.intake.gate import CommitGate
-from llmgw.reconciler.state.changes import ChangeSet
+from llmgw.reconciler.state.changes import Change, ChangeSet
 from llmgw.reconciler.state.model import ClusterState
 
 log = logging.getLogger(__name__)
@@ -97,12 +96,12 @@ CONTROLLERS: tuple[ControllerFactory, ...] = (
     LivenessController,
     ReplicaController,
     ProjectionController,
-    Autoscaler,
+    AutoscaleController,
 )
 
 
-class Actor:
-    """Runs the controllers while this process is the leader."""
+class Manager:
+    """The controller manager: runs the controllers while this process is the leader."""
 
     def __init__(
         self,
@@ -133,11 +132,6 @@ class Actor:
     def liveness(self) -> LivenessTracker | None:
         ctl = self.controller("liveness")
         return ctl.tracker if isinstance(ctl, LivenessController) else None
-
-    @property
-    def commands(self) -> CommandTracker | None:
-        ctl = self.controller("replicas")
-        return ctl.commands if isinstance(ctl, ReplicaController) else None
 
     async def start(
         self,
@@ -173,12 +167,15 @@ class Actor:
             for r in self.runners
         ]
 
-    async def on_state_changed(self, state: ClusterState, changes) -> None:
-        """A batch was folded and committed: tell the controllers that watch what changed."""
+    async def on_state_changed(self, state: ClusterState, changes: Iterable[Change]) -> None:
+        """A batch was folded and committed: tell the controllers that watch what changed.
+
+        `changes` is what the fold reported for the batch; it is typed here, once.
+        """
         if self.ctx is None:
             return
         self.ctx.folded(state)
-        batch = changes if isinstance(changes, ChangeSet) else ChangeSet(changes)
+        batch = ChangeSet(changes)
         for runner in self.runners:
             runner.offer(batch)
 

@@ -25,7 +25,7 @@ caught up with the log as of the term's start) and the state is committed
 last call. If `reconcile` raises, the changes are kept for the next call and
 the runner backs off exponentially (per controller: a failing KV write never
 holds placement back). Controllers are started and stopped together by the
-`Actor`.
+`Manager` (manager.py).
 """
 
 from __future__ import annotations

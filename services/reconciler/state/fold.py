@@ -65,12 +65,7 @@ def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set
         # A shard the log never placed (or placed and forgot) is recorded too, so
         # the reconciler can adopt it or stop it.
         shard = _shard_for(state, info.shard_id, info.model, info.replica_id)
-        shard.node = ev.node
-        shard.shard_index = info.shard_index
-        shard.state = info.state
-        shard.url = info.url
-        shard.port = info.port
-        shard.gpus = list(info.gpus)
+        _take_report(shard, ev.node, info, whole=True)
         _touch(shard, seq, ev.ts, changes)
     # What the node no longer runs is gone, whatever the log said before.
     for shard in state.shards_on(ev.node):
@@ -82,17 +77,30 @@ def _node_registered(state: ClusterState, seq: int, ev: c.NodeRegistered) -> set
     return changes
 
 
+def _take_report(
+    shard: ShardView, node: str, info: c.ShardInfo | c.ShardStatus, *, whole: bool
+) -> None:
+    """Where and how a shard runs, as its node reports it: a registration's inventory
+    entry and a status carry the same fields, taken here in one place.
+
+    A registration is the node's whole inventory (`whole`): every field is taken as
+    said. A status carries the URL, port and GPUs only when it knows them (a failure
+    before the engine listened has none), so what it leaves empty stays as it was.
+    """
+    shard.node = node
+    shard.shard_index = info.shard_index
+    shard.state = info.state
+    if whole or info.url:
+        shard.url = info.url
+    if whole or info.port:
+        shard.port = info.port
+    if whole or info.gpus:
+        shard.gpus = list(info.gpus)
+
+
 def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Change]:
     shard = _shard_for(state, ev.shard_id, ev.model, ev.replica_id)
-    shard.node = ev.node
-    shard.shard_index = ev.shard_index
-    shard.state = ev.state
-    if ev.url:
-        shard.url = ev.url
-    if ev.port:
-        shard.port = ev.port
-    if ev.gpus:
-        shard.gpus = list(ev.gpus)
+    _take_report(shard, ev.node, ev, whole=False)
     shard.reason = ev.reason
     shard.exit_code = ev.exit_code
     shard.output_tail = list(ev.output_tail)

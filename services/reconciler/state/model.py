@@ -141,7 +141,3 @@ def profile_digest(profile: c.ServingProfile) -> str:
     }
     raw = msgspec.json.encode(content, order="sorted")
     return hashlib.sha256(raw).hexdigest()[:16]
-
-
-def shard_id(replica: str, index: int) -> str:
-    return f"{replica}-s{index}"

@@ -1,8 +1,9 @@
 """Questions asked of the folded state, each answered in one place. Pure, no I/O.
 
 Reconcile, placement, the fold's checks, the projection and replay all ask
-whether a replica is ready, which GPUs are busy, which replicas run an old
-profile, which shards could be adopted and what the next replica is called.
+whether a replica is ready or broken, which GPUs are busy or being freed,
+which replicas run an old profile, which shards could be adopted and what the
+next replica is called.
 Each answer lives here once, so those modules cannot drift apart on what
 "busy" or "ready" means.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from llmgw import contracts as c
 from llmgw import subjects
+from llmgw.reconciler.state.ids import replica_id, replica_number
 from llmgw.reconciler.state.model import (
     ClusterState,
     Liveness,
@@ -27,19 +29,9 @@ from llmgw.reconciler.state.model import (
     ShardView,
     profile_digest,
 )
-from llmgw.reconciler.state.replica_index import index_of, parse_replica_id
+from llmgw.reconciler.state.replica_index import index_of
 
 # ---------------------------------------------------------------- replica ids
-
-
-def replica_id(model: str, n: int) -> str:
-    return f"{subjects.safe_token(model)}-r{n}"
-
-
-def replica_number(rid: str) -> int | None:
-    """The n of a replica id `<token>-r<n>`; None for an id not of that form."""
-    parsed = parse_replica_id(rid)
-    return parsed[1] if parsed is not None else None
 
 
 def next_replica_id(state: ClusterState, model: str) -> str:
@@ -62,6 +54,18 @@ def is_ready(state: ClusterState, replica: ReplicaView) -> bool:
         (s := state.shards.get(sid)) is not None and s.state == c.ShardState.READY
         for sid in replica.shard_ids
     )
+
+
+def broken_shard(state: ClusterState, replica: ReplicaView) -> tuple[str, str] | None:
+    """A shard of the replica that is gone (failed, stopped, or owned by someone else)."""
+    for sid in replica.shard_ids:
+        shard = state.shards.get(sid)
+        if shard is None or shard.replica_id != replica.replica_id:
+            return sid, "taken over by another replica"
+        if shard.terminal:
+            why = f": {shard.reason}" if shard.reason else ""
+            return sid, f"{shard.state.value}{why}"
+    return None
 
 
 # ---------------------------------------------------------------- GPUs
@@ -99,6 +103,15 @@ def gpu_holders(state: ClusterState) -> dict[tuple[str, str], str]:
             for gpu in shard.gpus:
                 out[(shard.node, gpu)] = shard.shard_id
     return out
+
+
+def freeing(state: ClusterState, model: str) -> bool:
+    """A retired replica of `model` still holds GPUs: room is already on its way."""
+    return any(
+        not s.terminal and (owner := state.replicas.get(s.replica_id)) is not None and owner.retired
+        for s in state.shards.values()
+        if s.model == model
+    )
 
 
 def model_shards(state: ClusterState, model: str) -> dict[str, int]:

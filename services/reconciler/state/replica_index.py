@@ -23,19 +23,13 @@ from __future__ import annotations
 import itertools
 from typing import Any, Protocol
 
+from llmgw.reconciler.state.ids import parse_replica_id
+
 _ATTR = "_replica_index"
 
 
 class _Replica(Protocol):
     model: str
-
-
-def parse_replica_id(rid: str) -> tuple[str, int] | None:
-    """(token, n) of a replica id `<token>-r<n>`; None for an id not of that form."""
-    head, sep, tail = rid.rpartition("-r")
-    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses, and a replica
-    # id an agent reports must never crash the fold.
-    return (head, int(tail)) if sep and tail.isascii() and tail.isdigit() else None
 
 
 class ReplicaIndex:

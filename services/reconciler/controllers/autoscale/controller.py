@@ -1,47 +1,152 @@
-"""The autoscaler as one of the leader's controllers (controller.py).
+"""The autoscale controller: routers' demand summaries in, ModelScaled events out.
 
-`AutoscaleController` (autoscaler.py) collects the routers' demand summaries and
-turns them into ModelScaled events; this runs it the way every controller runs:
-a pass every `autoscale_tick` seconds (the actor's config) (summaries arrive on core NATS, not through the fold,
-so it wakes on time rather than on changes), on committed state only, publishing
-through the term-stamping context so an older leader's decision is fenced off
-like any other control event.
+Routers publish a DemandSummary about once a second on core NATS
+(`llmgw.demand.<router>`); the leader keeps the latest per router and, every
+`autoscale_tick` seconds (the actor's config), combines those younger than
+`rule.SUMMARY_TTL` per model and asks the pure `rule.decide` what to do. Each
+decision goes into the log as a ModelScaled event; the fold turns it into the
+model's desired count, and the replicas controller places or retires replicas
+from there (retired ones drain first). Summaries are not persisted: the event
+records the combined values it was decided on and the per-router inputs they
+were combined from (at most `rule.INPUTS_CAP`), which is what `llmgw audit
+replay` checks.
+
+It runs the way every controller runs, with one difference: summaries arrive on
+core NATS, not through the fold, so it watches no change kind and wakes on time
+(`resync`) rather than on changes. It decides on committed state only, and
+publishes through the term-stamping context, so an older leader's decision is
+fenced off like any other control event. It does not decide again until the
+fold has seen its last event (the desired count it reads must be the one its
+decision made).
+
+Time is measured on the monotonic clock (`monotonic`): a summary's age, how
+long a condition held, the cool-down since the model's last change and the
+wait for the fold. The wall clock (`clock`) only stamps events; a change made
+before this leader took over is placed on the monotonic clock once, from its
+event's wall time, when first seen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
+from nats.aio.msg import Msg
+from prometheus_client import Counter
+
+from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.reconciler.controllers.autoscale.demand import AutoscaleConfig, AutoscaleController
+from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state.changes import ChangeSet
 from llmgw.reconciler.state.model import ClusterState
 
+log = logging.getLogger(__name__)
 
-class Autoscaler(Controller):
+SCALED = Counter("llmgw_reconciler_model_scaled_total", "Autoscaling decisions", ["rule"])
+SUMMARIES = Counter(
+    "llmgw_reconciler_demand_summaries_total", "Router demand summaries received", ["result"]
+)
+TICKS = Counter(
+    "llmgw_reconciler_autoscale_evaluations_total",
+    "Autoscaler evaluations (ticks not spent waiting for the fold)",
+)
+
+
+def _order(summary: c.DemandSummary) -> tuple[str, int]:
+    return (summary.router_id, summary.process)
+
+
+class AutoscaleController(Controller):
     name = "autoscale"
     watches = frozenset()
 
     def __init__(self, ctx: Context, cfg):  # the actor's config (ActorConfig)
         super().__init__(ctx)
-        self.inner = AutoscaleController(
-            AutoscaleConfig(tick=cfg.autoscale_tick, fold_wait_timeout=cfg.fold_wait_timeout),
-            clock=ctx.clock,
-            monotonic=ctx.monotonic,
-        )
-        self.resync = self.inner.cfg.tick
+        self.cfg = cfg
+        self.resync = cfg.autoscale_tick
+        self.clock = ctx.clock  # wall clock: stamps events, never measures time
+        self.monotonic = ctx.monotonic  # measures: summary age, conditions held, cool-down, waits
+        # (router id, worker process) -> (arrival (monotonic), latest summary)
+        self.summaries: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
+        self.tracks: dict[str, autoscale.Track] = {}
+        # model -> (id of its latest ModelScaled, when it happened on the monotonic clock)
+        self.changed: dict[str, tuple[str, float]] = {}
+        self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
+        self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
         self._sub = None
 
     async def start(self) -> None:
-        self._sub = await self.ctx.nc.subscribe(s.DEMAND_ALL, cb=self.inner._on_summary)
-
-    async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
-        await self.inner._tick(state, self.ctx.publish)
-        return Result()
+        self._sub = await self.ctx.nc.subscribe(s.DEMAND_ALL, cb=self.on_summary)
 
     async def stop(self) -> None:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
+
+    async def on_summary(self, msg: Msg) -> None:
+        """One router's summary, as its subscription hands it over: the latest per router."""
+        try:
+            summary = c.decode(msg.data, c.DemandSummary)
+        except c.ContractError as exc:
+            SUMMARIES.labels("malformed").inc()
+            log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
+            return
+        SUMMARIES.labels("ok").inc()
+        self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
+
+    def signals(
+        self, state: ClusterState, now: float
+    ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
+        """Combined signals per autoscaled model from the summaries still fresh at
+        monotonic `now` (older ones are forgotten), and the inputs they came from."""
+        for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
+            del self.summaries[key]
+        # In router order, the order replay re-combines the recorded inputs in: the
+        # saturation is a float sum, and float sums depend on their order.
+        live = [sm for _, sm in sorted(self.summaries.values(), key=lambda x: _order(x[1]))]
+        if not live:
+            return {}, {}  # no router speaks: nothing is known, nothing is decided
+        models = [m for m, decl in state.models.items() if decl.autoscale is not None]
+        return (
+            {m: autoscale.combine(live, m) for m in models},
+            {m: autoscale.inputs_of(live, m) for m in models},
+        )
+
+    def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
+        """When each model last changed, on the monotonic clock. A change this controller
+        did not see made (an earlier leader's) is placed once from its event's age; a
+        wall-clock step after that moves nothing."""
+        for model, ev in state.scaled.items():
+            known = self.changed.get(model)
+            if known is None or known[0] != ev.id:
+                self.changed[model] = (ev.id, now - max(0.0, wall - ev.ts))
+        return {model: at for model, (_, at) in self.changed.items()}
+
+    async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
+        now, wall = self.monotonic(), self.clock()
+        if self._awaiting is not None:
+            seq, since = self._awaiting
+            if state.last_seq < seq and now - since < self.cfg.fold_wait_timeout:
+                return Result()
+            self._awaiting = None
+        signals, inputs = self.signals(state, now)
+        events, self.tracks = autoscale.decide(
+            state,
+            signals,
+            self.tracks,
+            now,
+            wall=wall,
+            changed_at=self.changed_at(state, now, wall),
+            inputs=inputs,
+        )
+        self.ticks += 1
+        TICKS.inc()
+        for ev in events:
+            seq = await self.ctx.publish(ev)
+            self._awaiting = (seq, now)
+            self.changed[ev.model] = (ev.id, now)
+            SCALED.labels(ev.rule).inc()
+            log.info("%s: %s", ev.model, ev.explanation)
+        return Result()

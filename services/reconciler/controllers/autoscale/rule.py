@@ -58,8 +58,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmgw import contracts as c
-from llmgw.reconciler.controllers.replicas.placement import clock_text, event_id
+from llmgw.reconciler.state.ids import event_id
 from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.wording import clock_text
 
 SCALE_UP = "scale_up"
 SCALE_DOWN = "scale_down"

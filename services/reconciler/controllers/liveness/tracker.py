@@ -32,7 +32,7 @@ lost), so ticks between publish and fold do not repeat it.
 from __future__ import annotations
 
 from llmgw import contracts as c
-from llmgw.reconciler.controllers.replicas.placement import event_id
+from llmgw.reconciler.state.ids import event_id
 from llmgw.reconciler.state.model import ClusterState, Liveness
 
 

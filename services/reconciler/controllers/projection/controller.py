@@ -14,7 +14,7 @@ import time
 
 from prometheus_client import Counter
 
-from llmgw.reconciler.controllers.projection.records import KvProjection
+from llmgw.reconciler.controllers.projection.writer import KvProjection
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state import changes as ch
 from llmgw.reconciler.state.changes import ChangeSet

@@ -32,6 +32,7 @@ from llmgw.reconciler.controllers.replicas.commands import CommandTracker
 from llmgw.reconciler.controllers.runtime import Context, Controller, Heard, Result
 from llmgw.reconciler.state import changes as ch
 from llmgw.reconciler.state.changes import ChangeSet
+from llmgw.reconciler.state.ids import command_key
 from llmgw.reconciler.state.model import ClusterState, Liveness
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def orphan_stops(
             out.append(
                 c.StopShard(
                     # Its own key: the shard id may be another node's shard as well.
-                    key=reconcile.command_key(sid, f"stop-orphan@{node}"),
+                    key=command_key(sid, f"stop-orphan@{node}"),
                     node=node,
                     shard_id=sid,
                     grace_seconds=timings.stop_grace,

@@ -37,16 +37,16 @@ so, then by lowest index.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import verdicts
 from llmgw.reconciler.state import queries
-from llmgw.reconciler.state.model import ClusterState, Liveness, NodeView, shard_id
+from llmgw.reconciler.state.ids import event_id, shard_id
+from llmgw.reconciler.state.model import ClusterState, Liveness, NodeView
+from llmgw.reconciler.state.wording import clock_text, gib, plural
 
 FABRIC_LABEL = "fabric"
 
@@ -54,24 +54,6 @@ PACKING_RULE = (
     "fewest shards of the model on the node, then fewest free GPUs that fit (best fit), "
     "then node id"
 )
-
-
-def event_id(*parts: object) -> str:
-    """A deterministic message id: a decision re-published (even by a new leader) dedupes."""
-    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:32]
-
-
-def clock_text(ts: float) -> str:
-    """A time for an explanation; UTC so replay on any machine prints the same words."""
-    return time.strftime("%H:%M:%S UTC", time.gmtime(ts))
-
-
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):g} GiB"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @dataclass(slots=True)

@@ -2,10 +2,12 @@
 
 `decide(state, ts=...)` returns a `Plan`:
   - `events`: control events to publish into the log, in order (replicas
-    retired, shards adopted, replicas placed or failing to place). They are
-    computed on a scratch copy of the state to which each earlier event of the
-    same plan is already applied, so two placements in one plan never take
-    the same GPU; `llmgw audit replay` re-derives them the same way.
+    retired, shards adopted, replicas placed or failing to place), from the
+    plan steps: `retire_removed`, then each model's turn through
+    `MODEL_STEPS`. They are computed on a scratch copy of the state to which
+    each earlier event of the same plan is already applied, so two placements
+    in one plan never take the same GPU; `llmgw audit replay` re-derives them
+    the same way.
   - `commands`: the commands the *current* state calls for (level-triggered):
     start pending shards, drain ready shards of retired replicas, stop every
     other shard nobody wants. The command tracker sends new ones and re-issues
@@ -21,15 +23,18 @@ from __future__ import annotations
 
 import copy
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import placement
-from llmgw.reconciler.controllers.replicas.placement import event_id
 from llmgw.reconciler.state import fold, replica_index
+from llmgw.reconciler.state.ids import command_key, event_id
 from llmgw.reconciler.state.model import ClusterState, Liveness, ReplicaView, ShardView
 from llmgw.reconciler.state.queries import (
     adoptable,
+    broken_shard,
+    freeing,
     is_ready,
     newest_first,
     next_replica_id,
@@ -67,13 +72,30 @@ def decide(
 # ---------------------------------------------------------------- control events
 
 
-class _Scratch:
-    """The state plus this plan's events so far; copies only what the fold mutates."""
+class Scratch:
+    """One plan in the making: the state with the plan's events so far applied, and
+    what the plan may still do.
 
-    def __init__(self, state: ClusterState):
+    Each step decides on `state`, so two placements in one plan never take the
+    same GPU. Only what the fold of control events mutates is copied, and only
+    once the plan has an event.
+    """
+
+    def __init__(
+        self,
+        state: ClusterState,
+        *,
+        ts: float = 0.0,
+        max_placements: int | None = None,
+        hold: set[str] = frozenset(),
+    ):
         self.base = state
         self.state = state
         self.seq = state.last_seq
+        self.ts = ts  # stamps every event of the plan
+        self.budget = max_placements if max_placements is not None else -1  # -1: unbounded
+        self.hold = hold  # models that get no new replicas in this plan
+        self.unplaceable: set[str] = set()  # models whose next replica failed to place
 
     def apply(self, event: c.Message) -> None:
         if self.state is self.base:
@@ -96,29 +118,9 @@ class _Scratch:
         fold.apply(self.state, self.seq, event)
 
 
-def broken_shard(state: ClusterState, replica: ReplicaView) -> tuple[str, str] | None:
-    """A shard of the replica that is gone (failed, stopped, or owned by someone else)."""
-    for sid in replica.shard_ids:
-        shard = state.shards.get(sid)
-        if shard is None or shard.replica_id != replica.replica_id:
-            return sid, "taken over by another replica"
-        if shard.terminal:
-            why = f": {shard.reason}" if shard.reason else ""
-            return sid, f"{shard.state.value}{why}"
-    return None
-
-
-def _retire(sc: _Scratch, replica: ReplicaView, reason: str, ts: float) -> c.ReplicaRetired:
-    ev = c.ReplicaRetired(
-        id=event_id("retired", replica.replica_id),
-        ts=ts,
-        model=replica.model,
-        replica_id=replica.replica_id,
-        based_on_seq=sc.base.last_seq,
-        reason=reason,
-    )
-    sc.apply(ev)
-    return ev
+# One step of a model's turn: the events it adds to the plan, each already applied to
+# the scratch state the next step decides on.
+Step = Callable[[Scratch, str], list[c.Message]]
 
 
 def control_events(
@@ -130,84 +132,99 @@ def control_events(
 ) -> tuple[list[c.Message], set[str]]:
     """The control events the state calls for, and the ids of shards they adopt.
 
+    First the replicas of models no longer declared are retired; then each
+    declared model, in name order, takes its turn: the steps of `MODEL_STEPS`
+    in order, a step in `ENDS_TURN` that added events ending it.
+
     `max_placements` bounds the placement attempts of one plan, so a big
     catalog change is decided in several short plans instead of one long one;
     the rest follow once these are folded. Models in `hold` get no new
     placements this time (their shards keep failing: see backoff.py).
     """
-    sc = _Scratch(state)
-    budget = max_placements if max_placements is not None else -1
-    events: list[c.Message] = []
-    adopted: set[str] = set()
-
-    for rid in sorted(state.replicas):
-        replica = state.replicas[rid]
-        if not replica.retired and replica.model not in state.models:
-            events.append(_retire(sc, replica, "model removed from the catalog", ts))
-
+    sc = Scratch(state, ts=ts, max_placements=max_placements, hold=hold)
+    events = retire_removed(sc)
     for model in sorted(state.models):
-        decl = state.models[model]
-        for replica in sorted(sc.state.active_replicas(model), key=lambda r: r.replica_id):
-            broken = broken_shard(sc.state, replica)
-            if broken is not None:
-                reason = f"shard {broken[0]} {broken[1]}; replaced"
-                events.append(_retire(sc, replica, reason, ts))
-
-        desired = sc.state.desired_replicas(model)
-        active = sc.state.active_replicas(model)
-        stale = {r.replica_id for r in outdated(sc.state, model)}
-        # Surge 1: while outdated replicas run, one extra replica with the new profile.
-        surplus = len(active) - desired - (1 if stale else 0)
-        if surplus > 0:
-            # Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
-            order = sorted(
-                active,
-                key=lambda r: (
-                    is_ready(sc.state, r),
-                    r.replica_id not in stale,
-                    -r.decided_seq,
-                    newest_first(r.replica_id),
-                ),
-            )
-            for replica in order[:surplus]:
-                reason = f"scale down: {desired} wanted, {len(active)} active"
-                events.append(_retire(sc, replica, reason, ts))
-            continue
-
-        events.extend(_roll_step(sc, decl, ts))
-        wanted = desired + (1 if outdated(sc.state, model) else 0)
-        missing = 0 if model in hold else wanted - len(sc.state.active_replicas(model))
-        for shard in adoptable(sc.state, model)[:missing]:
-            ev = _adopt(sc, model, shard, ts)
-            events.append(ev)
-            adopted.add(shard.shard_id)
-            missing -= 1
-        for _ in range(missing):
-            if budget == 0:
+        for step in MODEL_STEPS:
+            added = step(sc, model)
+            events.extend(added)
+            if added and step in ENDS_TURN:
                 break
-            budget -= 1
-            rid = next_replica_id(sc.state, model)
-            result = placement.place(sc.state, model, rid, state.last_seq, ts=ts)
-            if isinstance(result, c.PlacementFailed):
-                if not _same_failure(sc.state.failures.get(rid), result):
-                    events.append(result)
-                    sc.apply(result)
-                events.extend(_make_room(sc, decl, ts))
-                break  # the next replica of this model would fail the same way
-            events.append(result)
-            sc.apply(result)
+    adopted = {
+        a.shard_id
+        for ev in events
+        if isinstance(ev, c.PlacementDecided) and ev.adopted
+        for a in ev.assignments
+    }
     return events, adopted
 
 
-def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+def _retire(sc: Scratch, replica: ReplicaView, reason: str) -> c.ReplicaRetired:
+    ev = c.ReplicaRetired(
+        id=event_id("retired", replica.replica_id),
+        ts=sc.ts,
+        model=replica.model,
+        replica_id=replica.replica_id,
+        based_on_seq=sc.base.last_seq,
+        reason=reason,
+    )
+    sc.apply(ev)
+    return ev
+
+
+def retire_removed(sc: Scratch) -> list[c.Message]:
+    """Retire every active replica of a model the catalog no longer declares."""
+    out: list[c.Message] = []
+    for rid in sorted(sc.base.replicas):
+        replica = sc.base.replicas[rid]
+        if not replica.retired and replica.model not in sc.base.models:
+            out.append(_retire(sc, replica, "model removed from the catalog"))
+    return out
+
+
+def retire_broken(sc: Scratch, model: str) -> list[c.Message]:
+    """Retire every active replica with a shard gone, so it is replaced."""
+    out: list[c.Message] = []
+    for replica in sorted(sc.state.active_replicas(model), key=lambda r: r.replica_id):
+        broken = broken_shard(sc.state, replica)
+        if broken is not None:
+            out.append(_retire(sc, replica, f"shard {broken[0]} {broken[1]}; replaced"))
+    return out
+
+
+def scale_down(sc: Scratch, model: str) -> list[c.Message]:
+    """Retire the replicas beyond the desired count (plus one surge while a roll runs).
+
+    Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
+    """
+    desired = sc.state.desired_replicas(model)
+    active = sc.state.active_replicas(model)
+    stale = {r.replica_id for r in outdated(sc.state, model)}
+    # Surge 1: while outdated replicas run, one extra replica with the new profile.
+    surplus = len(active) - desired - (1 if stale else 0)
+    if surplus <= 0:
+        return []
+    order = sorted(
+        active,
+        key=lambda r: (
+            is_ready(sc.state, r),
+            r.replica_id not in stale,
+            -r.decided_seq,
+            newest_first(r.replica_id),
+        ),
+    )
+    reason = f"scale down: {desired} wanted, {len(active)} active"
+    return [_retire(sc, replica, reason) for replica in order[:surplus]]
+
+
+def roll_step(sc: Scratch, model: str) -> list[c.Message]:
     """Retire one outdated replica once the surge replica has made it spare.
 
     It is spare when more than `replicas` are active and retiring it leaves at
     least `replicas` ready (an outdated replica that is not ready costs nothing).
     """
-    stale = outdated(sc.state, decl.name)
-    active = sc.state.active_replicas(decl.name)
-    desired = sc.state.desired_replicas(decl.name)
+    stale = outdated(sc.state, model)
+    active = sc.state.active_replicas(model)
+    desired = sc.state.desired_replicas(model)
     if not stale or len(active) <= desired:
         return []
     victim = min(stale, key=lambda r: is_ready(sc.state, r))  # stable: newest first
@@ -215,22 +232,92 @@ def _roll_step(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message
     if is_ready(sc.state, victim) and ready - 1 < desired:
         return []
     reason = f"rolling update: profile changed since {victim.replica_id} was placed"
-    return [_retire(sc, victim, reason, ts)]
+    return [_retire(sc, victim, reason)]
 
 
-def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message]:
+def _missing(sc: Scratch, model: str) -> int:
+    """Replicas the model still lacks in this plan: the desired count, plus the surge
+    replica while outdated ones run; none for a model held back."""
+    if model in sc.hold:
+        return 0
+    wanted = sc.state.desired_replicas(model) + (1 if outdated(sc.state, model) else 0)
+    return max(0, wanted - len(sc.state.active_replicas(model)))
+
+
+def adopt(sc: Scratch, model: str) -> list[c.Message]:
+    """Missing replicas first from shards a node still runs for the model unowned."""
+    out: list[c.Message] = []
+    for shard in adoptable(sc.state, model)[: _missing(sc, model)]:
+        rid = next_replica_id(sc.state, model)
+        ev = c.PlacementDecided(
+            id=event_id("decided", rid),
+            ts=sc.ts,
+            model=model,
+            replica_id=rid,
+            based_on_seq=sc.base.last_seq,
+            assignments=[
+                c.ShardAssignment(
+                    shard_id=shard.shard_id, shard_index=0, node=shard.node, gpus=list(shard.gpus)
+                )
+            ],
+            verdicts=[
+                c.NodeVerdict(
+                    node=shard.node,
+                    fits=True,
+                    reason=f"already runs {shard.shard_id} ({','.join(shard.gpus)}), ready",
+                )
+            ],
+            explanation=(
+                f"{rid} adopts {shard.shard_id} (of {shard.replica_id}) that {shard.node} "
+                "still runs"
+            ),
+            adopted=True,
+        )
+        sc.apply(ev)
+        out.append(ev)
+    return out
+
+
+def place(sc: Scratch, model: str) -> list[c.Message]:
+    """Place the replicas still missing, within the plan's placement budget.
+
+    The first that cannot be placed ends the model's placements (the next would
+    fail the same way); its failure is published unless the same one already is.
+    """
+    out: list[c.Message] = []
+    for _ in range(_missing(sc, model)):
+        if sc.budget == 0:
+            break
+        sc.budget -= 1
+        rid = next_replica_id(sc.state, model)
+        result = placement.place(sc.state, model, rid, sc.base.last_seq, ts=sc.ts)
+        if isinstance(result, c.PlacementFailed):
+            sc.unplaceable.add(model)
+            if not _same_failure(sc.state.failures.get(rid), result):
+                out.append(result)
+                sc.apply(result)
+            break
+        out.append(result)
+        sc.apply(result)
+    return out
+
+
+def make_room(sc: Scratch, model: str) -> list[c.Message]:
     """No room for the surge replica: retire one outdated replica so the new one fits.
 
-    Only when every active replica runs, none is missing and no retired one
-    still drains, so the roll gives up at most one replica's capacity at a time
-    (the Kubernetes maxUnavailable=1 fallback): the retired one drains, then its
-    GPUs take the new profile.
+    Only after a placement of the model failed in this plan, and only when every
+    active replica runs, none is missing and no retired one still drains, so the
+    roll gives up at most one replica's capacity at a time (the Kubernetes
+    maxUnavailable=1 fallback): the retired one drains, then its GPUs take the
+    new profile.
     """
-    stale = outdated(sc.state, decl.name)
-    active = sc.state.active_replicas(decl.name)
-    if not stale or len(active) != sc.state.desired_replicas(decl.name):
+    if model not in sc.unplaceable:
         return []
-    if not all(is_ready(sc.state, r) for r in active) or _freeing(sc.state, decl.name):
+    stale = outdated(sc.state, model)
+    active = sc.state.active_replicas(model)
+    if not stale or len(active) != sc.state.desired_replicas(model):
+        return []
+    if not all(is_ready(sc.state, r) for r in active) or freeing(sc.state, model):
         return []
     victim = stale[0]
     # A new profile that would not fit even in the victim's place (a selector no
@@ -239,50 +326,13 @@ def _make_room(sc: _Scratch, decl: c.ModelDeclared, ts: float) -> list[c.Message
     for sid in victim.shard_ids:
         if sid in trial.shards:
             trial.shards[sid].state = c.ShardState.STOPPED
-    rid = next_replica_id(trial, decl.name)
-    if isinstance(placement.place(trial, decl.name, rid, sc.base.last_seq), c.PlacementFailed):
+    rid = next_replica_id(trial, model)
+    if isinstance(placement.place(trial, model, rid, sc.base.last_seq), c.PlacementFailed):
         return []
     reason = (
         f"rolling update: profile changed since {victim.replica_id} was placed; no room to surge"
     )
-    return [_retire(sc, victim, reason, ts)]
-
-
-def _freeing(state: ClusterState, model: str) -> bool:
-    """A retired replica of `model` still holds GPUs: room is already on its way."""
-    return any(
-        not s.terminal and (owner := state.replicas.get(s.replica_id)) is not None and owner.retired
-        for s in state.shards.values()
-        if s.model == model
-    )
-
-
-def _adopt(sc: _Scratch, model: str, shard: ShardView, ts: float) -> c.PlacementDecided:
-    rid = next_replica_id(sc.state, model)
-    was = shard.replica_id
-    ev = c.PlacementDecided(
-        id=event_id("decided", rid),
-        ts=ts,
-        model=model,
-        replica_id=rid,
-        based_on_seq=sc.base.last_seq,
-        assignments=[
-            c.ShardAssignment(
-                shard_id=shard.shard_id, shard_index=0, node=shard.node, gpus=list(shard.gpus)
-            )
-        ],
-        verdicts=[
-            c.NodeVerdict(
-                node=shard.node,
-                fits=True,
-                reason=f"already runs {shard.shard_id} ({','.join(shard.gpus)}), ready",
-            )
-        ],
-        explanation=f"{rid} adopts {shard.shard_id} (of {was}) that {shard.node} still runs",
-        adopted=True,
-    )
-    sc.apply(ev)
-    return ev
+    return [_retire(sc, victim, reason)]
 
 
 def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool:
@@ -294,12 +344,17 @@ def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool
     )
 
 
+# A model's turn in a plan: these steps, in this order. Retiring comes first, so what is
+# placed replaces what this plan retired; adopting before placing takes back a shard a
+# node still runs instead of starting one anew elsewhere. A step for LoRA adapters on the
+# placed replicas would go last.
+MODEL_STEPS: tuple[Step, ...] = (retire_broken, scale_down, roll_step, adopt, place, make_room)
+# A scale-down ends the model's turn: this plan only shrinks it, and whatever rolling is
+# left waits for the next plan, which decides on the retirements folded.
+ENDS_TURN: frozenset[Step] = frozenset({scale_down})
+
+
 # ---------------------------------------------------------------- commands
-
-
-def command_key(shard_id: str, action: str) -> str:
-    """Deterministic, so the agent recognises a re-issued command as the same one."""
-    return f"{shard_id}:{action}"
 
 
 def commands(

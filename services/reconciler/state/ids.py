@@ -1,0 +1,54 @@
+"""Every id the reconciler makes, built and parsed in one place. Pure.
+
+Ids are decided here and nowhere else, because the log, Postgres, the agents
+and replay all hold them: a second builder that drifts by a character would
+split one thing into two.
+
+  - replica `<model token>-r<n>`: the model name made safe for a NATS subject
+    token, then a number that is never reused (see `queries.next_replica_id`);
+  - shard `<replica>-s<index>`: shard 0 is the one that serves HTTP (the
+    endpoint id routers see, `llmgw.projection.endpoint_id`, is the rule
+    across services and stays there);
+  - event: a digest of what the decision is about, so a decision re-published
+    (even by a new leader) is the same message and the stream dedupes it;
+  - command key `<shard>:<action>`: an agent recognises a re-issued command as
+    the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from llmgw import subjects
+
+
+def replica_id(model: str, n: int) -> str:
+    return f"{subjects.safe_token(model)}-r{n}"
+
+
+def parse_replica_id(rid: str) -> tuple[str, int] | None:
+    """(token, n) of a replica id `<token>-r<n>`; None for an id not of that form."""
+    head, sep, tail = rid.rpartition("-r")
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses, and a replica
+    # id an agent reports must never crash the fold.
+    return (head, int(tail)) if sep and tail.isascii() and tail.isdigit() else None
+
+
+def replica_number(rid: str) -> int | None:
+    """The n of a replica id `<token>-r<n>`; None for an id not of that form."""
+    parsed = parse_replica_id(rid)
+    return parsed[1] if parsed is not None else None
+
+
+def shard_id(replica: str, index: int) -> str:
+    return f"{replica}-s{index}"
+
+
+def event_id(*parts: object) -> str:
+    """A deterministic message id: a decision re-published (even by a new leader) dedupes."""
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def command_key(shard_id: str, action: str) -> str:
+    """Deterministic, so the agent recognises a re-issued command as the same one."""
+    return f"{shard_id}:{action}"
