@@ -257,9 +257,6 @@ class Adapter:
     serves_http: Callable[[c.StartShard], bool]
 
 
-# Engines that publish KV cache events the agent can relay.
-KV_EVENT_ENGINES = frozenset({"vllm", "sglang", "sim"})
-
 ADAPTERS: dict[str, Adapter] = {
     "vllm": Adapter(vllm, vllm_serves_http),
     "sglang": Adapter(sglang, sglang_serves_http),

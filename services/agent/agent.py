@@ -35,6 +35,7 @@ from nats.js.errors import NoStreamResponseError, NotFoundError
 
 from llmgw import __version__, adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
 
 from . import adapters, admin, procs, validate
 from .config import ADMIN_PORT, AgentConfig, parse_port_range
@@ -670,7 +671,7 @@ class Agent:
                 shard.transition(S.FAILED, reason=reason)
                 return "no_free_port"
         relay = None
-        kv_events = self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES
+        kv_events = self.cfg.kv_events and ENGINES[cmd.profile.engine].kv_events
         off = adapters.kv_events_off_reason(cmd.profile) if kv_events and port else ""
         if off:
             kv_events = False
@@ -740,8 +741,4 @@ class Agent:
         return None
 
     def _engine_command(self, engine: str) -> list[str]:
-        return {
-            "vllm": self.cfg.vllm_command,
-            "sglang": self.cfg.sglang_command,
-            "sim": self.cfg.sim_command,
-        }[engine]
+        return self.cfg.engine_commands()[engine]

@@ -15,6 +15,7 @@ from llmgw import kvblocks, kvwire
 from llmgw.agent import adapters
 from llmgw.agent.adapters import LaunchContext
 from llmgw.agent.kvrelay import BlockSet
+from llmgw.engines import ENGINES
 from llmgw.kvblocks import prompt_hashes, salt_extra
 from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.request import body as rq
@@ -331,7 +332,7 @@ def test_the_sglang_adapter_points_its_publisher_at_the_relay():
     assert config == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "topic": "kv"}
     assert argv[-2:] == ["--page-size", "16"]  # the operator's own flags come last
     assert "--kv-events-config" not in adapters.sglang(cmd, LaunchContext(**base)).argv
-    assert "sglang" in adapters.KV_EVENT_ENGINES
+    assert ENGINES["sglang"].kv_events
 
 
 def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenizer(tmp_path):
