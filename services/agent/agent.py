@@ -37,7 +37,7 @@ from llmgw import __version__, adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
 from llmgw.engines import ENGINES
 
-from . import adapters, admin, procs, validate
+from . import admin, launch, procs, validate
 from .config import ADMIN_PORT, AgentConfig, parse_port_range
 from .decide import Action, ShardView, answer_state, decide
 from .inventory import Inventory
@@ -662,7 +662,7 @@ class Agent:
             self.metrics.validation_refusals.labels(refusal.check).inc()
             shard.transition(S.FAILED, reason=str(refusal))
             return "invalid"
-        adapter = adapters.ADAPTERS.get(cmd.profile.engine)
+        adapter = launch.ADAPTERS.get(cmd.profile.engine)
         port = 0
         if adapter.serves_http(cmd):
             port = self._free_port() or 0
@@ -672,7 +672,7 @@ class Agent:
                 return "no_free_port"
         relay = None
         kv_events = self.cfg.kv_events and ENGINES[cmd.profile.engine].kv_events
-        off = adapters.kv_events_off_reason(cmd.profile) if kv_events and port else ""
+        off = launch.kv_events_off_reason(cmd.profile) if kv_events and port else ""
         if off:
             kv_events = False
             log.warning(
@@ -693,7 +693,7 @@ class Agent:
             relay = self.kv_relays.open(cmd.shard_id, replay_port=replay_port)
         spec = adapter.build(
             cmd,
-            adapters.LaunchContext(
+            launch.LaunchContext(
                 port=port,
                 gpu_indices=[self.inventory.gpus[g].index for g in cmd.gpus],
                 bind_host=self.bind_host,
@@ -720,7 +720,7 @@ class Agent:
             with open(rec.log_path, "wb") as out:
                 proc = subprocess.Popen(
                     spec.argv,
-                    env=adapters.engine_environment(os.environ, spec),
+                    env=launch.engine_environment(os.environ, spec),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,

@@ -10,8 +10,8 @@ import pytest
 
 from llmgw import enginemetrics, kvblocks
 from llmgw.agent import engines as agent_engines
-from llmgw.agent.adapters import ADAPTERS
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.launch import ADAPTERS
 from llmgw.engines import ENGINES
 from llmgw.reconciler.catalog import spec
 from llmgw.router.kvcache.feed import KvEventFeed

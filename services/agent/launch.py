@@ -1,4 +1,4 @@
-"""Engine adapters: a StartShard command plus local facts -> a command line and environment.
+"""Engine launch adapters: a StartShard command plus local facts -> a command line and environment.
 
 Pure functions, pinned by unit tests. Each adapter writes the flags it owns from the
 profile, then appends `profile.engine_args` verbatim: vLLM, SGLang and the simulator
