@@ -28,22 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def status_of(node: str, rec: ShardRecord, command_key: str | None = None) -> c.ShardStatus:
-    return c.ShardStatus(
-        node=node,
-        shard_id=rec.shard_id,
-        model=rec.model,
-        replica_id=rec.replica_id,
-        shard_index=rec.shard_index,
-        state=rec.state,
-        url=rec.url,
-        port=rec.port,
-        gpus=list(rec.gpus),
-        command_key=rec.command_key if command_key is None else command_key,
-        reason=rec.reason,
-        exit_code=rec.exit_code,
-        output_tail=list(rec.output_tail),
-        max_running=rec.max_running,
-    )
+    """The shard's status as its record stands, answering `command_key` (by default the
+    latest command it answers)."""
+    key = rec.command_key if command_key is None else command_key
+    return rec.as_contract(c.ShardStatus, node=node, command_key=key)
 
 
 class Outbox:
