@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from llmgw import bus, subjects
 from llmgw import contracts as c
 
-from .decide import Action, ShardView, answer_state, decide
+from .decide import Action, KnownShard, answer_state, decide
 from .launcher import Launcher
 from .outbox import Outbox, status_of
 from .shard import EngineShard
@@ -125,10 +125,10 @@ class Commands:
             self.metrics.commands_rejected.labels(kind, stale).inc()
             return
         shard = self.shards.get(cmd.shard_id)
-        view = None
+        known = None
         if shard is not None:
-            view = ShardView(shard.rec.state, frozenset(shard.rec.keys), shard.rec.stopping)
-        action = decide(cmd, view)
+            known = KnownShard(shard.rec.state, frozenset(shard.rec.keys), shard.rec.stopping)
+        action = decide(cmd, known)
         log.info(
             "command %s %s for shard %s: %s",
             type(cmd).__name__,
