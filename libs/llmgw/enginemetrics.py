@@ -14,16 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-# vllm:gpu_cache_usage_perc is the name before vLLM 0.11 (removed in 0.12); all are 0..1.
-KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage", "vllm:gpu_cache_usage_perc")
+from llmgw.engines import ENGINES
 
-# Each engine family's gauges: (running, waiting, KV use by preference).
-_FAMILIES = (
-    ("vllm", RUNNING[0], WAITING[0], (KV_USAGE[0], KV_USAGE[2])),
-    ("sglang", RUNNING[1], WAITING[1], (KV_USAGE[1],)),
-)
+# Each metric family the engine table names, once, in its order: a page with several
+# families' queue gauges is read by the first's names.
+_FAMILIES = tuple({t.metrics.name: t.metrics for t in ENGINES.values()}.values())
+RUNNING = tuple(f.running for f in _FAMILIES)
+WAITING = tuple(f.waiting for f in _FAMILIES)
+KV_USAGE = tuple(n for f in _FAMILIES for n in f.kv_usage)  # all are 0..1
 
 _LINE = re.compile(
     rb"^("
@@ -96,16 +94,16 @@ def parse(text: bytes) -> EngineLoad | None:
     if not found:
         return None
     block_size, num_blocks = _cache_geometry(text)
-    for source, running, waiting, kv_names in _FAMILIES:
-        if running in found or waiting in found:
-            kv = next((found[n] for n in kv_names if n in found), 0.0)
+    for family in _FAMILIES:
+        if family.running in found or family.waiting in found:
+            kv = next((found[n] for n in family.kv_usage if n in found), 0.0)
             return EngineLoad(
-                running=round(found.get(running, 0)),
-                waiting=round(found.get(waiting, 0)),
+                running=round(found.get(family.running, 0)),
+                waiting=round(found.get(family.waiting, 0)),
                 kv_usage=min(max(kv, 0.0), 1.0),
                 block_size=block_size,
                 num_blocks=num_blocks,
-                source=source,
+                source=family.name,
             )
     kv = next(found[n] for n in KV_USAGE if n in found)
     return EngineLoad(kv_usage=min(max(kv, 0.0), 1.0), block_size=block_size, num_blocks=num_blocks)

@@ -31,6 +31,8 @@ from typing import Any
 
 import msgspec
 
+from llmgw.engines import ENGINES
+
 ROOT = 0
 _MASK = (1 << 63) - 1
 
@@ -55,9 +57,11 @@ def extra_bytes(keys: Sequence[Any] | None) -> bytes | None:
     return _extra_encode(list(keys))
 
 
-# Engines whose KV events carry no extra keys (read from SGLang's source): their blocks
-# are never stored under a salt, so a salted request cannot be scored by their events.
-EVENTS_WITHOUT_EXTRA_KEYS = frozenset({"sglang"})
+# Engines whose KV events carry no extra keys: their blocks are never stored under a
+# salt, so a salted request cannot be scored by their events.
+EVENTS_WITHOUT_EXTRA_KEYS = frozenset(
+    name for name, t in ENGINES.items() if not t.events_carry_extra_keys
+)
 
 
 def salt_extra(cache_salt: str | None) -> bytes | None:

@@ -1,9 +1,13 @@
 """The node agent: one process per GPU node, talking to the control plane only over NATS.
 
-Tasks, all owned (started and cancelled) by `Agent.run`:
+`Agent` holds the node's shards and wires its collaborators: the outbox (outbox.py),
+the command handler (commands.py) and the launcher (launcher.py). Tasks, all owned
+(started and cancelled) by `Agent.run`:
   publisher   ships shard status and registration in order, retrying until acknowledged
+              (Outbox.publish)
   heartbeats  one Heartbeat per interval on the node's subject
   commands    pulls StartShard / StopShard / DrainShard from the node's durable consumer
+              (Commands.consume)
   load        scrapes engine /metrics several times a second, publishes LoadSample (core NATS)
   resync      after each reconnect: provision, re-register, re-bind the consumer
   one supervisor per engine (shard.py)
@@ -16,94 +20,35 @@ commands and exits, leaving engines serving; the next agent re-adopts them.
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import logging
-import os
-import random
-import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 import httpx
 import zmq
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import NoStreamResponseError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from llmgw import __version__, adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
 
-from . import adapters, admin, procs, validate
-from .config import ADMIN_PORT, AgentConfig, parse_port_range
-from .decide import Action, ShardView, answer_state, decide
+from . import admin, procs
+from .commands import Commands
+from .config import ADMIN_PORT, AgentConfig
 from .inventory import Inventory
 from .kvrelay import KvRelays
+from .launcher import Launcher
 from .metrics import Load
+from .outbox import Outbox
 from .shard import EngineShard, Timing
 from .state import ShardRecord, StateDir
-from .telemetry import COMMAND_KINDS, AgentMetrics, Live
+from .telemetry import AgentMetrics, Live
 
 log = logging.getLogger(__name__)
 
 S = c.ShardState
-FETCH_BATCH = 16
-STREAM_NOT_FOUND = 10059  # JetStream API error code
 AGENT_STREAMS = (subjects.EVENTS_STREAM, subjects.HEARTBEATS_STREAM, subjects.COMMANDS_STREAM)
-
-
-def status_of(node: str, rec: ShardRecord, command_key: str | None = None) -> c.ShardStatus:
-    return c.ShardStatus(
-        node=node,
-        shard_id=rec.shard_id,
-        model=rec.model,
-        replica_id=rec.replica_id,
-        shard_index=rec.shard_index,
-        state=rec.state,
-        url=rec.url,
-        port=rec.port,
-        gpus=list(rec.gpus),
-        command_key=rec.command_key if command_key is None else command_key,
-        reason=rec.reason,
-        exit_code=rec.exit_code,
-        output_tail=list(rec.output_tail),
-        max_running=rec.max_running,
-    )
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # Engines set SO_REUSEADDR too: a port in TIME_WAIT is free for them.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def next_port(
-    ports: Sequence[int], taken: set[int], last: int | None, is_free: Callable[[int], bool]
-) -> int | None:
-    """The first port of the range after `last` (wrapping) that no shard holds and is free.
-
-    Going round the range instead of taking the lowest free port keeps a port that an
-    engine just gave up from going at once to another model's engine: routers whose
-    projection still lists the old endpoint would send its requests to the new one (404s)."""
-    start = ports.index(last) + 1 if last in ports else 0
-    for port in itertools.chain(ports[start:], ports[:start]):
-        if port not in taken and is_free(port):
-            return port
-    return None
-
-
-def held_ports(records: Iterable[ShardRecord]) -> set[int]:
-    """Every port these shards' records hold: HTTP, KV relay and replay socket. An engine
-    binds its ports only once its model is loaded (minutes), so until then only the
-    record says they are spoken for."""
-    return {p for rec in records for p in (rec.port, rec.kv_events_port, rec.kv_replay_port) if p}
 
 
 class Agent:
@@ -121,11 +66,6 @@ class Agent:
         self.state_dir = state_dir
         self.engines = engines  # name -> None if installed, else why not
         self.boot_id = c.new_id()  # changes on every agent process start
-        self.leader_term = 0  # the newest reconciler term a command came from
-        self.ports = parse_port_range(cfg.engine_port_range)
-        self._last_port: int | None = None  # the port handed out last (see next_port)
-        self.bind_host = cfg.engine_bind_host or cfg.advertise_address
-        self.probe_host = "127.0.0.1" if self.bind_host in ("0.0.0.0", "") else self.bind_host
         self.timing = Timing(
             ready_timeout=cfg.ready_timeout_seconds,
             ready_poll=cfg.ready_poll_seconds,
@@ -138,16 +78,37 @@ class Agent:
         self.js: JetStreamContext | None = None
         self.http: httpx.AsyncClient | None = None
         self.registered = asyncio.Event()  # set once the first registration is acknowledged
-        self._outbox: collections.deque[c.Message] = collections.deque()
-        self._outbox_ready = asyncio.Event()
         self._stop = asyncio.Event()
-        self._rebind = False
         self._hb_seq = 0
         self._tasks: set[asyncio.Task] = set()
         self._resync_task: asyncio.Task | None = None
         self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
         self.metrics = AgentMetrics(self.live)
         self.kv_relays = KvRelays(node, metrics=self.metrics)
+        self.outbox = Outbox(node, self.metrics, self.registered, self._ensure_streams)
+        self.launcher = Launcher(
+            cfg,
+            node,
+            inventory,
+            state_dir,
+            engines,
+            self.kv_relays,
+            self.metrics,
+            new_shard=self._new_shard,
+            supervise=self._supervise,
+            live_shards=self.live_shards,
+        )
+        bind_host = self.launcher.bind_host
+        self.probe_host = "127.0.0.1" if bind_host in ("0.0.0.0", "") else bind_host
+        self.commands = Commands(
+            node,
+            self.boot_id,
+            self.shards,
+            self.launcher,
+            self.outbox,
+            self.metrics,
+            self._ensure_streams,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,11 +148,11 @@ class Agent:
             self.nc = connect.result()
             self.js = self.nc.jetstream()
             log.info("connected to NATS as node %s (boot %s)", self.node, self.boot_id)
-            self._spawn(self._publisher(), "publisher")
+            self._spawn(self.outbox.publish(self.js), "publisher")
             await self.kv_relays.attach(self.nc)
             self._resync_task = self._spawn(self._resync(first=True), "resync")
             self._spawn(self._heartbeats(), "heartbeats")
-            commands = self._spawn(self._commands(), "commands")
+            commands = self._spawn(self.commands.consume(self.js), "commands")
             self._spawn(self._load_samples(), "load")
             await self._stop.wait()
             commands.cancel()  # stop consuming first: no command half-handled at exit
@@ -220,7 +181,7 @@ class Agent:
             shards=[(s.rec.model, s.rec.state) for s in self.shards.values()],
             nats_connected=self.nc is not None and self.nc.is_connected,
             registered=self.registered.is_set(),
-            outbox=len(self._outbox),
+            outbox=len(self.outbox),
             heartbeat_age=None if at is None else time.monotonic() - at,
             gpus=self.inventory.gpus,
             host=self.inventory.host,
@@ -247,7 +208,7 @@ class Agent:
             )
         # Give queued shard status a moment to reach the control plane.
         deadline = time.monotonic() + 3.0
-        while self._outbox and self.nc is not None and time.monotonic() < deadline:
+        while len(self.outbox) and self.nc is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for task in list(self._tasks):
             task.cancel()
@@ -316,7 +277,7 @@ class Agent:
             rec,
             state_dir=self.state_dir,
             timing=self.timing,
-            emit=self._emit,
+            emit=self._shard_changed,
             http=self.http,
             probe_host=self.probe_host,
             count_exit=lambda reason: self.metrics.engine_exits.labels(reason).inc(),
@@ -333,14 +294,11 @@ class Agent:
 
     # ------------------------------------------------------------ publishing
 
-    def _emit(self, rec: ShardRecord) -> None:
-        self._enqueue(status_of(self.node, rec))
+    def _shard_changed(self, rec: ShardRecord) -> None:
+        """A shard's record changed: publish its status; a finished shard's relay goes."""
+        self.outbox.emit(rec)
         if rec.terminal and rec.shard_id in self.kv_relays.relays:
             self._spawn(self.kv_relays.close(rec.shard_id), f"kv-relay-close-{rec.shard_id}")
-
-    def _enqueue(self, msg: c.Message) -> None:
-        self._outbox.append(msg)
-        self._outbox_ready.set()
 
     def registration(self) -> c.NodeRegistered:
         return c.NodeRegistered(
@@ -354,31 +312,6 @@ class Agent:
             boot_id=self.boot_id,
         )
 
-    async def _publisher(self) -> None:
-        """Publish the outbox in order; a message leaves it only once JetStream stored it."""
-        delay = 0.1
-        while True:
-            if not self._outbox:
-                self._outbox_ready.clear()
-                await self._outbox_ready.wait()
-                continue
-            msg = self._outbox[0]
-            try:
-                await bus.publish(self.js, msg, deadline=5.0)
-            except Exception as exc:  # disconnected, stream missing...: keep it and retry
-                log.warning("publishing %s failed (%s); retrying", type(msg).__name__, exc)
-                what = "registration" if isinstance(msg, c.NodeRegistered) else "status"
-                self.metrics.publish_failures.labels(what).inc()
-                if isinstance(exc, NoStreamResponseError):
-                    await self._ensure_streams()
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
-                continue
-            delay = 0.1
-            self._outbox.popleft()
-            if isinstance(msg, c.NodeRegistered):
-                self.registered.set()
-
     async def _on_disconnect(self) -> None:
         self.registered.clear()
 
@@ -391,9 +324,9 @@ class Agent:
     async def _resync(self, first: bool) -> None:
         """Make sure streams exist, then tell the control plane the whole truth again."""
         await self._ensure_streams()
-        self._enqueue(self.registration())
+        self.outbox.enqueue(self.registration())
         if not first:
-            self._rebind = True
+            self.commands.rebind()
             log.info("reconnected: re-registering with %d shard(s)", len(self.live_shards()))
 
     async def _ensure_streams(self) -> None:
@@ -482,266 +415,3 @@ class Agent:
             self.metrics.publish_failures.labels("load_sample").inc()
         else:
             self.metrics.load_samples.inc()
-
-    # ------------------------------------------------------------ commands
-
-    async def _commands(self) -> None:
-        sub = None
-        delay = 0.2
-        while True:
-            try:
-                if sub is None or self._rebind:
-                    self._rebind = False
-                    sub = await bus.ensure_pull_consumer(
-                        self.js,
-                        subjects.COMMANDS_STREAM,
-                        durable=f"agent-{self.node}",
-                        filter_subject=subjects.commands(self.node),
-                    )
-                msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
-            except TimeoutError:
-                continue  # nothing to do
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("command consumer failed (%s); re-binding", exc)
-                if isinstance(exc, NotFoundError) and exc.err_code == STREAM_NOT_FOUND:
-                    await self._ensure_streams()
-                sub = None
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
-                continue
-            delay = 0.2
-            for msg in msgs:
-                try:
-                    await self._on_command_msg(msg)
-                except Exception as exc:  # an ack lost to a disconnect: the command comes again
-                    log.warning("command acknowledgement failed: %s", exc)
-
-    async def _on_command_msg(self, msg) -> None:
-        try:
-            cmd = c.decode(msg.data, c.Command)
-        except c.ContractError as exc:
-            # Dead letter: logged with its payload and terminated, never redelivered.
-            log.error("dead letter on %s: %s; payload %r", msg.subject, exc.reason, msg.data[:500])
-            self.metrics.commands_received.labels("unknown").inc()
-            self.metrics.commands_rejected.labels("unknown", "malformed").inc()
-            await msg.term()
-            return
-        self.metrics.commands_received.labels(COMMAND_KINDS[type(cmd)]).inc()
-        try:
-            self.handle(cmd)
-        except Exception:
-            log.exception("command %s (%s) could not be handled", cmd.key, type(cmd).__name__)
-            self.metrics.commands_rejected.labels(COMMAND_KINDS[type(cmd)], "error").inc()
-            await msg.term()
-            return
-        await msg.ack()
-
-    def handle(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> None:
-        """Apply one command; every command is answered with a shard status."""
-        kind = COMMAND_KINDS[type(cmd)]
-        if cmd.node != self.node:
-            log.error("command %s is for node %s, not %s: ignored", cmd.key, cmd.node, self.node)
-            self.metrics.commands_rejected.labels(kind, "wrong_node").inc()
-            return
-        stale = self._stale(cmd)
-        if stale is not None:
-            self.metrics.commands_rejected.labels(kind, stale).inc()
-            return
-        shard = self.shards.get(cmd.shard_id)
-        view = None
-        if shard is not None:
-            view = ShardView(shard.rec.state, frozenset(shard.rec.keys), shard.rec.stopping)
-        action = decide(cmd, view)
-        log.info(
-            "command %s %s for shard %s: %s",
-            type(cmd).__name__,
-            cmd.key,
-            cmd.shard_id,
-            action.value,
-        )
-        if action is Action.LAUNCH:
-            rejected = self._launch(cmd, shard)
-            if rejected is not None:
-                self.metrics.commands_rejected.labels(kind, rejected).inc()
-                return
-        elif action is Action.STOP:
-            # Answered by the `stopped` status once the engine is gone.
-            shard.request_stop(cmd.key, cmd.grace_seconds if isinstance(cmd, c.StopShard) else 10.0)
-        elif action is Action.DRAIN:
-            shard.request_drain(cmd.key, cmd.deadline_seconds)
-        elif shard is None:
-            self._enqueue(
-                c.ShardStatus(
-                    node=self.node,
-                    shard_id=cmd.shard_id,
-                    model="",
-                    replica_id="",
-                    state=answer_state(None),
-                    command_key=cmd.key,
-                    reason="no such shard on this node",
-                )
-            )
-        else:
-            shard.note_command(cmd.key)
-            self._enqueue(status_of(self.node, shard.rec, cmd.key))
-        self.metrics.commands_applied.labels(kind, action.value).inc()
-
-    def _stale(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> str | None:
-        """Why a command is dropped unanswered: meant for an earlier boot of this node
-        (a consumer replaying old commands), or sent by a leader older than one already
-        heard from (a deposed leader's late write). The current leader re-sends what it
-        still wants under its own term and this boot."""
-        if cmd.boot_id and cmd.boot_id != self.boot_id:
-            log.warning(
-                "command %s is for boot %s of this node, this is boot %s: dropped",
-                cmd.key,
-                cmd.boot_id,
-                self.boot_id,
-            )
-            return "stale_boot"
-        if cmd.term < self.leader_term:
-            log.warning(
-                "command %s is from leader term %d, term %d already spoke: dropped",
-                cmd.key,
-                cmd.term,
-                self.leader_term,
-            )
-            return "stale_term"
-        self.leader_term = cmd.term
-        return None
-
-    # ------------------------------------------------------------ launching
-
-    def _facts(self) -> validate.NodeFacts:
-        holders = {gpu: s.rec.shard_id for s in self.live_shards() for gpu in s.rec.gpus}
-        probe = self.inventory.probe
-        return validate.NodeFacts(
-            node=self.node,
-            gpus=self.inventory.gpus,
-            gpu_holders=holders,
-            free_memory=probe.free_memory if probe else (lambda uuid: None),
-            process_count=probe.process_count if probe else (lambda uuid: None),
-            engine_missing=lambda engine: self.engines.get(engine),
-            path_exists=lambda path: Path(path).expanduser().exists(),
-        )
-
-    def _free_port(self) -> int | None:
-        taken = held_ports(s.rec for s in self.live_shards())
-        http = [s.rec.port for s in self.live_shards() if s.rec.port in self.ports]
-        if self._last_port is None and http:
-            self._last_port = max(http)  # adopted engines: go on after the newest
-        port = next_port(
-            self.ports, taken, self._last_port, lambda p: port_is_free(self.bind_host, p)
-        )
-        if port is not None:
-            self._last_port = port
-        return port
-
-    def _launch(self, cmd: c.StartShard, previous: EngineShard | None) -> str | None:
-        """Launch the engine; None, or why not (a reason label: the shard is `failed`)."""
-        keys = list(previous.rec.keys) if previous else []
-        rec = ShardRecord(
-            shard_id=cmd.shard_id,
-            model=cmd.model,
-            replica_id=cmd.replica_id,
-            shard_index=cmd.shard_index,
-            engine=cmd.profile.engine,
-            command_key=cmd.key,
-            keys=[*keys, cmd.key],
-            start=cmd,
-            gpus=list(cmd.gpus),
-            max_running=cmd.profile.max_num_seqs,
-            log_path=str(self.state_dir.log_path(cmd.shard_id)),
-        )
-        refusal = validate.check(cmd, self._facts())  # before this shard counts as holding GPUs
-        shard = self._new_shard(rec)
-        if refusal is not None:
-            self.metrics.validation_refusals.labels(refusal.check).inc()
-            shard.transition(S.FAILED, reason=str(refusal))
-            return "invalid"
-        adapter = adapters.ADAPTERS.get(cmd.profile.engine)
-        port = 0
-        if adapter.serves_http(cmd):
-            port = self._free_port() or 0
-            if not port:
-                reason = f"no free port in the engine port range {self.cfg.engine_port_range}"
-                shard.transition(S.FAILED, reason=reason)
-                return "no_free_port"
-        relay = None
-        kv_events = self.cfg.kv_events and cmd.profile.engine in adapters.KV_EVENT_ENGINES
-        off = adapters.kv_events_off_reason(cmd.profile) if kv_events and port else ""
-        if off:
-            kv_events = False
-            log.warning(
-                "shard %s: %s KV events are off, routers use the approximate prefix scorer "
-                "for it: %s",
-                cmd.shard_id,
-                cmd.profile.engine,
-                off,
-            )
-        if kv_events and port:
-            try:
-                replay_port = self.kv_relays.replay_port(
-                    avoid=[self.ports], taken=held_ports(s.rec for s in self.live_shards()) | {port}
-                )
-            except OSError as exc:
-                log.warning("shard %s: KV events without replay: %s", cmd.shard_id, exc)
-                replay_port = 0
-            relay = self.kv_relays.open(cmd.shard_id, replay_port=replay_port)
-        spec = adapter.build(
-            cmd,
-            adapters.LaunchContext(
-                port=port,
-                gpu_indices=[self.inventory.gpus[g].index for g in cmd.gpus],
-                bind_host=self.bind_host,
-                command=self._engine_command(cmd.profile.engine),
-                kv_events_endpoint=relay.endpoint if relay else "",
-                kv_replay_endpoint=relay.replay_endpoint if relay else "",
-            ),
-        )
-        rec.port = spec.port
-        rec.advertised = spec.advertised
-        rec.url = (
-            f"http://{self.cfg.advertise_address}:{spec.port}"
-            if spec.advertised and spec.port
-            else ""
-        )
-        if relay is not None:
-            relay.url = rec.url
-            rec.kv_events_port = relay.port
-            rec.kv_replay_port = relay.replay_port
-        rec.argv = spec.argv
-        rec.launched_at = time.time()
-        shard.transition(S.LAUNCHING)
-        try:
-            with open(rec.log_path, "wb") as out:
-                proc = subprocess.Popen(
-                    spec.argv,
-                    env=adapters.engine_environment(os.environ, spec),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    # Its own session: signals to the agent's process group (a Ctrl-C, a
-                    # service manager stopping the agent) do not reach the engine.
-                    start_new_session=True,
-                    cwd=self.state_dir.root,
-                )
-        except OSError as exc:
-            shard.transition(S.FAILED, reason=f"cannot start {spec.argv[0]}: {exc.strerror or exc}")
-            return "spawn_error"
-        shard.proc = proc
-        rec.pid = proc.pid
-        rec.proc_start = procs.process_start(proc.pid)
-        rec.kernel_boot_id = procs.kernel_boot_id()
-        shard.transition(S.LOADING)
-        self._supervise(shard)
-        return None
-
-    def _engine_command(self, engine: str) -> list[str]:
-        return {
-            "vllm": self.cfg.vllm_command,
-            "sglang": self.cfg.sglang_command,
-            "sim": self.cfg.sim_command,
-        }[engine]

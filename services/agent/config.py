@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from pathlib import Path
 
 import msgspec
 
 from llmgw import bus, config, subjects, tlsconfig
+from llmgw.engines import ENGINES
 
 ADMIN_PORT = 9410
 
@@ -41,15 +41,19 @@ class AgentConfig(config.ConfigStruct, kw_only=True):
     # routers have seen the state before the engine goes away.
     drain_settle_seconds: float = 1.0
     output_tail_lines: int = 40
-    vllm_command: list[str] = msgspec.field(default_factory=lambda: ["vllm"])
-    sglang_command: list[str] = msgspec.field(
-        default_factory=lambda: ["python3", "-m", "sglang.launch_server"]
-    )
-    sim_command: list[str] = msgspec.field(
-        default_factory=lambda: [sys.executable, "-m", "llmgw.cli", "sim-engine"]
-    )
+    vllm_command: list[str] = msgspec.field(default_factory=lambda: _default_command("vllm"))
+    sglang_command: list[str] = msgspec.field(default_factory=lambda: _default_command("sglang"))
+    sim_command: list[str] = msgspec.field(default_factory=lambda: _default_command("sim"))
     log_level: str = "info"
     bus: bus.BusConfig = msgspec.field(default_factory=bus.BusConfig)
+
+    def engine_commands(self) -> dict[str, list[str]]:
+        """Each engine's executable prefix, by engine name (one setting per engine)."""
+        return {"vllm": self.vllm_command, "sglang": self.sglang_command, "sim": self.sim_command}
+
+
+def _default_command(engine: str) -> list[str]:
+    return list(ENGINES[engine].default_command)
 
 
 def resolve_node_id(cfg: AgentConfig) -> str:

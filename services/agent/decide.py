@@ -23,13 +23,15 @@ class Action(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ShardView:
+class KnownShard:
+    """What the agent already knows of a command's shard: all a decision reads."""
+
     state: c.ShardState
     keys: frozenset[str]  # every command key already handled for this shard
     stopping: bool = False  # a stop is under way (SIGTERM sent or about to be)
 
 
-def decide(cmd: c.StartShard | c.StopShard | c.DrainShard, shard: ShardView | None) -> Action:
+def decide(cmd: c.StartShard | c.StopShard | c.DrainShard, shard: KnownShard | None) -> Action:
     terminal = shard is not None and shard.state in c.TERMINAL_SHARD_STATES
     if shard is not None and cmd.key in shard.keys:
         return Action.ANSWER
@@ -51,6 +53,6 @@ def decide(cmd: c.StartShard | c.StopShard | c.DrainShard, shard: ShardView | No
     raise TypeError(f"not a command: {type(cmd).__name__}")
 
 
-def answer_state(shard: ShardView | None) -> c.ShardState:
+def answer_state(shard: KnownShard | None) -> c.ShardState:
     """The state reported for an ANSWER: an unknown shard is, as far as this node knows, stopped."""
     return S.STOPPED if shard is None else shard.state

@@ -13,10 +13,9 @@ import shutil
 import subprocess
 import sys
 
-from .config import AgentConfig
+from llmgw.engines import ENGINES
 
-# The module whose presence means the engine is installed (checked without importing it).
-_MODULES = {"vllm": None, "sglang": "sglang", "sim": "llmgw.simengine.cli"}
+from .config import AgentConfig
 
 _FIND_SPEC = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
 
@@ -54,8 +53,7 @@ def missing(command: list[str], module: str | None) -> str | None:
 
 def detect(cfg: AgentConfig) -> dict[str, str | None]:
     """Engine name -> None when installed, else the reason it is not."""
-    commands = {"vllm": cfg.vllm_command, "sglang": cfg.sglang_command, "sim": cfg.sim_command}
-    return {name: missing(cmd, _module(name, cmd)) for name, cmd in commands.items()}
+    return {name: missing(cmd, _module(name, cmd)) for name, cmd in cfg.engine_commands().items()}
 
 
 def _module(engine: str, command: list[str]) -> str | None:
@@ -63,4 +61,4 @@ def _module(engine: str, command: list[str]) -> str | None:
     # the Python resolving proves nothing, the package must be importable by it.
     if engine == "vllm" and "-m" in command:
         return "vllm"
-    return _MODULES[engine]
+    return ENGINES[engine].installed_module

@@ -16,12 +16,15 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 
 from llmgw import contracts as c
 
 log = logging.getLogger(__name__)
+
+Contract = TypeVar("Contract", bound=msgspec.Struct)
 
 KEEP_FINISHED = 200  # records of stopped / failed shards kept for idempotent answers
 
@@ -68,17 +71,19 @@ class ShardRecord(msgspec.Struct, kw_only=True):
         return self.state in c.TERMINAL_SHARD_STATES
 
     def info(self) -> c.ShardInfo:
-        return c.ShardInfo(
-            shard_id=self.shard_id,
-            model=self.model,
-            replica_id=self.replica_id,
-            shard_index=self.shard_index,
-            state=self.state,
-            url=self.url,
-            port=self.port,
-            gpus=list(self.gpus),
-            pid=self.pid,
-        )
+        """The shard as registration reports it."""
+        return self.as_contract(c.ShardInfo)
+
+    def as_contract(self, cls: type[Contract], **given: Any) -> Contract:
+        """`cls` (a contract struct about one shard) holding this record's fields of the
+        same names, plus `given`. The record names its fields as the contracts do, so a
+        shard field is mapped here once instead of copied by hand into each message;
+        lists are copied, so the message never shares them with the record."""
+        mine = {name: getattr(self, name) for name in cls.__struct_fields__ if name in _FIELDS}
+        return msgspec.convert({**mine, **given}, cls)
+
+
+_FIELDS = frozenset(ShardRecord.__struct_fields__)
 
 
 def file_name(shard_id: str) -> str:

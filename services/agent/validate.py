@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 
-from .adapters import ADAPTERS, model_ref
+from .launch import ADAPTERS, model_ref
 
 GiB = 1 << 30
 

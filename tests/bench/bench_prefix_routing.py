@@ -57,8 +57,8 @@ import httpx
 
 from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import start_router
 from llmgw.dev.simkit import start_sim

@@ -17,8 +17,8 @@ import msgspec
 
 from llmgw import bus, projection, subjects
 from llmgw import contracts as c
-from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev.routerkit import running_router
 from llmgw.dev.simkit import start_sim
 from llmgw.router import config as rc

@@ -15,8 +15,8 @@ import contextlib
 import httpx
 
 from llmgw import bus, kvblocks, kvwire
-from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
+from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev.routerkit import running_router
 from llmgw.dev.simkit import start_sim
 from llmgw.kvblocks import byte_tokens

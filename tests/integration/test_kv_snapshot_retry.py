@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from llmgw import bus, subjects
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
 from llmgw.router.kvcache.feed import KvEventFeed
 from llmgw.router.kvcache.index import BlockIndex
 
@@ -78,3 +81,29 @@ async def test_stopping_the_feed_cancels_its_retries(nats, nats_url):
     task = feed._tasks["e1"]  # still trying, on its timer
     await feed.stop()
     assert task.done() and not feed._tasks and not index.has_events("e1")
+
+
+@pytest.mark.parametrize("engine", sorted(n for n, t in ENGINES.items() if t.kv_events))
+async def test_an_idle_endpoint_of_every_relayed_engine_is_indexed_when_it_appears(
+    nats, nats_url, engine
+):
+    # SGLang's events were relayed long before the feed asked its agent for a snapshot:
+    # an idle SGLang engine stayed unindexed until its first event.
+    agent = await bus.connect(nats_url, name="agent-n1")
+
+    async def on_request(msg) -> None:
+        snap = c.KvSnapshot(node="n1", shard_id="e1", epoch="ep", seq=0, block_size=16,
+                            hashes=[7, 8])  # fmt: skip
+        await msg.respond(c.encode(snap))
+
+    await agent.subscribe(subjects.kv_snapshot("n1", "e1"), cb=on_request)
+    await agent.flush()
+    index = BlockIndex()
+    feed = KvEventFeed(view_with("n1", engine=engine), index, nats, request_timeout=2.0)
+    try:
+        await feed.start()  # no event will come: the snapshot alone must index it
+        await wait_for(lambda: index.has_events("e1"), f"the idle {engine} endpoint indexed")
+        assert blocks_of(index, "e1") == {7, 8}
+    finally:
+        await feed.stop()
+        await bus.close_quietly(agent)

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import contracts as c
 from llmgw import enginemetrics
-from llmgw.agent import adapters
+from llmgw.agent import launch as agent_launch
 from llmgw.dev import catalog as devcatalog
 from llmgw.dev.servers import free_port
 
@@ -100,9 +100,9 @@ def start_vllm(
         profile=c.ServingProfile(**profile),
         gpus=["GPU-0"],
     )
-    ctx = adapters.LaunchContext(port, [0], "127.0.0.1", devcatalog.vllm_command(python))
-    spec = adapters.vllm(cmd, ctx)
-    env = {**adapters.engine_environment(os.environ, spec), **devcatalog.VLLM_CPU_ENV}
+    ctx = agent_launch.LaunchContext(port, [0], "127.0.0.1", devcatalog.vllm_command(python))
+    spec = agent_launch.vllm(cmd, ctx)
+    env = {**agent_launch.engine_environment(os.environ, spec), **devcatalog.VLLM_CPU_ENV}
     engine = launch(spec.argv, env, directory / "vllm.log", f"http://127.0.0.1:{port}")
     engine.wait_healthy(timeout)
     return engine

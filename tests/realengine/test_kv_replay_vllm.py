@@ -15,8 +15,8 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw import kvblocks, subjects
-from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import EngineRelay, KvRelays
+from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.router.kvcache.tokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
 from tests.realengine.test_sim_parity import MODEL, _started, launch_vllm

@@ -86,7 +86,7 @@ def test_admin_listen_defaults_to_loopback_and_can_be_turned_off(monkeypatch):
 
 
 def test_engine_ports_go_round_the_range_so_a_freed_port_is_not_reused_at_once():
-    from llmgw.agent.agent import next_port
+    from llmgw.agent.launcher import next_port
 
     ports = parse_port_range("8100-8103")
     free = {8100, 8101, 8102, 8103}
@@ -103,7 +103,7 @@ def test_engine_ports_go_round_the_range_so_a_freed_port_is_not_reused_at_once()
 def test_an_engine_port_is_never_one_a_live_shards_record_holds():
     """Engines bind their ports only once the model is loaded: a replay or relay port
     recorded for another shard is free to the kernel, but not to give out."""
-    from llmgw.agent.agent import held_ports, next_port
+    from llmgw.agent.launcher import held_ports, next_port
     from llmgw.agent.state import ShardRecord
 
     loading = ShardRecord(shard_id="a", model="m", replica_id="r", shard_index=0, engine="sim")

@@ -3,7 +3,7 @@
 import pytest
 
 from llmgw import contracts as c
-from llmgw.agent.decide import Action, ShardView, answer_state, decide
+from llmgw.agent.decide import Action, KnownShard, answer_state, decide
 
 S = c.ShardState
 PROFILE = c.ServingProfile()
@@ -24,7 +24,7 @@ def drain(key="k-drain"):
 
 
 def view(state, keys=(), stopping=False):
-    return ShardView(state=state, keys=frozenset(keys), stopping=stopping)
+    return KnownShard(state=state, keys=frozenset(keys), stopping=stopping)
 
 
 @pytest.mark.parametrize(

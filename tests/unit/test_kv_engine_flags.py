@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from llmgw import contracts as c
-from llmgw.agent import adapters
-from llmgw.agent.adapters import LaunchContext
+from llmgw.agent import launch
+from llmgw.agent.launch import LaunchContext
 
 RELAY = "tcp://127.0.0.1:9"
 REPLAY = "tcp://127.0.0.1:10"
@@ -23,7 +23,7 @@ def argv(engine: str, engine_args: list[str]) -> list[str]:
         port=8000, gpu_indices=[0], bind_host="h", command=[engine],
         kv_events_endpoint=RELAY, kv_replay_endpoint=REPLAY,
     )  # fmt: skip
-    return adapters.ADAPTERS[engine].build(cmd, ctx).argv
+    return launch.ADAPTERS[engine].build(cmd, ctx).argv
 
 
 def has_events(engine: str, engine_args: list[str]) -> bool:
@@ -44,7 +44,7 @@ def has_events(engine: str, engine_args: list[str]) -> bool:
 )
 def test_sglang_gets_kv_events_only_with_pages_of_16_tokens_or_more(engine_args, on):
     assert has_events("sglang", engine_args) is on
-    assert (adapters.kv_events_off_reason(_profile("sglang", engine_args)) == "") is on
+    assert (launch.kv_events_off_reason(_profile("sglang", engine_args)) == "") is on
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_vllm_with_data_parallel_ranks_gets_no_kv_events(engine_args):
     a = argv("vllm", engine_args)
     assert "--kv-events-config" not in a
     assert not any(REPLAY in x for x in a)  # nor a replay endpoint (offset by rank too)
-    assert "data parallel" in adapters.kv_events_off_reason(_profile("vllm", engine_args))
+    assert "data parallel" in launch.kv_events_off_reason(_profile("vllm", engine_args))
 
 
 @pytest.mark.parametrize("engine_args", [[], ["-dp", "1"], ["--data-parallel-size=1"]])
@@ -80,7 +80,7 @@ def test_vllm_without_data_parallelism_keeps_its_kv_events(engine_args):
 )
 def test_sglang_with_data_parallel_ranks_gets_no_kv_events(engine_args):
     assert not has_events("sglang", engine_args)
-    assert "data parallel" in adapters.kv_events_off_reason(_profile("sglang", engine_args))
+    assert "data parallel" in launch.kv_events_off_reason(_profile("sglang", engine_args))
 
 
 def test_the_simulator_is_unaffected():

@@ -9,8 +9,8 @@ import zmq
 
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
-from llmgw.agent.adapters import LaunchContext, kv_events_args
 from llmgw.agent.kvrelay import BlockSet
+from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.config import ConfigError
 from llmgw.simengine import kvevents, tokens
 from llmgw.simengine.engine import Engine, EngineParams, Request

@@ -12,9 +12,10 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
-from llmgw.agent import adapters
-from llmgw.agent.adapters import LaunchContext
+from llmgw.agent import launch
 from llmgw.agent.kvrelay import BlockSet
+from llmgw.agent.launch import LaunchContext
+from llmgw.engines import ENGINES
 from llmgw.kvblocks import prompt_hashes, salt_extra
 from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.request import body as rq
@@ -324,14 +325,14 @@ def test_the_sglang_adapter_points_its_publisher_at_the_relay():
                                  engine_args=["--page-size", "16"]),
     )  # fmt: skip
     base = dict(port=8000, gpu_indices=[0], bind_host="h", command=["sglang"])
-    argv = adapters.sglang(cmd, LaunchContext(**base, kv_events_endpoint="tcp://127.0.0.1:9")).argv
+    argv = launch.sglang(cmd, LaunchContext(**base, kv_events_endpoint="tcp://127.0.0.1:9")).argv
     config = json.loads(argv[argv.index("--kv-events-config") + 1])
     # SGLang's KVEventsConfig: publisher defaults to "null"; a non-wildcard TCP endpoint
     # makes its PUB connect to the relay, which binds.
     assert config == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "topic": "kv"}
     assert argv[-2:] == ["--page-size", "16"]  # the operator's own flags come last
-    assert "--kv-events-config" not in adapters.sglang(cmd, LaunchContext(**base)).argv
-    assert "sglang" in adapters.KV_EVENT_ENGINES
+    assert "--kv-events-config" not in launch.sglang(cmd, LaunchContext(**base)).argv
+    assert ENGINES["sglang"].kv_events
 
 
 def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenizer(tmp_path):

@@ -21,8 +21,8 @@ import zmq.asyncio
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
 from llmgw.agent import kvrelay
-from llmgw.agent.adapters import LaunchContext, kv_events_args, sglang_kv_events_args
 from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
+from llmgw.agent.launch import LaunchContext, kv_events_args, sglang_kv_events_args
 from llmgw.config import ConfigError
 from llmgw.dev.servers import free_port
 from llmgw.kvblocks import byte_tokens

@@ -24,11 +24,11 @@ class SnapshotAsker:
         raise TimeoutError("no relay in this test")
 
 
-def view_with(endpoint_node: str) -> EndpointView:
+def view_with(endpoint_node: str, engine: str = "sim") -> EndpointView:
     view = EndpointView()
     rec = c.ModelEndpoints(
         model="m",
-        endpoints=[c.Endpoint(id="e1", url="http://e1", node=endpoint_node, engine="sim")],
+        endpoints=[c.Endpoint(id="e1", url="http://e1", node=endpoint_node, engine=engine)],
     )
     key = projection.model_key("m")
     EndpointFeed(view).snapshot({key: Entry(key=key, value=c.encode(rec), written_at=0.0)})

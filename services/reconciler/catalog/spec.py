@@ -27,8 +27,8 @@ import msgspec
 
 from llmgw import config, subjects
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
 
-ENGINES = ("vllm", "sglang", "sim")
 _KEY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 _ENVELOPE = ("type", "v", "id", "ts")
 

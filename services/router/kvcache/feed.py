@@ -26,12 +26,14 @@ from collections.abc import Callable
 
 from llmgw import contracts as c
 from llmgw import projection, subjects
+from llmgw.engines import ENGINES
 from llmgw.router.endpoints.view import EndpointRuntime, EndpointView
 from llmgw.router.kvcache.index import BlockIndex
 
 log = logging.getLogger(__name__)
 
-_RELAYED_ENGINES = ("vllm", "sim")
+# The engines whose events agents relay: their endpoints' snapshots are asked for.
+_RELAYED_ENGINES = frozenset(name for name, t in ENGINES.items() if t.kv_events)
 
 
 class KvEventFeed:

@@ -31,6 +31,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw.chatprompt import content_text, message_text, pack_token_ids, render_chat
+from llmgw.engines import ENGINES
 from llmgw.kvblocks import sim_token_bytes
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,8 @@ TOKENIZERS = TokenizerLoader()
 
 def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | None:
     """The prompt's token ids as an endpoint of this engine kind would see them, or None."""
-    if engine == "sim":
+    traits = ENGINES.get(engine)
+    if traits is not None and traits.sim_tokens:
         return sim_tokens(raw)
     if tokenizer:
         tok = TOKENIZERS.get(tokenizer)

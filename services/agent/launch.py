@@ -1,4 +1,4 @@
-"""Engine adapters: a StartShard command plus local facts -> a command line and environment.
+"""Engine launch adapters: a StartShard command plus local facts -> a command line and environment.
 
 Pure functions, pinned by unit tests. Each adapter writes the flags it owns from the
 profile, then appends `profile.engine_args` verbatim: vLLM, SGLang and the simulator
@@ -256,9 +256,6 @@ class Adapter:
     build: Callable[[c.StartShard, LaunchContext], LaunchSpec]
     serves_http: Callable[[c.StartShard], bool]
 
-
-# Engines that publish KV cache events the agent can relay.
-KV_EVENT_ENGINES = frozenset({"vllm", "sglang", "sim"})
 
 ADAPTERS: dict[str, Adapter] = {
     "vllm": Adapter(vllm, vllm_serves_http),

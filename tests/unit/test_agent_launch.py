@@ -1,10 +1,10 @@
-"""Engine adapters: the exact command lines and environments, pinned."""
+"""Engine launch adapters: the exact command lines and environments, pinned."""
 
 import pytest
 
 from llmgw import contracts as c
-from llmgw.agent import adapters
-from llmgw.agent.adapters import LaunchContext
+from llmgw.agent import launch
+from llmgw.agent.launch import LaunchContext
 
 
 def start(engine="vllm", **kw) -> c.StartShard:
@@ -38,7 +38,7 @@ def test_vllm_single_node_command_line_and_environment():
             engine_args=["--enable-chunked-prefill", "--max-num-seqs", "64"],
         )
     )
-    spec = adapters.vllm(cmd, CTX)
+    spec = launch.vllm(cmd, CTX)
     assert spec.argv == [
         "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
         "--host", "10.0.0.5", "--port", "8101",
@@ -56,7 +56,7 @@ def test_vllm_single_node_command_line_and_environment():
 
 
 def test_vllm_served_model_name_overrides_the_catalog_name():
-    spec = adapters.vllm(start(served_model_name="llama"), CTX)
+    spec = launch.vllm(start(served_model_name="llama"), CTX)
     i = spec.argv.index("--served-model-name")
     assert spec.argv[i + 1] == "llama"
 
@@ -73,7 +73,7 @@ def test_vllm_run_as_a_python_module_takes_the_model_as_a_flag():
             engine_args=["--enforce-eager", "--dtype", "float32"],
         )
     )
-    assert adapters.vllm(cmd, ctx).argv == [
+    assert launch.vllm(cmd, ctx).argv == [
         *py, "--model", "/models/tiny",
         "--host", "127.0.0.1", "--port", "8101",
         "--served-model-name", "llama-8b",
@@ -82,14 +82,12 @@ def test_vllm_run_as_a_python_module_takes_the_model_as_a_flag():
     ]  # fmt: skip
     # Any other command is the console script (or a wrapper of it): `serve MODEL`.
     for command in (["vllm"], ["/opt/vllm/bin/vllm"], ["python", "-m", "vllm.other"]):
-        argv = adapters.vllm(cmd, LaunchContext(8101, [0], "127.0.0.1", command)).argv
+        argv = launch.vllm(cmd, LaunchContext(8101, [0], "127.0.0.1", command)).argv
         assert argv[len(command) : len(command) + 2] == ["serve", "/models/tiny"]
 
 
 def test_vllm_multi_node_head_and_headless_ranks():
-    head = adapters.vllm(
-        start(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29600), CTX
-    )
+    head = launch.vllm(start(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=29600), CTX)
     assert head.argv[-10:] == [
         "--pipeline-parallel-size", "2",
         "--nnodes", "2", "--node-rank", "0",
@@ -98,12 +96,12 @@ def test_vllm_multi_node_head_and_headless_ranks():
     assert "--headless" not in head.argv and "--port" in head.argv
     assert head.advertised and head.port == 8101
 
-    worker = adapters.vllm(start(nnodes=2, node_rank=1, master_addr="10.0.0.1"), CTX)
+    worker = launch.vllm(start(nnodes=2, node_rank=1, master_addr="10.0.0.1"), CTX)
     assert worker.argv[-1] == "--headless"
     assert "--port" not in worker.argv and "--host" not in worker.argv
     assert worker.argv[worker.argv.index("--master-port") + 1] == "29501"  # vLLM's default
     assert worker.port == 0 and not worker.advertised
-    assert not adapters.vllm_serves_http(start(nnodes=2, node_rank=1, master_addr="h"))
+    assert not launch.vllm_serves_http(start(nnodes=2, node_rank=1, master_addr="h"))
 
 
 def test_sglang_command_line():
@@ -124,7 +122,7 @@ def test_sglang_command_line():
         bind_host="0.0.0.0",
         command=["python3", "-m", "sglang.launch_server"],
     )
-    spec = adapters.sglang(cmd, ctx)
+    spec = launch.sglang(cmd, ctx)
     assert spec.argv == [
         "python3", "-m", "sglang.launch_server",
         "--model-path", "Qwen/Qwen2.5-7B-Instruct",
@@ -141,7 +139,7 @@ def test_sglang_command_line():
 
 def test_sglang_multi_node_uses_dist_init_addr():
     cmd = start(engine="sglang", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=5000)
-    spec = adapters.sglang(cmd, CTX)
+    spec = launch.sglang(cmd, CTX)
     i = spec.argv.index("--nnodes")
     assert spec.argv[i : i + 6] == [
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
@@ -158,7 +156,7 @@ def test_sim_command_line():
     ctx = LaunchContext(
         port=8103, gpu_indices=[5], bind_host="127.0.0.1", command=["llmgw", "sim-engine"]
     )
-    spec = adapters.sim(cmd, ctx)
+    spec = launch.sim(cmd, ctx)
     assert spec.argv == [
         "llmgw", "sim-engine",
         "--model", "llama-8b",  # no model_ref: the catalog name
@@ -171,20 +169,20 @@ def test_sim_command_line():
 
 
 def test_sim_non_head_rank_is_not_advertised():
-    spec = adapters.sim(start(engine="sim", nnodes=2, node_rank=1, master_addr="h"), CTX)
+    spec = launch.sim(start(engine="sim", nnodes=2, node_rank=1, master_addr="h"), CTX)
     assert spec.port == 8101 and not spec.advertised
 
 
-@pytest.mark.parametrize("engine", sorted(adapters.ADAPTERS))
+@pytest.mark.parametrize("engine", sorted(launch.ADAPTERS))
 def test_every_engine_has_an_adapter_that_builds(engine):
-    adapter = adapters.ADAPTERS[engine]
+    adapter = launch.ADAPTERS[engine]
     spec = adapter.build(start(engine=engine), CTX)
     assert spec.argv[: len(CTX.command)] == CTX.command
 
 
 def test_engine_environment_drops_the_agents_own_settings():
-    spec = adapters.LaunchSpec(argv=["x"], env={"CUDA_VISIBLE_DEVICES": "0"})
-    env = adapters.engine_environment(
+    spec = launch.LaunchSpec(argv=["x"], env={"CUDA_VISIBLE_DEVICES": "0"})
+    env = launch.engine_environment(
         {"PATH": "/bin", "LLMGW_NODE_ID": "n1", "CUDA_VISIBLE_DEVICES": "7"}, spec
     )
     assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}

@@ -1,0 +1,94 @@
+"""What each engine kind (vLLM, SGLang, the simulator) is, in one table. Pure.
+
+The agent launches engines, the router scores and scrapes them, the catalog accepts
+them; each needs a few facts about an engine kind. Stated in each place, they
+drifted: SGLang got KV events but the router's feed, which lists the engines whose
+events the agents relay, was never told, so an idle SGLang engine stayed unindexed
+until its first event. Every reader now derives what it needs from `ENGINES`, and a
+new engine kind is one entry here (plus its launch adapter, agent/launch.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class MetricFamily:
+    """The load gauges an engine's Prometheus /metrics page names (enginemetrics reads them)."""
+
+    name: str  # EngineLoad.source of a page read by this family's names
+    running: str  # requests in the running batch
+    waiting: str  # requests queued in the engine
+    kv_usage: tuple[str, ...]  # 0..1 of the KV cache in use, the first name present wins
+
+
+VLLM_METRICS = MetricFamily(
+    name="vllm",
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    # vllm:gpu_cache_usage_perc is the name before vLLM 0.11 (removed in 0.12).
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+)
+SGLANG_METRICS = MetricFamily(
+    name="sglang",
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    kv_usage=("sglang:token_usage",),
+)
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    name: str
+    # Publishes KV cache events that the agent relays: routers index its blocks from them
+    # and ask the agent for a snapshot when its endpoint appears.
+    kv_events: bool
+    # Its events carry a block's extra keys (vLLM's cache salt); without them its blocks are
+    # never stored under a salt, so a salted request cannot be scored by its events.
+    events_carry_extra_keys: bool
+    metrics: MetricFamily  # the gauges its /metrics page names
+    default_command: tuple[str, ...]  # the agent's executable prefix for it, unless configured
+    # The module whose presence means the engine is installed (checked without importing
+    # it); None: the executable resolving is enough.
+    installed_module: str | None
+    # The router computes its token ids itself (the simulator's byte tokens of the prompt
+    # it renders), not through the catalog's tokenizer.
+    sim_tokens: bool
+
+
+ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
+    {
+        "vllm": EngineTraits(
+            name="vllm",
+            kv_events=True,
+            events_carry_extra_keys=True,
+            metrics=VLLM_METRICS,
+            default_command=("vllm",),
+            installed_module=None,
+            sim_tokens=False,
+        ),
+        # Its KV events and metrics read from SGLang's source (docs/agent.md).
+        "sglang": EngineTraits(
+            name="sglang",
+            kv_events=True,
+            events_carry_extra_keys=False,
+            metrics=SGLANG_METRICS,
+            default_command=("python3", "-m", "sglang.launch_server"),
+            installed_module="sglang",
+            sim_tokens=False,
+        ),
+        # The simulator speaks vLLM's /metrics names and KV event wire.
+        "sim": EngineTraits(
+            name="sim",
+            kv_events=True,
+            events_carry_extra_keys=True,
+            metrics=VLLM_METRICS,
+            default_command=(sys.executable, "-m", "llmgw.cli", "sim-engine"),
+            installed_module="llmgw.simengine.cli",
+            sim_tokens=True,
+        ),
+    }
+)
