@@ -104,7 +104,7 @@ class Presence:
         self.nc = nc
         self.router_id = router_id
         self.key = subjects.router_key(router_id)
-        self.subject = f"$KV.{subjects.ROUTERS_BUCKET}.{self.key}"
+        self.subject = subjects.router_presence(router_id)
         self.on_count = on_count
         self.demand = demand
         self.demand_subject = subjects.demand(router_id)
