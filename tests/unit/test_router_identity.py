@@ -1,4 +1,5 @@
-"""A router's id follows from its NATS certificate.
+"""A router's id follows from its NATS certificate, and routers are counted by the key
+NATS binds to that certificate.
 
 NATS lets the identity `router-1` put only its own presence key and publish only its own
 demand subject (tests/integration/test_nats_mtls.py shows a real server refusing the
@@ -12,7 +13,10 @@ import pytest
 
 from llmgw import certs, cli, tlsconfig
 from llmgw import config as cfg
+from llmgw import contracts as c
 from llmgw.router import config as rc
+from llmgw.router.controlplane.presence import Presence
+from llmgw.router.controlplane.watch import Entry
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +63,24 @@ def test_a_certificate_that_is_not_a_routers_is_refused(cert_dir):
     assert any("certificate of 'agent-node-a', not of a router" in p for p in problems)
     with pytest.raises(cfg.ConfigError, match="not of a router"):
         rc.resolve_router_id(_config(cert_dir, "agent-node-a"))
+
+
+def test_routers_are_counted_by_their_key_not_by_the_id_their_record_claims():
+    """NATS binds a router to its own presence key, not to what it writes there: router-3
+    writing `router_id: router-2` under its own key is still a third router, and
+    router-2 leaving does not take router-3 with it."""
+    counts: list[int] = []
+    presence = Presence(None, "router-1", counts.append, clock=lambda: 100.0, wall=lambda: 50.0)
+    watcher = presence.watcher  # what the bucket watch calls
+
+    def record(key: str, claims: str) -> Entry:
+        return Entry(key, c.encode(c.RouterPresence(router_id=claims)), 50.0)
+
+    watcher.on_snapshot({k: record(k, k) for k in ("router-1", "router-2")})
+    assert counts[-1] == 2
+    watcher.on_put(record("router-3", claims="router-2"))
+    assert counts[-1] == 3
+    watcher.on_delete("router-2")
+    assert counts[-1] == 2
+    watcher.on_put(Entry("router-4", b"not a presence record", 50.0))  # still a router
+    assert counts[-1] == 3
