@@ -317,7 +317,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--nodes", type=_csv, default=[], help="node ids, comma-separated: one agent-<node> each"
     )
     p.add_argument(
-        "--routers", type=int, default=1, help="router identities router-1..router-N (default 1)"
+        "--routers",
+        type=int,
+        default=1,
+        help="router identities router-1..router-N, one per router instance (default 1)",
     )
     p.add_argument(
         "--hosts",
