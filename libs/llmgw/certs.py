@@ -6,7 +6,7 @@ subject, `CN=<name>,O=llmgw`, which the nats-server config written by
 `llmgw nats-config` maps to that identity's permissions. The names are:
 
     agent-<node>   one per node: may publish only as that node
-    router-<i>     one per router instance (routers share one permission set)
+    router-<i>     one per router instance: may speak only as router id `router-<i>`
     reconciler     shared by the leader and its standbys
     operator       the CLI (`llmgw apply`, `llmgw events` ...)
 
@@ -56,6 +56,12 @@ class Identity:
     name: str
     role: str  # agent | router | reconciler | operator
     node: str | None = None  # agents only
+
+    @property
+    def router_id(self) -> str | None:
+        """The router id a router identity speaks for: its own name, as `llmgw dev`
+        names its routers; the bus lets it publish presence and demand only as that."""
+        return self.name if self.role == "router" else None
 
     @property
     def subject(self) -> str:
@@ -311,7 +317,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--nodes", type=_csv, default=[], help="node ids, comma-separated: one agent-<node> each"
     )
     p.add_argument(
-        "--routers", type=int, default=1, help="router identities router-1..router-N (default 1)"
+        "--routers",
+        type=int,
+        default=1,
+        help="router identities router-1..router-N, one per router instance (default 1)",
     )
     p.add_argument(
         "--hosts",

@@ -8,8 +8,10 @@ subject layout instead of being typed twice:
 - an agent publishes only its own node's events, heartbeat and load samples,
   and reaches exactly one consumer on LLMGW_COMMANDS: its own durable
   `agent-<node>`, filtered on its own command subject;
-- a router reads the projection buckets, subscribes to load samples,
-  writes its presence and publishes its demand summary;
+- a router reads the projection buckets and subscribes to load samples; it
+  writes only its own presence key and publishes only its own demand subject,
+  both named by its router id (`Identity.router_id`), so it cannot change the
+  live-router count or the autoscaler's input for another router;
 - the reconciler gets the event log, commands and all buckets;
 - the operator CLI publishes catalog events and reads the log and buckets.
 
@@ -112,14 +114,17 @@ def permissions(ident: Identity) -> dict[str, Any]:
             "allow_responses": True,
         }
     if ident.role == "router":
+        router_id = ident.router_id or ""
         publish = [
             *_COMMON_PUBLISH,
             *_kv_reader(s.ENDPOINTS_BUCKET),
             *_kv_reader(s.TENANTS_BUCKET),
             *_kv_reader(s.ROUTERS_BUCKET),
-            f"$KV.{s.ROUTERS_BUCKET}.>",  # its presence record (put, and delete on drain)
+            # Its own presence key only: a KV put, delete (on drain) and purge are all
+            # publishes on `$KV.<bucket>.<key>`, told apart by a header.
+            s.router_presence(router_id),
             f"{s.ROOT}.kvsnap.>",  # KV block snapshot requests to agents
-            s.DEMAND_ALL,  # its demand summary, the autoscaler's input (core NATS)
+            s.demand(router_id),  # its own demand summary, the autoscaler's input (core NATS)
         ]
         subscribe = [
             inbox,

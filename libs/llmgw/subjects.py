@@ -198,6 +198,11 @@ def router_key(router_id: str) -> str:
     return safe_token(router_id)
 
 
+def router_presence(router_id: str) -> str:
+    """The subject a router's presence key is put, deleted and purged on."""
+    return f"$KV.{ROUTERS_BUCKET}.{router_key(router_id)}"
+
+
 # Channel descriptions for the AsyncAPI document: (name, address, stream or None, messages).
 CHANNELS: list[tuple[str, str, str | None, tuple[type[c.Message], ...]]] = [
     (name, route.address, route.stream, c.CHANNELS[name]) for name, route in ROUTES.items()

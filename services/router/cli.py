@@ -26,7 +26,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url", help="control-plane mode: endpoints and tenants from this NATS"
     )
-    parser.add_argument("--router-id", help="name in the presence bucket (default host-pid)")
+    parser.add_argument(
+        "--router-id",
+        help="name in the presence bucket (default: the router nats_tls.cert names, else host-pid)",
+    )
     parser.add_argument("--log-level", help="debug, info, warning, error")
     parser.add_argument("--check", action="store_true", help="validate the config file and exit")
 

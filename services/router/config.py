@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from llmgw import certs, tlsconfig
 from llmgw import config as cfg
-from llmgw import tlsconfig
 from llmgw.contracts import (
     DeadlineSpec,
     Endpoint,
@@ -114,7 +114,8 @@ class RouterConfig(cfg.ConfigStruct):
     # reconciler's KV buckets and must not be in this file (docs/router.md).
     nats_url: str = ""
     nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
-    # This router's name in the presence bucket; empty: <hostname>-<pid> (resolve_router_id).
+    # This router's name in the presence bucket; empty: the one its NATS client certificate
+    # names, else <hostname>-<pid> (resolve_router_id).
     router_id: str = ""
     listen: str = "127.0.0.1:8080"
     admin_listen: str = "127.0.0.1:9090"
@@ -253,14 +254,49 @@ def _control_plane_problems(config: RouterConfig) -> list[str]:
     if config.nats_tls.enabled:
         try:
             tlsconfig.nats_options(config.nats_tls)
+            _certificate_router_id(config)
         except cfg.ConfigError as exc:
             problems.append(str(exc))
     return problems
 
 
+def _certificate_router_id(config: RouterConfig) -> str | None:
+    """The router id this router's NATS client certificate names (None without one).
+
+    NATS lets a router identity put only its own presence key and publish only its own
+    demand subject (llmgw.natsconfig), so a router under another id would be refused on
+    every announcement: a configured router_id that differs is an error at start.
+    """
+    name = tlsconfig.identity(config.nats_tls)
+    if name is None:
+        return None
+    try:
+        named = certs.identity_from_name(name).router_id
+    except certs.CertError:
+        named = None
+    if named is None:
+        raise cfg.ConfigError(
+            f"nats_tls.cert = {config.nats_tls.cert!r} is the certificate of {name!r}, "
+            "not of a router (router-<n>)"
+        )
+    if config.router_id and config.router_id != named:
+        raise cfg.ConfigError(
+            f"router_id = {config.router_id!r} but nats_tls.cert = {config.nats_tls.cert!r} "
+            f"names router {named!r}, the only id NATS lets this router announce and publish "
+            f"demand as: set router_id to {named!r} or leave it unset (it then comes from "
+            "the certificate)"
+        )
+    return named
+
+
 def resolve_router_id(config: RouterConfig) -> RouterConfig:
-    """The config with router_id set (<hostname>-<pid> unless given). Call it once in the
-    process that owns the router, before workers start, so they all share the one id."""
+    """The config with router_id set: the one its NATS client certificate names, if it
+    has one (a different configured one raises ConfigError), else the configured one,
+    else <hostname>-<pid>. Call it once in the process that owns the router, before
+    workers start, so they all share the one id."""
+    named = _certificate_router_id(config)
+    if named is not None:
+        return msgspec.structs.replace(config, router_id=named)
     if config.router_id:
         return config
     return msgspec.structs.replace(config, router_id=f"{socket.gethostname()}-{os.getpid()}")

@@ -33,7 +33,7 @@ DENIED_WAIT = 0.5  # a denied request never gets an answer: wait this long for i
 def secure(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtls")
     cert_dir = root / "certs"
-    certs.init(cert_dir, ["node-a", "node-b"], routers=1)
+    certs.init(cert_dir, ["node-a", "node-b"], routers=2)
     port = localservers.free_port()
     conf = root / "nats.conf"
     conf.write_text(
@@ -262,6 +262,94 @@ async def test_router_reads_endpoints_but_cannot_write_them_or_publish_events(
     with pytest.raises(TimeoutError):
         await js.publish(s.subject_for(event), c.encode(event), timeout=DENIED_WAIT)
     await violations('publish to "llmgw.evt.agent.node-a.registered"')
+
+
+def _summary(router_id: str, in_flight: int) -> c.DemandSummary:
+    return c.DemandSummary(router_id=router_id, models={"m": c.ModelDemand(in_flight=in_flight)})
+
+
+async def test_a_router_publishes_demand_only_as_itself(reconciler, clients, violations):
+    """The autoscaler sums demand per router: router-1 must not speak for router-2."""
+    router = await clients("router-1")
+    received: asyncio.Queue = asyncio.Queue()
+
+    async def on_summary(msg):
+        await received.put(msg)
+
+    await reconciler.subscribe(s.DEMAND_ALL, cb=on_summary)  # where the autoscaler listens
+    await reconciler.flush()
+
+    forged = _summary("router-2", in_flight=1000)
+    await router.publish(s.subject_for(forged), c.encode(forged))
+    await router.flush()
+    await violations('publish to "llmgw.demand.router-2"')
+
+    # Its own summary goes through. One connection keeps its order, so had the forged one
+    # been let through it would have arrived first. Core NATS delivers at most once: send
+    # until one arrives.
+    own = _summary("router-1", in_flight=3)
+    deadline = time.monotonic() + 15
+    got = []
+    while not got and time.monotonic() < deadline:
+        await router.publish(s.subject_for(own), c.encode(own))
+        await router.flush()
+        with contextlib.suppress(TimeoutError):
+            got.append(await asyncio.wait_for(received.get(), 1))
+    while not received.empty():
+        got.append(received.get_nowait())
+    assert got, "router-1's own summary never arrived"
+    assert {m.subject for m in got} == {s.demand("router-1")}
+    assert {c.decode(m.data, c.DemandSummary).router_id for m in got} == {"router-1"}
+
+
+async def test_a_router_writes_and_deletes_only_its_own_presence(
+    reconciler, clients, violations, caplog
+):
+    """The live-router count divides every quota: router-1 must not add, change or remove
+    router-2's entry. nats-py puts, deletes and purges a key by publishing on
+    `$KV.<bucket>.<key>` (a delete or purge carries a KV-Operation header)."""
+    theirs, mine = s.router_key("router-2"), s.router_key("router-1")
+    other = await clients("router-2")
+    other_kv = await other.jetstream().key_value(s.ROUTERS_BUCKET)
+    their_rev = await other_kv.put(theirs, b"router-2 alive")
+
+    router = await clients("router-1")
+    kv = await router.jetstream(timeout=DENIED_WAIT).key_value(s.ROUTERS_BUCKET)
+    refused = f'permissions violation for publish to "$kv.{s.ROUTERS_BUCKET}.{theirs}"'
+
+    def refusals() -> int:
+        return sum(refused in r.getMessage().lower() for r in caplog.records)
+
+    for attempt in (
+        lambda: kv.put(theirs, b"forged"),
+        lambda: kv.delete(theirs),
+        lambda: kv.purge(theirs),
+    ):
+        before = refusals()
+        with pytest.raises(TimeoutError):
+            await attempt()
+        deadline = time.monotonic() + 15
+        while refusals() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert refusals() > before, f"no {refused!r} reported"
+
+    # router-2's entry is as router-2 left it.
+    stored = await (await reconciler.jetstream().key_value(s.ROUTERS_BUCKET)).get(theirs)
+    assert (stored.value, stored.revision) == (b"router-2 alive", their_rev)
+
+    # Its own key: put, then deleted as a draining router does (Presence.stop), and purged.
+    own_kv = await router.jetstream().key_value(s.ROUTERS_BUCKET)
+    await own_kv.put(mine, b"router-1 alive")
+    assert (await own_kv.get(mine)).value == b"router-1 alive"
+    await router.jetstream().publish(
+        s.router_presence("router-1"), b"", headers={"KV-Operation": "DEL"}, timeout=5
+    )
+    with pytest.raises(NotFoundError):
+        await own_kv.get(mine)
+    await own_kv.put(mine, b"router-1 back")
+    await own_kv.purge(mine)
+    with pytest.raises(NotFoundError):
+        await own_kv.get(mine)
 
 
 async def _handshake(url: str, ctx: ssl.SSLContext | None) -> None:

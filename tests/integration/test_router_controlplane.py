@@ -318,3 +318,65 @@ async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
     finally:
         server.stop()
     assert "permissions violation" not in caplog.text.lower()
+
+
+async def test_a_router_under_mtls_takes_its_id_from_its_certificate_and_speaks_as_it(
+    tmp_path, caplog
+):
+    """With no router_id configured, the router with router-2's certificate is router-2: it
+    announces, publishes demand and leaves the bucket on stop under that id, which are the
+    only presence key and demand subject NATS lets router-2's identity use."""
+    cert_dir = tmp_path / "certs"
+    certs.init(cert_dir, [], routers=2)
+    port = localservers.free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        natsconfig.render(
+            certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(tmp_path)
+        )
+    )
+    server = localservers.ConfiguredNatsServer(
+        tmp_path / "server", port=port, config_file=conf
+    ).start()
+    caplog.set_level(logging.WARNING, logger="llmgw.bus")
+    try:
+        opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler"))
+        nc = await bus.connect(server.url, "reconciler", wait_for_server=False, **opts)
+        await bus.provision(nc.jetstream())
+        presence = await nc.jetstream().key_value(subjects.ROUTERS_BUCKET)
+        summaries: asyncio.Queue = asyncio.Queue()
+
+        async def on_summary(msg):
+            await summaries.put(msg)
+
+        await nc.subscribe(subjects.DEMAND_ALL, cb=on_summary)
+        cfg = rc.RouterConfig(
+            nats_url=server.url, nats_tls=tlsconfig.from_certs_dir(cert_dir, "router-2")
+        )
+        key = subjects.router_key("router-2")
+        async with running_router(cfg) as r:
+            assert r.service.config.router_id == "router-2"
+
+            async def announced():
+                with contextlib.suppress(Exception):
+                    entry = await presence.get(key)
+                    return c.decode(entry.value, c.RouterPresence).router_id == "router-2"
+                return False
+
+            await wait_for(announced, what="router-2's presence")
+            msg = await asyncio.wait_for(summaries.get(), 15)
+            assert msg.subject == subjects.demand("router-2")
+            assert c.decode(msg.data, c.DemandSummary).router_id == "router-2"
+
+        async def left():
+            try:
+                await presence.get(key)
+            except Exception:
+                return True
+            return False
+
+        await wait_for(left, what="router-2 leaving the presence bucket on stop")
+        await bus.close_quietly(nc)
+    finally:
+        server.stop()
+    assert "permissions violation" not in caplog.text.lower()

@@ -11,6 +11,7 @@ import stat
 
 import msgspec
 import pytest
+import yaml
 from cryptography import x509
 
 from llmgw import certs, cli, config, natsconfig, tlsconfig
@@ -124,6 +125,38 @@ def test_router_reads_projections_and_writes_only_presence():
     ):
         assert not _can(r, "publish", subject), subject
     assert not _can(r, "subscribe", s.commands("node-a"))
+
+
+def test_a_router_identity_speaks_only_for_its_own_router_id():
+    r1 = certs.identity_from_name("router-1")
+    assert r1.router_id == "router-1"
+    assert _can(r1, "publish", s.demand("router-1"))
+    assert _can(r1, "publish", s.router_presence("router-1"))
+    for subject in (
+        s.demand("router-2"),
+        s.router_presence("router-2"),
+        f"$KV.{s.ROUTERS_BUCKET}.router-10",
+        f"$KV.{s.ROUTERS_BUCKET}.router-1.x",
+        # Removing another's entry through the API rather than a marker: not allowed either.
+        f"$JS.API.STREAM.MSG.DELETE.KV_{s.ROUTERS_BUCKET}",
+        f"$JS.API.STREAM.PURGE.KV_{s.ROUTERS_BUCKET}",
+    ):
+        assert not _can(r1, "publish", subject), subject
+    # Reading every router's presence (to count them) stays allowed.
+    assert _can(r1, "subscribe", s.router_presence("router-2"))
+    assert _can(r1, "publish", f"$JS.API.CONSUMER.CREATE.KV_{s.ROUTERS_BUCKET}")
+    # Each router identity gets its own rules in the rendered config.
+    text = natsconfig.render_authorization(certs.identities([], 2))
+    for rid in ("router-1", "router-2"):
+        assert text.count(f'"{s.demand(rid)}"') == 1
+        assert text.count(f'"{s.router_presence(rid)}"') == 1
+    assert f'"{s.DEMAND_ALL}"' not in text
+    # So do the Helm values (the same users, for the chart's config.merge).
+    helm = yaml.safe_load(natsconfig.render_helm_values(certs.identities([], 2)))
+    users = {u["user"]: u["permissions"] for u in helm["config"]["merge"]["authorization"]["users"]}
+    r2 = users["CN=router-2,O=llmgw"]["publish"]["allow"]
+    assert s.demand("router-2") in r2 and s.router_presence("router-2") in r2
+    assert s.demand("router-1") not in r2 and s.router_presence("router-1") not in r2
 
 
 def test_operator_publishes_catalog_events_only():

@@ -6,6 +6,11 @@ it has none) and deletes it when it stops. Every router watches the bucket
 and counts a router as live while its latest put is younger than the TTL.
 The count divides the tenants' quotas and the engines' capacity in admission.
 
+Routers are counted by their key, never by the router id inside the record:
+NATS lets each router identity write only its own key (llmgw.natsconfig), but
+what it writes there is its own choice, so a record naming another router must
+not merge the two (which would shrink the count and grow every share).
+
 Expiry in a KV bucket is silent (no delete marker reaches a watcher), so the
 count does not rely on it: each router ages the entries it saw itself, from
 the server's timestamp on each write. A router that dies therefore leaves the
@@ -44,10 +49,10 @@ DEFAULT_TTL = 10.0
 
 
 class LiveRouters:
-    """The pure count: router id -> when last seen (monotonic), aged by the TTL."""
+    """The pure count: router key -> when last seen (monotonic), aged by the TTL."""
 
-    def __init__(self, self_id: str, ttl: float = DEFAULT_TTL):
-        self.self_id = self_id
+    def __init__(self, self_key: str, ttl: float = DEFAULT_TTL):
+        self.self_key = self_key
         self.ttl = ttl
         self.last_seen: dict[str, float] = {}
         self.connected = True
@@ -55,12 +60,12 @@ class LiveRouters:
         self._floor = 1
         self._floor_until = float("-inf")
 
-    def seen(self, router_id: str, at: float) -> None:
-        if at > self.last_seen.get(router_id, float("-inf")):
-            self.last_seen[router_id] = at
+    def seen(self, key: str, at: float) -> None:
+        if at > self.last_seen.get(key, float("-inf")):
+            self.last_seen[key] = at
 
-    def gone(self, router_id: str) -> None:
-        self.last_seen.pop(router_id, None)
+    def gone(self, key: str) -> None:
+        self.last_seen.pop(key, None)
 
     def replace(self, seen: dict[str, float]) -> None:
         self.last_seen = dict(seen)
@@ -69,8 +74,8 @@ class LiveRouters:
         if not self.connected:
             return self._frozen
         oldest = now - self.ttl
-        live = {rid for rid, at in self.last_seen.items() if at >= oldest}
-        live.add(self.self_id)  # this router is live, whether or not its put got through
+        live = {key for key, at in self.last_seen.items() if at >= oldest}
+        live.add(self.self_key)  # this router is live, whether or not its put got through
         n = len(live)
         if now < self._floor_until and n < self._floor:
             return self._floor
@@ -104,14 +109,14 @@ class Presence:
         self.nc = nc
         self.router_id = router_id
         self.key = subjects.router_key(router_id)
-        self.subject = f"$KV.{subjects.ROUTERS_BUCKET}.{self.key}"
+        self.subject = subjects.router_presence(router_id)
         self.on_count = on_count
         self.demand = demand
         self.demand_subject = subjects.demand(router_id)
         self._demand_failing = False
         self.clock = clock
         self.wall = wall
-        self.live = LiveRouters(router_id)
+        self.live = LiveRouters(self.key)
         self.started_at = wall()
         self.reported = 0
         self.watcher = BucketWatcher(
@@ -131,23 +136,16 @@ class Presence:
         age = max(0.0, self.wall() - entry.written_at)
         return self.clock() - age
 
-    def _id(self, entry: Entry) -> str:
-        try:
-            return c.decode(entry.value, c.RouterPresence).router_id
-        except c.ContractError:
-            return entry.key  # still a router that announced itself: count it by its key
-
     def _snapshot(self, entries: dict[str, Entry]) -> None:
-        self.live.replace({self._id(e): self._at(e) for e in entries.values()})
+        self.live.replace({key: self._at(e) for key, e in entries.items()})
         self._report()
 
     def _put(self, entry: Entry) -> None:
-        self.live.seen(self._id(entry), self._at(entry))
+        self.live.seen(entry.key, self._at(entry))
         self._report()
 
     def _delete(self, key: str) -> None:
-        for rid in [r for r in self.live.last_seen if subjects.router_key(r) == key]:
-            self.live.gone(rid)
+        self.live.gone(key)
         self._report()
 
     def _report(self) -> None:
