@@ -148,3 +148,16 @@ def test_the_leader_hands_its_autoscaler_both_of_its_clocks():
     autoscaler = AutoscaleController(ctx, ActorConfig())
     assert autoscaler.clock == clocks.wall
     assert autoscaler.monotonic == clocks.monotonic
+
+
+async def test_a_summary_naming_another_router_than_its_subject_is_dropped():
+    # The bus lets router r1 publish only on llmgw.demand.r1: a summary there that
+    # claims to be r2 must not add r2's demand to the autoscaler's sums.
+    leader = Leader(Clocks())
+    demand = c.ModelDemand(in_flight=1000, capacity=SLOTS, ready=1)
+    forged = c.DemandSummary(router_id="r2", models={"m": demand})
+    await leader.ctl.on_summary(Msg(forged))
+    assert leader.ctl.summaries == {}
+    honest = c.DemandSummary(router_id="r1", models={"m": demand})
+    await leader.ctl.on_summary(Msg(honest))
+    assert list(leader.ctl.summaries) == [("r1", 0)]

@@ -93,6 +93,17 @@ class AutoscaleController(Controller):
             SUMMARIES.labels("malformed").inc()
             log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
             return
+        if msg.subject != s.demand(summary.router_id):
+            # The bus lets a router publish only on its own subject (nats-config), so a
+            # summary naming another router is a forgery or a misconfigured router:
+            # counting it would let one router steer every model's scale.
+            SUMMARIES.labels("misaddressed").inc()
+            log.warning(
+                "dropped a demand summary for router %r that arrived on %s",
+                summary.router_id,
+                msg.subject,
+            )
+            return
         SUMMARIES.labels("ok").inc()
         self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
 
