@@ -30,7 +30,11 @@ def _objects() -> list[dict]:
 
 
 OBJECTS = _objects()
-WORKLOADS = {o["metadata"]["name"]: o for o in OBJECTS if o["kind"] in ("Deployment", "DaemonSet")}
+WORKLOADS = {
+    o["metadata"]["name"]: o
+    for o in OBJECTS
+    if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet")
+}
 
 
 def _one(kind: str, name: str) -> dict:
@@ -55,6 +59,7 @@ def test_every_resource_has_the_fields_the_api_server_requires():
     assert {o["kind"] for o in OBJECTS} >= {
         "Deployment",
         "DaemonSet",
+        "StatefulSet",
         "Service",
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
@@ -120,7 +125,7 @@ def test_services_select_pods_and_ports_that_exist():
 
 
 def test_router_drains_on_sigterm_behind_readiness_hpa_and_pdb():
-    router = _one("Deployment", "llmgw-router")
+    router = _one("StatefulSet", "llmgw-router")
     pod = router["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
@@ -131,14 +136,33 @@ def test_router_drains_on_sigterm_behind_readiness_hpa_and_pdb():
     hpa = _one("HorizontalPodAutoscaler", "llmgw-router")
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": "StatefulSet",
         "name": "llmgw-router",
     }
     assert hpa["spec"]["minReplicas"] >= 2
     pdb = _one("PodDisruptionBudget", "llmgw-router")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pdb["spec"]["minAvailable"] >= 1
-    assert router["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    # Routers keep no state: pods start and stop together, not one ordinal at a time.
+    assert router["spec"]["podManagementPolicy"] == "Parallel"
+    assert router["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+
+
+def test_each_router_pod_joins_the_bus_with_a_certificate_of_its_own():
+    # The bus lets a router publish only its own demand summary and presence key, by
+    # the certificate's name (docs/security.md): pods sharing one would count as one
+    # router. So each pod reads the certificate stored under its own (stable) name.
+    router = _one("StatefulSet", "llmgw-router")
+    c = router["spec"]["template"]["spec"]["containers"][0]
+    names = [e["name"] for e in c["env"]]
+    env = _env(c)
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    for key, suffix in (("LLMGW_NATS_TLS__CERT", ".crt"), ("LLMGW_NATS_TLS__KEY", ".key")):
+        assert env[key]["value"].endswith(f"/$(POD_NAME){suffix}")
+        # Kubernetes expands $(VAR) only from variables defined earlier in the list.
+        assert names.index("POD_NAME") < names.index(key)
+    tls = next(v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "nats-tls")
+    assert tls["secret"]["secretName"] == "llmgw-nats-routers"
 
 
 def test_reconciler_runs_two_replicas_with_the_dsn_from_a_secret():
