@@ -13,6 +13,7 @@ from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.prefix import block_hashes
 from llmgw.simengine.protocol import Limits, RequestParser
 
@@ -269,7 +270,7 @@ def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_pe
 
 def test_no_endpoint_with_events_means_no_precise_work():
     index = BlockIndex()
-    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    scorer = CachedPrefixScorer(sc.Settings(kv_index=index))
     ctx = context(chat("sys " * 200, "q"))
     assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
     assert ctx.kv is None

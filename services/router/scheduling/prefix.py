@@ -14,6 +14,14 @@ one worker, so the values never need to agree across processes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from llmgw.router.scheduling.scorers import StatelessScorer
+
+if TYPE_CHECKING:
+    from llmgw.router.endpoints.view import EndpointRuntime
+    from llmgw.router.scheduling.pipeline import Context
 
 
 class PromptBlocks:
@@ -120,3 +128,22 @@ class PrefixIndex:
                 lru[h] = None
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+
+
+class PrefixScorer(StatelessScorer):
+    """The share of the prompt's leading blocks this router already sent to the endpoint."""
+
+    name = "prefix"
+    learns = True
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        hashes = ctx.prefix
+        if not hashes:
+            return
+        n = len(hashes)
+        for i, ep in enumerate(cands):
+            out[i] = ep.prefix.match(hashes) / n
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        if ctx.prefix:
+            ep.prefix.insert(ctx.prefix)
