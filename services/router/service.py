@@ -23,6 +23,7 @@ import msgspec
 from llmgw import logs
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
 from llmgw.router.config import RouterConfig, projection, resolve_router_id
+from llmgw.router.endpoints.capacity import BatchCapacities
 from llmgw.router.endpoints.scraper import Scraper
 from llmgw.router.endpoints.view import EndpointSource, EndpointView, StaticSource, ViewSettings
 from llmgw.router.http import snapshots
@@ -52,6 +53,12 @@ class RouterService:
             config = resolve_router_id(config)
         self.config = config
         self.metrics = RouterMetrics()
+        # Each engine's batch size, learned once from its load samples and read by both
+        # admission's saturation detector and the kv_prefix scorer's affinity limit.
+        self.batches = BatchCapacities(
+            stale_after=config.scrape.stale_after_seconds,
+            relearn_after=config.admission.capacity_relearn_seconds,
+        )
         self.view = EndpointView(
             ViewSettings(
                 circuit_failures=config.circuit.failures,
@@ -65,22 +72,26 @@ class RouterService:
                     else None,
                     affinity_max_pending=config.prefix.affinity_max_pending,
                     affinity_max_pending_tokens=config.prefix.affinity_max_pending_tokens,
+                    batches=self.batches,
                 ),
             ),
             observer=self.metrics,
         )
+        # Registered first: admission, told of the same sample next, reads what it taught.
+        self.view.on_load(self.batches.observed)
+        self.view.subscribe(lambda: self.batches.keep_only(self.view.endpoints))
         self.admission = None
         if source is None and config.nats_url:
             # Tenants and bands arrive later: the gate always exists, and the proxy uses
             # it only while it has something to do (_install_gate).
             from llmgw.router.controlplane.source import ControlPlaneSource
 
-            self.admission = control_plane_gate(config, self.metrics.admission)
+            self.admission = control_plane_gate(config, self.metrics.admission, self.batches)
             source = ControlPlaneSource(
                 config, self.admission, self.metrics, on_gate_change=self._install_gate
             )
         elif gate is None:
-            gate = self.admission = from_router_config(config, self.metrics.admission)
+            gate = self.admission = from_router_config(config, self.metrics.admission, self.batches)
         self.source = source or StaticSource(projection(config))
         if self.admission is not None:
             self.admission.route_of = self.view.route

@@ -8,6 +8,7 @@ import pytest
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
 from llmgw.kvblocks import byte_tokens, prompt_hashes, token_bytes
+from llmgw.router.endpoints.capacity import BatchCapacities
 from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.kvcache.index import BlockIndex
@@ -283,9 +284,11 @@ def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale()
     synced(index, "warm", *sim_blocks(turn1))
     synced(index, "cold")
     cold, warm = endpoint("cold"), endpoint("warm")
-    p = pipeline(index, affinity_max_pending=4)
+    batches = BatchCapacities()
+    p = pipeline(index, affinity_max_pending=4, batches=batches)
     # A sample from when the engine was full: 8 running, 2 queued. It is stale now.
     warm.load = Load(waiting=2, running=8, kv_usage=0.5, at=NOW - 5)
+    batches.observed(warm)  # as the view tells it when the sample lands
     warm.inflight = 8 + 4
     assert p.pick([cold, warm], context(turn1)).id == "warm"  # 4 beyond: at the limit
     warm.inflight = 8 + 5  # this router's burst: 5 beyond the learned capacity

@@ -63,7 +63,6 @@ class EndpointRuntime:
         "targets",
         "pushed_at",
         "headers",
-        "batch_capacity",
         "uncached_tokens",
     )
 
@@ -82,9 +81,6 @@ class EndpointRuntime:
         self.targets = {path: URL(self.url + path) for path in PATHS}
         self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
         self.headers = resolve_headers(spec.upstream)  # added to every request to it
-        # The engine's running batch at its largest while requests queued: its capacity
-        # when the catalog declares none (learned from load samples by kv_prefix).
-        self.batch_capacity = 0
         # Uncached prompt tokens per request this router sent here (moving average): what
         # each queued request will cost the engine's prefill (kv_prefix).
         self.uncached_tokens = 0.0

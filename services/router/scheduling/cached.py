@@ -34,7 +34,7 @@ class CachedPrefixScorer(StatelessScorer):
 
     Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity, declared or learned), or with more than
+    beyond its batch capacity, declared or learned: read, never written, here), or with more than
     `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
     0 here, so load alone decides until it drains.
     """
@@ -48,6 +48,7 @@ class CachedPrefixScorer(StatelessScorer):
         self.max_pending = settings.affinity_max_pending
         self.max_pending_tokens = settings.affinity_max_pending_tokens
         self.max_blocks = settings.kv_max_blocks
+        self.batches = settings.batches
         self.tokenizer = ""
 
     def configure(self, spec: SchedulingSpec) -> None:
@@ -59,18 +60,14 @@ class CachedPrefixScorer(StatelessScorer):
         """Requests waiting at the engine: its queue from a fresh load sample, or this
         router's in flight beyond the engine's batch capacity, whichever is larger.
 
-        The capacity is the catalog's `max_running`, else the one learned from load
-        samples: the largest running batch seen while requests queued (the batch was
-        full then). So a burst onto the warm engine is limited between samples too,
-        not only by a sample a few hundred milliseconds old."""
+        The capacity is the one admission reads (`endpoints.capacity`): the catalog's
+        `max_running` or the one learned from load samples, whichever is larger. So a
+        burst onto the warm engine is limited between samples too, not only by a sample
+        a few hundred milliseconds old."""
         load = ep.load
-        waiting = 0
-        if load is not None:
-            if load.waiting > 0 and load.running > ep.batch_capacity:
-                ep.batch_capacity = load.running
-            if load.at >= now - self.stale_after:
-                waiting = load.waiting
-        cap = ep.spec.max_running or ep.batch_capacity
+        waiting = load.waiting if load is not None and load.at >= now - self.stale_after else 0
+        batches = self.batches
+        cap = batches.of(ep) if batches is not None else ep.spec.max_running
         beyond = ep.inflight - cap if cap else 0
         return max(waiting, beyond)
 

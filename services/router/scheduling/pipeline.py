@@ -36,6 +36,7 @@ from llmgw.router.scheduling.scorers import (
 )
 
 if TYPE_CHECKING:
+    from llmgw.router.endpoints.capacity import BatchCapacities
     from llmgw.router.endpoints.view import EndpointRuntime
 
 
@@ -52,6 +53,9 @@ class Settings:
     # token limit): pending requests x the uncached tokens of this router's requests there.
     affinity_max_pending_tokens: int = 8192
     kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
+    # Each endpoint's batch capacity, learned from its load samples (shared with
+    # admission); None: only the catalog's `max_running` hints.
+    batches: BatchCapacities | None = None
 
 
 class Context:
