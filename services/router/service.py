@@ -30,6 +30,7 @@ from llmgw.router.http import snapshots
 from llmgw.router.http.app import HotPaths, public_app
 from llmgw.router.http.models import EngineModels
 from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.request import handler as px
 from llmgw.router.scheduling import pipeline as scheduling
@@ -59,6 +60,9 @@ class RouterService:
             stale_after=config.scrape.stale_after_seconds,
             relearn_after=config.admission.capacity_relearn_seconds,
         )
+        # Engines' KV events arrive over the bus, so only with a control plane: the
+        # control-plane source feeds this index, the kv_prefix scorers read it.
+        self.kv_index = BlockIndex(config.prefix.index_max_blocks) if config.nats_url else None
         self.view = EndpointView(
             ViewSettings(
                 circuit_failures=config.circuit.failures,
@@ -66,10 +70,7 @@ class RouterService:
                 prefix_capacity=config.prefix.capacity_blocks,
                 scheduling=scheduling.Settings(
                     stale_after=config.scrape.stale_after_seconds,
-                    # Engines' KV events arrive over the bus, so only with a control plane.
-                    kv_index=BlockIndex(config.prefix.index_max_blocks)
-                    if config.nats_url
-                    else None,
+                    indexer=Indexer(self.kv_index) if self.kv_index is not None else None,
                     affinity_max_pending=config.prefix.affinity_max_pending,
                     affinity_max_pending_tokens=config.prefix.affinity_max_pending_tokens,
                     batches=self.batches,
@@ -88,7 +89,11 @@ class RouterService:
 
             self.admission = control_plane_gate(config, self.metrics.admission, self.batches)
             source = ControlPlaneSource(
-                config, self.admission, self.metrics, on_gate_change=self._install_gate
+                config,
+                self.admission,
+                self.metrics,
+                kv_index=self.kv_index,
+                on_gate_change=self._install_gate,
             )
         elif gate is None:
             gate = self.admission = from_router_config(config, self.metrics.admission, self.batches)
@@ -175,7 +180,7 @@ class RouterService:
         now = time.monotonic()
         stale = self.config.scrape.stale_after_seconds
         out = [ep.describe(now, stale) for ep in self.view.endpoints.values()]
-        index = self.view.settings.scheduling.kv_index
+        index = self.kv_index
         if index is not None:
             for ep in out:
                 st = index.endpoints.get(ep["id"])

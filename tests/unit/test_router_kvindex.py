@@ -12,6 +12,7 @@ from llmgw.router.endpoints.capacity import BatchCapacities
 from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
 from llmgw.router.scheduling.cached import CachedPrefixScorer
@@ -187,7 +188,10 @@ def test_the_router_tokenizes_a_chat_exactly_as_the_simulator_does():
 
 def pipeline(index, **settings):
     spec = SchedulingSpec(scorers={"kv_prefix": 3, "queue": 1, "inflight": 1})
-    return sc.Pipeline(spec, sc.Settings(stale_after=1.0, kv_index=index, **settings))
+    return sc.Pipeline(
+        spec,
+        sc.Settings(stale_after=1.0, indexer=None if index is None else Indexer(index), **settings),
+    )
 
 
 def test_the_engine_holding_the_prefix_wins_and_two_pipelines_agree():
@@ -254,24 +258,24 @@ def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_pe
     # none of the approximate hashes.
     cold = context(chat("Something else entirely. " * 40, "q"))
     assert p.pick(eps, cold) is not None
-    assert len(cold.kv[("sim", BS)]._done) <= 4 < len(cold.kv[("sim", BS)])
+    assert len(cold.kv.hashes[("sim", BS)]._done) <= 4 < len(cold.kv.hashes[("sim", BS)])
     assert cold.prefix._hashes is None
     # A warm prompt: hashed up to the first block no engine holds, kept for a retry.
     warm = context(chat(system, "q", "a long answer. " * 300, "q2"))
     assert p.pick(eps, warm).id == "a"
-    lazy = warm.kv[("sim", BS)]
+    lazy = warm.kv.hashes[("sim", BS)]
     hashed = len(lazy._done)
     # (in chunks of 4, 16, 64, 256 blocks: as far as the chunk the first miss is in)
     assert len(held) - 1 <= hashed < len(lazy)
     warm.exclude = ["a"]
     p.pick(eps, warm)  # the retry
-    assert warm.kv[("sim", BS)] is lazy and len(lazy._done) == hashed
+    assert warm.kv.hashes[("sim", BS)] is lazy and len(lazy._done) == hashed
     assert warm.prefix._hashes is None
 
 
 def test_no_endpoint_with_events_means_no_precise_work():
     index = BlockIndex()
-    scorer = CachedPrefixScorer(sc.Settings(kv_index=index))
+    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
     ctx = context(chat("sys " * 200, "q"))
     assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
     assert ctx.kv is None

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmgw.contracts import SchedulingSpec
-from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, salt_extra, token_count
-from llmgw.router.kvcache.tokens import TOKENIZERS, tokens_for
+from llmgw.kvblocks import token_count
+from llmgw.router.kvcache.indexer import PromptWork
+from llmgw.router.kvcache.tokens import TOKENIZERS
 from llmgw.router.scheduling.scorers import StatelessScorer
 
 if TYPE_CHECKING:
@@ -27,15 +28,15 @@ _UNCACHED_WEIGHT = 0.2
 class CachedPrefixScorer(StatelessScorer):
     """The share of the prompt's blocks the endpoint actually holds, from engine KV events.
 
-    For an endpoint whose engine sends events (the router's BlockIndex is synced for
-    it) the prompt is tokenized as that engine does (prompttokens) and its blocks
-    hashed as the relay hashes them (kvblocks); for one that sends none, the
-    approximate guess of PrefixScorer stands in, and every pick still feeds that guess.
+    For an endpoint whose engine sends events, what it holds comes from the router's
+    KV indexer (`kvcache.indexer`: tokens, block keys, index lookup), and this scorer
+    divides; for one that sends none, the approximate guess of PrefixScorer stands in,
+    and every pick still feeds that guess.
 
     Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity, declared or learned: read, never written, here), or with more than
-    `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
+    beyond its batch capacity, declared or learned: read, never written, here), or with
+    more than `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
     0 here, so load alone decides until it drains.
     """
 
@@ -44,10 +45,9 @@ class CachedPrefixScorer(StatelessScorer):
 
     def __init__(self, settings: Settings):
         super().__init__(settings)
-        self.index = settings.kv_index
+        self.indexer = settings.indexer
         self.max_pending = settings.affinity_max_pending
         self.max_pending_tokens = settings.affinity_max_pending_tokens
-        self.max_blocks = settings.kv_max_blocks
         self.batches = settings.batches
         self.tokenizer = ""
 
@@ -75,58 +75,23 @@ class CachedPrefixScorer(StatelessScorer):
         """Per candidate: the cached share from events, or None where there are none;
         None (nothing allocated) when no candidate has events.
 
-        Hashes are computed while matching and only as far as some candidate holds the
-        prompt (a cold prompt costs one small chunk), and kept on the context with the
-        token ids, so a retry of the request recomputes nothing.
+        What each engine holds comes from the indexer, which keeps its work on the
+        context (`ctx.kv`), so a retry of the request recomputes nothing.
         """
-        index = self.index
-        if index is None or not index.endpoints:
+        indexer = self.indexer
+        if indexer is None:
             return None
-        sizes = None
-        for i, ep in enumerate(cands):
-            bs = index.block_size(ep.id)
-            if bs:
-                if sizes is None:
-                    sizes = [0] * len(cands)
-                sizes[i] = bs
+        sizes = indexer.block_sizes(cands)
         if sizes is None:
             return None
-        out: list[float | None] = [None] * len(cands)
         prompt = getattr(ctx.prefix, "prompt", None)
         if prompt is None:
-            return out
-        memo = ctx.kv
-        if memo is None:
-            memo = ctx.kv = {}
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, bs in enumerate(sizes):
-            if not bs:
-                continue
-            engine = cands[i].spec.engine
-            if ctx.salt and engine in EVENTS_WITHOUT_EXTRA_KEYS:
-                continue  # its events cannot tell salted blocks: the approximate guess
-            if engine not in memo:
-                memo[engine] = tokens_for(engine, self.tokenizer, prompt)
-            if memo[engine] is not None:
-                groups.setdefault((engine, bs), []).append(i)
-        for key, members in groups.items():
-            hashes = memo.get(key)
-            if hashes is None:
-                hashes = memo[key] = LazyPromptHashes(
-                    memo[key[0]], key[1], self.max_blocks, first_extra=salt_extra(ctx.salt)
-                )
-            n = len(hashes)
-            if not n:
-                for i in members:
-                    out[i] = 0.0
-                continue
-            found = index.match(hashes, [cands[i].id for i in members])
-            held = memo.setdefault("held", {})
-            for i in members:
-                ep_id = cands[i].id
-                out[i] = found.get(ep_id, 0) / n
-                held[ep_id] = found.get(ep_id, 0) * key[1]  # tokens cached there
-        return out
+            return [None] * len(cands)
+        work = ctx.kv
+        if work is None:
+            work = ctx.kv = PromptWork()
+        held = indexer.overlaps(prompt, ctx.salt, self.tokenizer, cands, sizes, work)
+        return [None if h is None else h[0] / h[1] if h[1] else 0.0 for h in held]
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         overlaps = self.overlaps(cands, ctx)
@@ -155,14 +120,14 @@ class CachedPrefixScorer(StatelessScorer):
         return bool(cap) and pending * ep.uncached_tokens > cap
 
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        memo = ctx.kv
-        if memo is not None:
-            held = memo.get("held", {}).get(ep.id)
-            tokens = memo.get(ep.spec.engine)
+        work = ctx.kv
+        if work is not None:
+            held = work.held.get(ep.id)
+            tokens = work.tokens.get(ep.spec.engine)
             if held is not None and tokens is not None:
                 uncached = max(0, token_count(tokens) - held)
                 ep.uncached_tokens += _UNCACHED_WEIGHT * (uncached - ep.uncached_tokens)
         # The guess is fed only for engines without events: it stands in for them alone,
         # and hashing it for every request would cost what the lazy match saves.
-        if ctx.prefix and not (self.index is not None and self.index.block_size(ep.id)):
+        if ctx.prefix and not (self.indexer is not None and self.indexer.tracks(ep.id)):
             ep.prefix.insert(ctx.prefix)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from llmgw.contracts import SchedulingSpec
 from llmgw.router.scheduling.cached import CachedPrefixScorer
@@ -38,21 +38,21 @@ from llmgw.router.scheduling.scorers import (
 if TYPE_CHECKING:
     from llmgw.router.endpoints.capacity import BatchCapacities
     from llmgw.router.endpoints.view import EndpointRuntime
+    from llmgw.router.kvcache.indexer import Indexer, PromptWork
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     stale_after: float = 1.0  # seconds after which scraped load no longer counts
     session_capacity: int = 65536  # sessions remembered per model
-    # The router's index of engines' KV events (kvindex.BlockIndex); None: no events.
-    kv_index: Any = None
+    # What engines hold per their KV events (control-plane mode); None: no events.
+    indexer: Indexer | None = None
     # Cache affinity holds while the warm engine has at most this many requests pending
     # (waiting in its queue, or in flight from this router beyond its batch capacity).
     affinity_max_pending: int = 4
     # ... and while the uncached prompt tokens queued there are at most this many (0: no
     # token limit): pending requests x the uncached tokens of this router's requests there.
     affinity_max_pending_tokens: int = 8192
-    kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
     # Each endpoint's batch capacity, learned from its load samples (shared with
     # admission); None: only the catalog's `max_running` hints.
     batches: BatchCapacities | None = None
@@ -78,9 +78,9 @@ class Context:
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
         self.key = key  # request_key(body): the pickers' only source of chance
-        # kv_prefix's work on this prompt, kept for the request's retries: token ids by
-        # engine kind, lazily computed block hashes by (engine kind, block size).
-        self.kv: dict | None = None
+        # The KV indexer's work on this prompt (token ids, block hashes, what each
+        # engine held), kept for the request's retries.
+        self.kv: PromptWork | None = None
         # The request's cache_salt: engines key its first block by it, so must kv_prefix.
         self.salt: str | None = None
 
