@@ -67,12 +67,10 @@ class RouterService:
             ViewSettings(
                 circuit_failures=config.circuit.failures,
                 circuit_cooldown=config.circuit.cooldown_seconds,
-                prefix_capacity=config.prefix.capacity_blocks,
                 scheduling=scheduling.Settings(
                     stale_after=config.scrape.stale_after_seconds,
                     indexer=Indexer(self.kv_index) if self.kv_index is not None else None,
-                    affinity_max_pending=config.prefix.affinity_max_pending,
-                    affinity_max_pending_tokens=config.prefix.affinity_max_pending_tokens,
+                    prefix=config.prefix,
                     batches=self.batches,
                 ),
             ),
@@ -109,8 +107,6 @@ class RouterService:
                 max_body_bytes=config.max_body_bytes,
                 body_read_seconds=config.body_read_timeout_seconds,
                 attempts_per_model=config.retry.attempts_per_model,
-                prefix_block_bytes=config.prefix.block_bytes,
-                prefix_max_blocks=config.prefix.max_blocks,
                 pool_limit=config.upstream.pool_limit,
                 keepalive_seconds=config.upstream.keepalive_seconds,
                 access_log=config.access_log,

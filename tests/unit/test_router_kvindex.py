@@ -16,7 +16,7 @@ from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
 from llmgw.router.scheduling.cached import CachedPrefixScorer
-from llmgw.router.scheduling.prefix import block_hashes
+from llmgw.router.scheduling.prefix import PrefixConfig, block_hashes
 from llmgw.simengine.protocol import Limits, RequestParser
 
 NOW = 1000.0
@@ -186,12 +186,13 @@ def test_the_router_tokenizes_a_chat_exactly_as_the_simulator_does():
     assert sim_tokens(b"[{bad json") is None
 
 
-def pipeline(index, **settings):
+def pipeline(index, batches=None, **prefix):
     spec = SchedulingSpec(scorers={"kv_prefix": 3, "queue": 1, "inflight": 1})
-    return sc.Pipeline(
-        spec,
-        sc.Settings(stale_after=1.0, indexer=None if index is None else Indexer(index), **settings),
+    indexer = None if index is None else Indexer(index)
+    settings = sc.Settings(
+        stale_after=1.0, indexer=indexer, batches=batches, prefix=PrefixConfig(**prefix)
     )
+    return sc.Pipeline(spec, settings)
 
 
 def test_the_engine_holding_the_prefix_wins_and_two_pipelines_agree():

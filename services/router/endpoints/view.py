@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 class ViewSettings:
     circuit_failures: int = 5
     circuit_cooldown: float = 10.0
-    prefix_capacity: int = 16384
     scheduling: scheduling.Settings = scheduling.Settings()
 
 
@@ -75,7 +74,7 @@ class EndpointRuntime:
         self.circuit = Circuit(settings.circuit_failures, settings.circuit_cooldown)
         self.load: Load | None = None
         self.inflight = 0
-        self.prefix = PrefixIndex(settings.prefix_capacity)
+        self.prefix = PrefixIndex(settings.scheduling.prefix.capacity_blocks)
         self.scrape_error: str | None = None
         # request path -> upstream URL, parsed once (a new url makes a new runtime)
         self.targets = {path: URL(self.url + path) for path in PATHS}

@@ -33,21 +33,22 @@ class CachedPrefixScorer(StatelessScorer):
     divides; for one that sends none, the approximate guess of PrefixScorer stands in,
     and every pick still feeds that guess.
 
-    Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
+    Load-aware affinity: an endpoint with more than `prefix.affinity_max_pending` requests
     pending (its queue from a fresh load sample, or this router's in-flight requests
     beyond its batch capacity, declared or learned: read, never written, here), or with
-    more than `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
-    0 here, so load alone decides until it drains.
+    more than `prefix.affinity_max_pending_tokens` uncached prompt tokens estimated
+    queued there, scores 0 here, so load alone decides until it drains.
     """
 
     name = "kv_prefix"
     learns = True
+    needs_prompt_blocks = True  # the prompt's bytes, and the guess for engines without events
 
     def __init__(self, settings: Settings):
         super().__init__(settings)
         self.indexer = settings.indexer
-        self.max_pending = settings.affinity_max_pending
-        self.max_pending_tokens = settings.affinity_max_pending_tokens
+        self.max_pending = settings.prefix.affinity_max_pending
+        self.max_pending_tokens = settings.prefix.affinity_max_pending_tokens
         self.batches = settings.batches
         self.tokenizer = ""
 

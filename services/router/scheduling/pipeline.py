@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from llmgw.contracts import SchedulingSpec
 from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
 from llmgw.router.scheduling.pickers import MaxScore, PowerOfTwo, WeightedRandom
-from llmgw.router.scheduling.prefix import PrefixScorer
+from llmgw.router.scheduling.prefix import PrefixConfig, PrefixScorer, PromptBlocks, block_hashes
 from llmgw.router.scheduling.scorers import (
     InflightScorer,
     KvScorer,
@@ -43,16 +43,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """What every model's pipeline is built from: each plugin reads its own config
+    section, and the data the router produces for the plugins that need it."""
+
     stale_after: float = 1.0  # seconds after which scraped load no longer counts
     session_capacity: int = 65536  # sessions remembered per model
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the config's `prefix:`
     # What engines hold per their KV events (control-plane mode); None: no events.
     indexer: Indexer | None = None
-    # Cache affinity holds while the warm engine has at most this many requests pending
-    # (waiting in its queue, or in flight from this router beyond its batch capacity).
-    affinity_max_pending: int = 4
-    # ... and while the uncached prompt tokens queued there are at most this many (0: no
-    # token limit): pending requests x the uncached tokens of this router's requests there.
-    affinity_max_pending_tokens: int = 8192
     # Each endpoint's batch capacity, learned from its load samples (shared with
     # admission); None: only the catalog's `max_running` hints.
     batches: BatchCapacities | None = None
@@ -112,6 +110,13 @@ class Filter(Protocol):
 class Scorer(Protocol):
     name: ClassVar[str]
     learns: ClassVar[bool]  # wants `picked` calls
+    # What it reads from the request, so the pipeline prepares only what some scorer
+    # needs: the prompt's blocks (`Context.prefix`), the session header (`.session`).
+    needs_prompt_blocks: ClassVar[bool]
+    needs_session: ClassVar[bool]
+
+    def configure(self, spec: SchedulingSpec) -> None:
+        """The model's scheduling section is known (e.g. its tokenizer)."""
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         """Write each candidate's score (0..1, higher is better) into `out`."""
@@ -171,15 +176,20 @@ class Pipeline:
             (SCORERS[name](settings), weight) for name, weight in spec.scorers.items() if weight > 0
         ]
         for scorer, _ in self.scorers:
-            configure = getattr(scorer, "configure", None)
-            if configure is not None:
-                configure(spec)
+            scorer.configure(spec)
         self.picker = PICKERS[spec.picker]()
         self.learners = [s for s, _ in self.scorers if s.learns]
-        self.uses_prefix = any(s.name in ("prefix", "kv_prefix") for s, _ in self.scorers)
+        self.needs_prompt_blocks = any(s.needs_prompt_blocks for s, _ in self.scorers)
+        self.needs_session = any(s.needs_session for s, _ in self.scorers)
         self.session_header = spec.session_header.lower().encode()
-        self.uses_session = any(s.name == "session" for s, _ in self.scorers)
+        self.block_bytes = settings.prefix.block_bytes
+        self.max_blocks = settings.prefix.max_blocks
         self.observer = observer
+
+    def prompt_blocks(self, prompt: bytes, cache_salt: str | None) -> PromptBlocks:
+        """The request's prompt as the prefix scorers read it (`Context.prefix`), cut
+        into blocks as this router's `prefix` section says (hashed on first use)."""
+        return block_hashes(prompt, self.block_bytes, self.max_blocks, cache_salt)
 
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
         """The endpoint for this request, or None when every one was filtered out.

@@ -12,15 +12,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from llmgw.contracts import SchedulingSpec
     from llmgw.router.endpoints.view import EndpointRuntime
     from llmgw.router.scheduling.pipeline import Context, Settings
 
 
 class StatelessScorer:
     learns = False
+    needs_prompt_blocks = False
+    needs_session = False
 
     def __init__(self, settings: Settings):
         self.stale_after = settings.stale_after
+
+    def configure(self, spec: SchedulingSpec) -> None:
+        pass
 
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
         pass
@@ -82,10 +88,15 @@ class SessionScorer:
 
     name = "session"
     learns = True
+    needs_prompt_blocks = False
+    needs_session = True
 
     def __init__(self, settings: Settings):
         self.capacity = settings.session_capacity
         self.last: OrderedDict[str, str] = OrderedDict()  # session -> endpoint id
+
+    def configure(self, spec: SchedulingSpec) -> None:
+        pass
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         if ctx.session is None:
