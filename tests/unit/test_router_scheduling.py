@@ -10,6 +10,7 @@ from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.scheduling import pipeline as sc
 from llmgw.router.scheduling.pickers import WeightedRandom
 from llmgw.router.scheduling.prefix import block_hashes
+from llmgw.router.scheduling.profiles import DEFAULT
 from llmgw.router.scheduling.scorers import InflightScorer, KvScorer, QueueScorer
 
 NOW = 1000.0
@@ -170,4 +171,4 @@ def test_the_chosen_endpoints_scores_are_observed_for_real_choices_only():
 
 def test_a_weight_of_zero_turns_a_scorer_off():
     p = pipeline(scorers={"queue": 0, "inflight": 1})
-    assert [s.name for s, _ in p.scorers] == ["inflight"]
+    assert [s.name for s, _ in p.profiles[DEFAULT].scorers] == ["inflight"]

@@ -149,7 +149,7 @@ def resolve_headers(spec: UpstreamSpec) -> dict[str, str]:
 class ModelRoute:
     name: str
     endpoints: tuple[EndpointRuntime, ...]
-    pipeline: scheduling.Pipeline
+    pipeline: scheduling.Pipeline  # its scheduling profiles (one by default) and their handler
     deadlines: DeadlineSpec
     fallbacks: tuple[str, ...]  # models to walk, in order, once this one has failed
     headers: dict[str, str] = field(default_factory=dict)  # to every engine of this model

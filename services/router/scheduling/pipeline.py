@@ -1,9 +1,10 @@
 """Where a request goes: filters, then weighted scorers, then a picker.
 
 Each unit is small, named and behind one interface (the plugins live in `filters`,
-`scorers`, `prefix`, `cached` and `pickers`; their names in the registries here), and
-a model's pipeline is
-assembled from its `contracts.SchedulingSpec` (names and weights). Pure: the
+`scorers`, `prefix`, `cached` and `pickers`; their names in the registries here). A
+`Profile` is one run of them, and a model's `Pipeline` holds its profiles (one by
+default; see `profiles`), assembled from its `contracts.SchedulingSpec` (names and
+weights). Pure: the
 caller passes the time, and there is no random source. Where a picker needs
 chance (ties, p2c's two candidates, weighted_random's draw) it reads the
 request's key, a hash of its bytes (`request_key`): two routers with the same
@@ -28,6 +29,7 @@ from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
 from llmgw.router.scheduling.pickers import MaxScore, PowerOfTwo, WeightedRandom
 from llmgw.router.scheduling.prefix import PrefixConfig, PrefixScorer, PromptBlocks, block_hashes
+from llmgw.router.scheduling.profiles import DEFAULT, ProfileHandler, SingleProfile
 from llmgw.router.scheduling.scorers import (
     InflightScorer,
     KvScorer,
@@ -160,16 +162,10 @@ class Observer(Protocol):
     def scored(self, model: str, scorer_name: str, value: float) -> None: ...
 
 
-class Pipeline:
-    def __init__(
-        self,
-        spec: SchedulingSpec,
-        settings: Settings | None = None,
-        *,
-        observer: Observer | None = None,
-    ):
-        settings = settings or Settings()
-        self.spec = spec
+class Profile:
+    """One run of filters, weighted scorers and a picker, built from a scheduling section."""
+
+    def __init__(self, spec: SchedulingSpec, settings: Settings, observer: Observer | None):
         self.filters = [FILTERS[name](settings) for name in spec.filters]
         # Weight 0 turns a scorer off without removing it from the file.
         self.scorers = [
@@ -181,15 +177,7 @@ class Pipeline:
         self.learners = [s for s, _ in self.scorers if s.learns]
         self.needs_prompt_blocks = any(s.needs_prompt_blocks for s, _ in self.scorers)
         self.needs_session = any(s.needs_session for s, _ in self.scorers)
-        self.session_header = spec.session_header.lower().encode()
-        self.block_bytes = settings.prefix.block_bytes
-        self.max_blocks = settings.prefix.max_blocks
         self.observer = observer
-
-    def prompt_blocks(self, prompt: bytes, cache_salt: str | None) -> PromptBlocks:
-        """The request's prompt as the prefix scorers read it (`Context.prefix`), cut
-        into blocks as this router's `prefix` section says (hashed on first use)."""
-        return block_hashes(prompt, self.block_bytes, self.max_blocks, cache_salt)
 
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
         """The endpoint for this request, or None when every one was filtered out.
@@ -228,3 +216,40 @@ class Pipeline:
         for scorer in self.learners:
             scorer.picked(chosen, ctx)
         return chosen
+
+
+class Pipeline:
+    """A model route's scheduling: its profiles, and the handler that runs them.
+
+    Built from the route's scheduling section: one profile, `default`, run for every
+    request by `profiles.SingleProfile` (see `profiles` for what a second one is for).
+    What the request path prepares for the scorers (the prompt's blocks, the session)
+    is what some profile's scorers declare they need.
+    """
+
+    def __init__(
+        self,
+        spec: SchedulingSpec,
+        settings: Settings | None = None,
+        *,
+        observer: Observer | None = None,
+    ):
+        settings = settings or Settings()
+        self.spec = spec
+        self.profiles: dict[str, Profile] = {DEFAULT: Profile(spec, settings, observer)}
+        self.handler: ProfileHandler = SingleProfile()
+        profiles = self.profiles.values()
+        self.needs_prompt_blocks = any(p.needs_prompt_blocks for p in profiles)
+        self.needs_session = any(p.needs_session for p in profiles)
+        self.session_header = spec.session_header.lower().encode()
+        self.block_bytes = settings.prefix.block_bytes
+        self.max_blocks = settings.prefix.max_blocks
+
+    def prompt_blocks(self, prompt: bytes, cache_salt: str | None) -> PromptBlocks:
+        """The request's prompt as the prefix scorers read it (`Context.prefix`), cut
+        into blocks as this router's `prefix` section says (hashed on first use)."""
+        return block_hashes(prompt, self.block_bytes, self.max_blocks, cache_salt)
+
+    def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
+        """The endpoint for this request, or None when every one was filtered out."""
+        return self.handler.pick(self.profiles, endpoints, ctx)
