@@ -57,7 +57,7 @@ class EndpointRuntime:
         "circuit",
         "load",
         "inflight",
-        "prefix",
+        "prefix_index",
         "scrape_error",
         "targets",
         "pushed_at",
@@ -74,7 +74,9 @@ class EndpointRuntime:
         self.circuit = Circuit(settings.circuit_failures, settings.circuit_cooldown)
         self.load: Load | None = None
         self.inflight = 0
-        self.prefix = PrefixIndex(settings.scheduling.prefix.capacity_blocks)
+        # Block hashes of the prompts this router sent here: the approximate scorers'
+        # guess at what the engine caches.
+        self.prefix_index = PrefixIndex(settings.scheduling.prefix.capacity_blocks)
         self.scrape_error: str | None = None
         # request path -> upstream URL, parsed once (a new url makes a new runtime)
         self.targets = {path: URL(self.url + path) for path in PATHS}
@@ -117,7 +119,7 @@ class EndpointRuntime:
             "load_age_s": None,
             "stale": True,
             "scrape_error": self.scrape_error,
-            "prefix_blocks": len(self.prefix),
+            "prefix_blocks": len(self.prefix_index),
         }
         if load is not None:
             out["load"] = {

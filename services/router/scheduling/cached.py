@@ -85,8 +85,8 @@ class CachedPrefixScorer(StatelessScorer):
         sizes = indexer.block_sizes(cands)
         if sizes is None:
             return None
-        prompt = getattr(ctx.prefix, "prompt", None)
-        if prompt is None:
+        prompt = ctx.prefix.prompt
+        if not prompt:
             return [None] * len(cands)
         work = ctx.kv
         if work is None:
@@ -105,7 +105,7 @@ class CachedPrefixScorer(StatelessScorer):
                 if approx is None:
                     approx = ctx.prefix
                     n = len(approx)
-                share = ep.prefix.match(approx) / n if n else 0.0
+                share = ep.prefix_index.match(approx) / n if n else 0.0
             if share and self.too_busy(ep, now):
                 share = 0.0
             out[i] = share
@@ -131,4 +131,4 @@ class CachedPrefixScorer(StatelessScorer):
         # The guess is fed only for engines without events: it stands in for them alone,
         # and hashing it for every request would cost what the lazy match saves.
         if ctx.prefix and not (self.indexer is not None and self.indexer.tracks(ep.id)):
-            ep.prefix.insert(ctx.prefix)
+            ep.prefix_index.insert(ctx.prefix)

@@ -28,7 +28,13 @@ from llmgw.contracts import SchedulingSpec
 from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
 from llmgw.router.scheduling.pickers import MaxScore, PowerOfTwo, WeightedRandom
-from llmgw.router.scheduling.prefix import PrefixConfig, PrefixScorer, PromptBlocks, block_hashes
+from llmgw.router.scheduling.prefix import (
+    NO_PROMPT,
+    PrefixConfig,
+    PrefixScorer,
+    PromptBlocks,
+    block_hashes,
+)
 from llmgw.router.scheduling.profiles import DEFAULT, ProfileHandler, SingleProfile
 from llmgw.router.scheduling.scorers import (
     InflightScorer,
@@ -67,14 +73,16 @@ class Context:
         self,
         now: float,
         model: str,
-        prefix: list[int] | None = None,
+        prefix: PromptBlocks | None = None,
         session: str | None = None,
         exclude: Sequence[str] = (),
         key: int = 0,
     ):
         self.now = now
         self.model = model
-        self.prefix = prefix or []  # chained block hashes of the prompt
+        # The prompt, and its chained block hashes (computed on first use); empty when
+        # no scorer of the model reads it, or the request has no prompt.
+        self.prefix = prefix if prefix is not None else NO_PROMPT
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
         self.key = key  # request_key(body): the pickers' only source of chance

@@ -91,6 +91,10 @@ class PromptBlocks:
         return f"PromptBlocks({self.hashes!r})"
 
 
+# A request whose prompt no scorer reads: no blocks, nothing to hash.
+NO_PROMPT = PromptBlocks(b"", 1, 0)
+
+
 def block_hashes(
     data: bytes, block: int, max_blocks: int, cache_salt: str | None = None
 ) -> PromptBlocks:
@@ -160,8 +164,8 @@ class PrefixScorer(StatelessScorer):
             return
         n = len(hashes)
         for i, ep in enumerate(cands):
-            out[i] = ep.prefix.match(hashes) / n
+            out[i] = ep.prefix_index.match(hashes) / n
 
     def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
         if ctx.prefix:
-            ep.prefix.insert(ctx.prefix)
+            ep.prefix_index.insert(ctx.prefix)
