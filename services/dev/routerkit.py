@@ -441,8 +441,9 @@ class RunningRouter:
 async def running_router(config) -> AsyncIterator[RunningRouter]:
     """A router in this event loop on free ports; `config` is a RouterConfig."""
     from llmgw.router.http.admin import LocalStats, admin_app
-    from llmgw.router.http.app import RouterService
+    from llmgw.router.http.app import public_app
     from llmgw.router.server import _Server, admin_config, public_config
+    from llmgw.router.service import RouterService
 
     config = msgspec.structs.replace(
         config,
@@ -450,7 +451,7 @@ async def running_router(config) -> AsyncIterator[RunningRouter]:
         admin_listen=f"127.0.0.1:{free_port()}",
     )
     service = RouterService(config)
-    public = _Server(public_config(service.public_app(), config))
+    public = _Server(public_config(public_app(service), config))
     admin = _Server(admin_config(admin_app(LocalStats(service)), config))
     tasks = [asyncio.create_task(public.serve()), asyncio.create_task(admin.serve())]
     try:

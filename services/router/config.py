@@ -27,6 +27,7 @@ from llmgw.contracts import (
 )
 from llmgw.router.admission import config as admission
 from llmgw.router.endpoints import routes
+from llmgw.router.scheduling.prefix import PrefixConfig
 
 
 class ModelConfig(cfg.ConfigStruct):
@@ -80,19 +81,6 @@ class ScrapeConfig(cfg.ConfigStruct):
     # scraped only while its samples are stale (agent down, NATS unreachable).
     # False: scrape every endpoint always, as in router-only mode.
     fallback_only: bool = True
-
-
-class PrefixConfig(cfg.ConfigStruct):
-    block_bytes: int = 256  # 64 pseudo-tokens of 4 bytes, as llm-d's approximate matcher
-    max_blocks: int = 128  # hash at most this many leading blocks of a prompt
-    capacity_blocks: int = 16384  # LRU entries per endpoint
-    # The kv_prefix scorer: distinct engine blocks indexed from KV events (about 100 bytes
-    # each), and the queue past which cache affinity gives way to load.
-    index_max_blocks: int = 4_000_000
-    affinity_max_pending: int = 4
-    # ... and the uncached prompt tokens queued there (estimated), past which it gives
-    # way too: about half a second of prefill for a mid-size model on one GPU. 0: off.
-    affinity_max_pending_tokens: int = 8192
 
 
 class UpstreamConfig(cfg.ConfigStruct):

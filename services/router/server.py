@@ -5,7 +5,7 @@ or SIGINT stops new connections, lets requests in flight finish (up to
 shutdown_grace_seconds), then stops the admin listener and exits 0.
 
 N workers: uvicorn's supervisor (which needs an import string, hence
-`app.worker_app`) binds the public socket and runs the workers, restarting any
+`service.worker_app`) binds the public socket and runs the workers, restarting any
 that dies; the parent itself serves the admin listener from a thread, merging
 the workers' snapshots. SIGTERM reaches the supervisor, which stops the workers
 (each drains like a single process), then the admin listener stops.
@@ -29,8 +29,9 @@ import uvicorn
 from llmgw.config import host_port
 from llmgw.router.config import RouterConfig
 from llmgw.router.http.admin import LocalStats, MergedStats, admin_app
-from llmgw.router.http.app import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
+from llmgw.router.http.app import public_app
 from llmgw.router.http.httplimits import BoundedHttpToolsProtocol
+from llmgw.router.service import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def admin_config(app, config: RouterConfig) -> uvicorn.Config:
 
 async def serve_single(config: RouterConfig) -> None:
     service = RouterService(config)
-    public = _Server(public_config(service.public_app(tune_gc=True), config))
+    public = _Server(public_config(public_app(service, tune_gc=True), config))
     stats = LocalStats(service, listening=lambda: public.started)
     admin = _Server(admin_config(admin_app(stats), config))
 
@@ -110,7 +111,7 @@ def serve_workers(config: RouterConfig) -> int:
     thread.start()
     try:
         uvicorn.run(
-            "llmgw.router.http.app:worker_app",
+            "llmgw.router.service:worker_app",
             factory=True,
             workers=config.workers,
             host=host,

@@ -30,6 +30,7 @@ from llmgw.kvblocks import prompt_hashes
 from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
 from llmgw.router.scheduling.prefix import block_hashes
@@ -71,7 +72,7 @@ def run(case: str, chars: int, requests: int) -> tuple[float, int]:
     for ep in eps[1:]:
         sync(index, ep.id, [])
     spec = SchedulingSpec(scorers={"kv_prefix": 3.0, "queue": 1.0, "inflight": 1.0})
-    pipeline = sc.Pipeline(spec, sc.Settings(stale_after=1.0, kv_index=index))
+    pipeline = sc.Pipeline(spec, sc.Settings(stale_after=1.0, indexer=Indexer(index)))
     if case == "cold":
         system = "".join(reversed(system))
     prompts = [chat(system, f"question {i}") for i in range(requests)]

@@ -42,7 +42,7 @@ LAYERS = [
     ),
     (
         "router: scheduling pipeline",
-        ("router/scheduling/pipeline.py", "router/scheduling/prefix.py", "router/relay/circuit.py"),
+        ("router/scheduling/", "router/relay/circuit.py"),
     ),
     ("router: deadlines and disconnect guard", ("router/request/guard.py",)),
     ("router: metrics", ("router/metrics.py",)),

@@ -105,7 +105,7 @@ def pick(router, msgs: list[dict]) -> str:
 
 
 def index_of(router):
-    return router.service.view.settings.scheduling.kv_index
+    return router.service.kv_index
 
 
 def blocks_of(index, ep_id: str) -> set[int]:

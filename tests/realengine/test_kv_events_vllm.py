@@ -128,9 +128,11 @@ async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
     event's extra keys): the index must not credit the engine with the unsalted prompt,
     and must credit it with the salted repeat, as the engine's own cache hits do."""
     from llmgw.router.kvcache.index import BlockIndex
+    from llmgw.router.kvcache.indexer import Indexer
     from llmgw.router.kvcache.tokens import TOKENIZERS
     from llmgw.router.request import body as rq
     from llmgw.router.scheduling import pipeline as sc
+    from llmgw.router.scheduling.cached import CachedPrefixScorer
     from llmgw.router.scheduling.prefix import block_hashes
     from tests.unit.test_router_kvindex import endpoint
 
@@ -181,7 +183,7 @@ async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
 
             # The router's kv_prefix scorer, from the request bodies as a router gets them.
             assert TOKENIZERS.wait(str(tiny), 60) is not None
-            scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+            scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
             scorer.configure(c.SchedulingSpec(tokenizer=str(tiny)))
             eps = [endpoint("v0", engine="vllm")]
 

@@ -18,8 +18,10 @@ from llmgw.agent.launch import LaunchContext
 from llmgw.engines import ENGINES
 from llmgw.kvblocks import prompt_hashes, salt_extra
 from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.request import body as rq
 from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.prefix import PrefixIndex, block_hashes
 from llmgw.simengine import kvevents, tokens
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -192,7 +194,7 @@ def test_a_salted_request_goes_where_its_salt_is_cached_and_an_unsalted_one_does
     def share(salt: str | None) -> list[float | None]:
         ctx = sc.Context(NOW, "m", prefix=block_hashes(turn1, 256, 128), key=1)
         ctx.salt = salt
-        return sc.CachedPrefixScorer(sc.Settings(kv_index=index)).overlaps(eps, ctx)
+        return CachedPrefixScorer(sc.Settings(indexer=Indexer(index))).overlaps(eps, ctx)
 
     assert share("tenant-a")[1] > 0.9
     assert share(None) == [0.0, 0.0]  # the old code: 1.0 for "salted", a wrong affinity
@@ -352,7 +354,7 @@ def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenize
     held = [h for op in BlockSet().apply(decode(payload)) for h in op.hashes]
     index = BlockIndex()
     synced(index, "sg", *held)
-    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
     scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
     eps = [endpoint("sg", engine="sglang")]
 

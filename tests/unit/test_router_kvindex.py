@@ -8,12 +8,15 @@ import pytest
 from llmgw import contracts as c
 from llmgw.contracts import Endpoint, SchedulingSpec
 from llmgw.kvblocks import byte_tokens, prompt_hashes, token_bytes
+from llmgw.router.endpoints.capacity import BatchCapacities
 from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.kvcache.index import BlockIndex
+from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
-from llmgw.router.scheduling.prefix import block_hashes
+from llmgw.router.scheduling.cached import CachedPrefixScorer
+from llmgw.router.scheduling.prefix import PrefixConfig, block_hashes
 from llmgw.simengine.protocol import Limits, RequestParser
 
 NOW = 1000.0
@@ -183,9 +186,13 @@ def test_the_router_tokenizes_a_chat_exactly_as_the_simulator_does():
     assert sim_tokens(b"[{bad json") is None
 
 
-def pipeline(index, **settings):
+def pipeline(index, batches=None, **prefix):
     spec = SchedulingSpec(scorers={"kv_prefix": 3, "queue": 1, "inflight": 1})
-    return sc.Pipeline(spec, sc.Settings(stale_after=1.0, kv_index=index, **settings))
+    indexer = None if index is None else Indexer(index)
+    settings = sc.Settings(
+        stale_after=1.0, indexer=indexer, batches=batches, prefix=PrefixConfig(**prefix)
+    )
+    return sc.Pipeline(spec, settings)
 
 
 def test_the_engine_holding_the_prefix_wins_and_two_pipelines_agree():
@@ -252,24 +259,24 @@ def test_the_scorer_hashes_only_as_far_as_an_engine_holds_the_prompt_and_once_pe
     # none of the approximate hashes.
     cold = context(chat("Something else entirely. " * 40, "q"))
     assert p.pick(eps, cold) is not None
-    assert len(cold.kv[("sim", BS)]._done) <= 4 < len(cold.kv[("sim", BS)])
+    assert len(cold.kv.hashes[("sim", BS)]._done) <= 4 < len(cold.kv.hashes[("sim", BS)])
     assert cold.prefix._hashes is None
     # A warm prompt: hashed up to the first block no engine holds, kept for a retry.
     warm = context(chat(system, "q", "a long answer. " * 300, "q2"))
     assert p.pick(eps, warm).id == "a"
-    lazy = warm.kv[("sim", BS)]
+    lazy = warm.kv.hashes[("sim", BS)]
     hashed = len(lazy._done)
     # (in chunks of 4, 16, 64, 256 blocks: as far as the chunk the first miss is in)
     assert len(held) - 1 <= hashed < len(lazy)
     warm.exclude = ["a"]
     p.pick(eps, warm)  # the retry
-    assert warm.kv[("sim", BS)] is lazy and len(lazy._done) == hashed
+    assert warm.kv.hashes[("sim", BS)] is lazy and len(lazy._done) == hashed
     assert warm.prefix._hashes is None
 
 
 def test_no_endpoint_with_events_means_no_precise_work():
     index = BlockIndex()
-    scorer = sc.CachedPrefixScorer(sc.Settings(kv_index=index))
+    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
     ctx = context(chat("sys " * 200, "q"))
     assert scorer.overlaps([endpoint("x"), endpoint("y")], ctx) is None
     assert ctx.kv is None
@@ -282,9 +289,11 @@ def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale()
     synced(index, "warm", *sim_blocks(turn1))
     synced(index, "cold")
     cold, warm = endpoint("cold"), endpoint("warm")
-    p = pipeline(index, affinity_max_pending=4)
+    batches = BatchCapacities()
+    p = pipeline(index, affinity_max_pending=4, batches=batches)
     # A sample from when the engine was full: 8 running, 2 queued. It is stale now.
     warm.load = Load(waiting=2, running=8, kv_usage=0.5, at=NOW - 5)
+    batches.observed(warm)  # as the view tells it when the sample lands
     warm.inflight = 8 + 4
     assert p.pick([cold, warm], context(turn1)).id == "warm"  # 4 beyond: at the limit
     warm.inflight = 8 + 5  # this router's burst: 5 beyond the learned capacity

@@ -8,7 +8,10 @@ from llmgw.contracts import Endpoint, EndpointState, SchedulingSpec
 from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.view import EndpointRuntime, ViewSettings
 from llmgw.router.scheduling import pipeline as sc
+from llmgw.router.scheduling.pickers import WeightedRandom
 from llmgw.router.scheduling.prefix import block_hashes
+from llmgw.router.scheduling.profiles import DEFAULT
+from llmgw.router.scheduling.scorers import InflightScorer, KvScorer, QueueScorer
 
 NOW = 1000.0
 SETTINGS = ViewSettings(circuit_failures=2, circuit_cooldown=10.0)
@@ -75,7 +78,7 @@ def test_tried_endpoints_are_excluded():
 
 def test_queue_scorer_prefers_the_shorter_queue_and_rates_stale_load_worst():
     out = [0.0] * 3
-    sc.QueueScorer(sc.Settings(stale_after=1.0)).score(
+    QueueScorer(sc.Settings(stale_after=1.0)).score(
         [ep("a", waiting=0), ep("b", waiting=4), ep("c", waiting=0, age=5.0)], ctx(), out
     )
     assert out == [1.0, 0.0, 0.0]
@@ -83,7 +86,7 @@ def test_queue_scorer_prefers_the_shorter_queue_and_rates_stale_load_worst():
 
 def test_kv_scorer_prefers_free_cache_and_ignores_stale_or_missing_load():
     out = [0.0] * 3
-    sc.KvScorer(sc.Settings(stale_after=1.0)).score(
+    KvScorer(sc.Settings(stale_after=1.0)).score(
         [ep("a", kv=0.25), ep("b", kv=0.1, age=2.0), ep("c", load=False)], ctx(), out
     )
     assert out == [0.75, 0.0, 0.0]
@@ -91,7 +94,7 @@ def test_kv_scorer_prefers_free_cache_and_ignores_stale_or_missing_load():
 
 def test_inflight_scorer_uses_the_routers_own_count():
     out = [0.0] * 3
-    sc.InflightScorer(sc.Settings()).score(
+    InflightScorer(sc.Settings()).score(
         [ep("a", inflight=2), ep("b", inflight=4), ep("c", inflight=3)], ctx(), out
     )
     assert out == [1.0, 0.0, 0.5]
@@ -148,7 +151,7 @@ def test_p2c_never_picks_the_single_worst_endpoint_of_three():
 
 
 def test_weighted_random_picks_in_proportion_to_score():
-    picker = sc.WeightedRandom()
+    picker = WeightedRandom()
     keys = [sc.request_key(b"request %d" % i) for i in range(4000)]
     picks = Counter(picker.pick([3.0, 1.0, 0.0], k) for k in keys)
     assert picks[2] == 0
@@ -168,4 +171,4 @@ def test_the_chosen_endpoints_scores_are_observed_for_real_choices_only():
 
 def test_a_weight_of_zero_turns_a_scorer_off():
     p = pipeline(scorers={"queue": 0, "inflight": 1})
-    assert [s.name for s, _ in p.scorers] == ["inflight"]
+    assert [s.name for s, _ in p.profiles[DEFAULT].scorers] == ["inflight"]

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmgw import contracts
+from llmgw.router.endpoints.capacity import BatchCapacities
 
 from .config import DEFAULT_BANDS, AdmissionSettings
 from .errors import AdmissionRejected
@@ -109,6 +110,7 @@ class Controller:
         stale_after: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
+        batches: BatchCapacities | None = None,
     ) -> None:
         self.settings = settings
         self.enabled = settings.enabled
@@ -123,6 +125,7 @@ class Controller:
             assumed_capacity=settings.assumed_capacity,
             relearn_after=settings.capacity_relearn_seconds,
             routers=self.routers,
+            batches=batches,
         )
         self.queues: dict[str, list[BandQueue]] = {}  # pool name -> one queue per band
         self.queued = 0

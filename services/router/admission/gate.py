@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmgw import contracts
+from llmgw.router.endpoints.capacity import BatchCapacities
 
 from .config import AdmissionSettings
 from .controller import QUEUED, Controller, Metrics, Ticket, no_replica
@@ -52,10 +53,17 @@ class AdmissionGate:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         quiet: bool = False,
+        batches: BatchCapacities | None = None,
     ) -> None:
         self.settings = settings
         self.controller = Controller(
-            settings, bands, tenants, stale_after=stale_after, clock=clock, metrics=metrics
+            settings,
+            bands,
+            tenants,
+            stale_after=stale_after,
+            clock=clock,
+            metrics=metrics,
+            batches=batches,
         )
         self._timer: asyncio.TimerHandle | None = None
         self._was_open = self.controller.open
@@ -210,14 +218,20 @@ def _cold(route: Any) -> bool:
     return not any(ep.state is READY for ep in route.endpoints)
 
 
-def control_plane_gate(config: Any, metrics: AdmissionMetrics | None = None) -> AdmissionGate:
+def control_plane_gate(
+    config: Any,
+    metrics: AdmissionMetrics | None = None,
+    batches: BatchCapacities | None = None,
+) -> AdmissionGate:
     """The gate of a router in control-plane mode: always built, since tenants and bands
-    arrive later; the router skips it while it is not `active`."""
+    arrive later; the router skips it while it is not `active`. `batches`: the router's
+    learned batch capacities, which the gate reads and its view feeds."""
     gate = AdmissionGate(
         config.admission,
         stale_after=config.scrape.stale_after_seconds,
         metrics=metrics,
         quiet=True,
+        batches=batches,
     )
     gate.workers = config.workers
     gate.set_routers(1)
@@ -227,7 +241,9 @@ def control_plane_gate(config: Any, metrics: AdmissionMetrics | None = None) -> 
 
 
 def from_router_config(
-    config: Any, metrics: AdmissionMetrics | None = None
+    config: Any,
+    metrics: AdmissionMetrics | None = None,
+    batches: BatchCapacities | None = None,
 ) -> AdmissionGate | None:
     """The gate a router process runs with (`config` is its RouterConfig), or None when
     admission has nothing to do there (see `active`): the router then skips it."""
@@ -237,6 +253,7 @@ def from_router_config(
         config.tenants,
         stale_after=config.scrape.stale_after_seconds,
         metrics=metrics,
+        batches=batches,
     )
     if not gate.active:
         return None

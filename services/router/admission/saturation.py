@@ -11,10 +11,11 @@ over the pool's ready endpoints, where
   granted that have not finished (dispatched or not: between admission and
   dispatch a request is invisible to every other count), or the endpoints'
   in-flight counts if higher (endpoints shared with other models).
-- `capacity` is what the engines run at once: an endpoint's `max_running` hint
-  when declared, else what was learned from the running counts scraped from it
-  (vLLM's metrics do not say max-num-seqs; see `Learned`), and
-  `assumed_capacity` until the first scrape. In-flight work up to capacity is
+- `capacity` is what the engines run at once: the larger of an endpoint's
+  `max_running` hint and what was learned from the running counts scraped from it
+  (vLLM's metrics do not say max-num-seqs; see `endpoints.capacity.Learned`, the
+  one learned value the kv_prefix scorer's affinity limit reads too), and
+  `assumed_capacity` while neither is known. In-flight work up to capacity is
   running, not queued.
 - `others' waiting` is the part of an endpoint's scraped waiting count that this
   router's own requests do not explain: the waiting count minus this router's
@@ -40,13 +41,11 @@ evaluation.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from llmgw.contracts import EndpointState
-
-log = logging.getLogger(__name__)
+from llmgw.router.endpoints.capacity import BatchCapacities
 
 READY = EndpointState.READY
 
@@ -63,43 +62,6 @@ class Pool:
         self.cold = False
 
 
-class Learned:
-    """One endpoint's batch capacity as learned from its samples, one sample at a time.
-
-    - It rises to any running count above it (the engine ran that many at once).
-    - It falls only on evidence: for `relearn_after` seconds of consecutive samples
-      (none more than `stale_after` apart) the engine had requests waiting and never
-      ran as many as learned. It then falls to the most the engine ran in that time,
-      which is what it runs now (restarted with a smaller max-num-seqs, or a smaller
-      engine behind the same id). A single sample caught between two engine steps
-      (a request finished, the next not yet scheduled) does not count: any sample
-      at the learned value, or with no queue, ends the stretch.
-    - A new url or replica behind the same id is a new engine: learning starts over.
-
-    Why it cannot oscillate with the saturation gate: admission lets an engine see
-    its capacity plus the queue allowance, so an engine at its real batch size B
-    shows running == B (a learned value of B is then confirmed, not lowered) with
-    some waiting, and it can never show more than B (the value never rises above
-    B). Lowering needs seconds of evidence and rising needs a larger batch, so the
-    value moves only when what the engine can run moves.
-    """
-
-    __slots__ = ("spec", "url", "replica", "value", "short_since", "short_peak", "last_at")
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec  # the spec last checked (identity: re-checked only when replaced)
-        self.url = spec.url
-        self.replica = spec.replica_id
-        self.value = 0  # 0: nothing learned yet
-        self.short_since: float | None = None  # start of the current short-and-queued stretch
-        self.short_peak = 0  # most running seen in that stretch
-        self.last_at = 0.0  # its latest sample
-
-    def same_engine(self, spec: Any) -> bool:
-        self.spec = spec
-        return spec.url == self.url and spec.replica_id == self.replica
-
-
 class Detector:
     def __init__(
         self,
@@ -110,15 +72,20 @@ class Detector:
         assumed_capacity: int = 1,
         relearn_after: float = 5.0,
         routers: int = 1,
+        batches: BatchCapacities | None = None,
     ) -> None:
         self.queue_threshold = queue_threshold
         self.kv_threshold = kv_threshold
         self.stale_after = stale_after
         self.assumed_capacity = assumed_capacity
-        self.relearn_after = relearn_after  # 0: the learned capacity never falls
         self.routers = routers
         self.pools: dict[str, Pool] = {}
-        self.learned: dict[str, Learned] = {}  # endpoint id -> what its samples taught
+        # The router's learned capacities, fed by its view (shared with the scorers), or
+        # this detector's own, which it then feeds and prunes itself.
+        self.owns_batches = batches is None
+        self.batches = batches or BatchCapacities(
+            stale_after=stale_after, relearn_after=relearn_after
+        )
         # endpoint id -> (sample time, this router's in-flight there when first seen)
         self._own_at_sample: dict[str, tuple[float, float]] = {}
 
@@ -128,75 +95,30 @@ class Detector:
             pool = self.pools[model] = Pool(model)
         return pool
 
-    def _learned(self, ep: Any) -> Learned:
-        entry = self.learned.get(ep.id)
-        spec = ep.spec
-        if entry is None or (entry.spec is not spec and not entry.same_engine(spec)):
-            if entry is not None and entry.value:
-                log.info(
-                    "endpoint %s is a new engine (url or replica changed): "
-                    "its capacity is learned afresh",
-                    ep.id,
-                )
-            entry = self.learned[ep.id] = Learned(spec)
-        return entry
+    @property
+    def learned(self) -> dict:
+        """Endpoint id -> what its samples taught (`endpoints.capacity.Learned`)."""
+        return self.batches.learned
 
     def forget_gone(self) -> None:
         """Drop what was learned of endpoints no pool routes to any more: every rolling
         update brings new endpoint ids, and a long-lived router must not keep them all."""
         live = {ep.id for pool in self.pools.values() for ep in pool.endpoints}
-        for table in (self.learned, self._own_at_sample):
-            for gone in table.keys() - live:
-                del table[gone]
+        for gone in self._own_at_sample.keys() - live:
+            del self._own_at_sample[gone]
+        if self.owns_batches:  # shared ones are pruned by their owner, on view changes
+            self.batches.keep_only(live)
 
     def capacity(self, ep: Any) -> int:
-        learned = self._learned(ep).value
-        hint = ep.spec.max_running
-        if hint:
-            return max(hint, learned)
-        return learned or self.assumed_capacity
+        return self.batches.of(ep) or self.assumed_capacity
 
     def observed(self, ep: Any) -> None:
-        """A sample just landed for `ep`: note this router's in-flight count there now,
-        and learn its capacity from it."""
+        """A sample just landed for `ep`: note this router's in-flight count there now
+        (and learn its capacity from it, when the capacities are this detector's own)."""
         load = ep.load
         self._own_at_sample[ep.id] = (load.at, ep.inflight)
-        self.learn(ep, self._learned(ep), load)
-
-    def learn(self, ep: Any, entry: Learned, load: Any) -> None:
-        """One sample's lesson (see `Learned`)."""
-        running = int(load.running)
-        if running > entry.value:
-            entry.value = running
-            entry.short_since = None
-            return
-        if running == entry.value or load.waiting <= 0 or self.relearn_after <= 0:
-            entry.short_since = None  # at the learned batch, or nothing waiting
-            return
-        at = load.at
-        if entry.short_since is None or at - entry.last_at > self.stale_after:
-            entry.short_since = at
-            entry.short_peak = running
-        elif running > entry.short_peak:
-            entry.short_peak = running
-        entry.last_at = at
-        if at - entry.short_since >= self.relearn_after:
-            if entry.short_peak == 0:
-                # Queued yet running nothing: a stalled engine (hung, preempting), not a
-                # smaller one. Learning 0 would leave it a capacity of 1 to climb back from.
-                entry.short_since = None
-                return
-            log.info(
-                "endpoint %s: learned capacity %d -> %d (requests waited there for %.1fs "
-                "while it ran at most %d)",
-                ep.id,
-                entry.value,
-                entry.short_peak,
-                at - entry.short_since,
-                entry.short_peak,
-            )
-            entry.value = entry.short_peak
-            entry.short_since = None
+        if self.owns_batches:
+            self.batches.observed(ep)
 
     def others_waiting(self, ep: Any, load: Any) -> float:
         """The endpoint's scraped waiting count beyond what this router's requests explain."""

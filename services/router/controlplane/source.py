@@ -41,6 +41,7 @@ from llmgw.router.controlplane.samples import SampleFeed
 from llmgw.router.controlplane.watch import BucketWatcher, Entry
 from llmgw.router.endpoints.view import EndpointView
 from llmgw.router.kvcache.feed import KvEventFeed
+from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ControlPlaneSource:
         gate: AdmissionGate,
         metrics: RouterMetrics,
         *,
+        kv_index: BlockIndex | None = None,
         on_gate_change: Callable[[], None] = lambda: None,
     ):
         assert config.nats_url and config.router_id, "control-plane mode needs both"
@@ -68,7 +70,8 @@ class ControlPlaneSource:
         self.presence: Presence | None = None
         self.watchers: list[BucketWatcher] = []  # tenants, then endpoints
         self._samples_sub = None
-        self.kv_events = None  # kvfeed.KvEventFeed, when the view has a KV block index
+        self.kv_index = kv_index  # fed from engines' KV events; None: not indexed
+        self.kv_events = None  # kvfeed.KvEventFeed, when there is an index to feed
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -130,7 +133,7 @@ class ControlPlaneSource:
         nc = self.nc
         if self._samples_sub is None:
             self._samples_sub = await nc.subscribe(subjects.LOAD_ALL, cb=self._sample)
-        index = self.view.settings.scheduling.kv_index if self.view is not None else None
+        index = self.kv_index
         if self.kv_events is None and index is not None:
             self.kv_events = KvEventFeed(self.view, index, nc, metrics=self.metrics)
             await self.kv_events.start()

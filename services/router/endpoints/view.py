@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 class ViewSettings:
     circuit_failures: int = 5
     circuit_cooldown: float = 10.0
-    prefix_capacity: int = 16384
     scheduling: scheduling.Settings = scheduling.Settings()
 
 
@@ -58,12 +57,11 @@ class EndpointRuntime:
         "circuit",
         "load",
         "inflight",
-        "prefix",
+        "prefix_index",
         "scrape_error",
         "targets",
         "pushed_at",
         "headers",
-        "batch_capacity",
         "uncached_tokens",
     )
 
@@ -76,15 +74,14 @@ class EndpointRuntime:
         self.circuit = Circuit(settings.circuit_failures, settings.circuit_cooldown)
         self.load: Load | None = None
         self.inflight = 0
-        self.prefix = PrefixIndex(settings.prefix_capacity)
+        # Block hashes of the prompts this router sent here: the approximate scorers'
+        # guess at what the engine caches.
+        self.prefix_index = PrefixIndex(settings.scheduling.prefix.capacity_blocks)
         self.scrape_error: str | None = None
         # request path -> upstream URL, parsed once (a new url makes a new runtime)
         self.targets = {path: URL(self.url + path) for path in PATHS}
         self.pushed_at = float("-inf")  # monotonic arrival of the latest agent load sample
         self.headers = resolve_headers(spec.upstream)  # added to every request to it
-        # The engine's running batch at its largest while requests queued: its capacity
-        # when the catalog declares none (learned from load samples by kv_prefix).
-        self.batch_capacity = 0
         # Uncached prompt tokens per request this router sent here (moving average): what
         # each queued request will cost the engine's prefill (kv_prefix).
         self.uncached_tokens = 0.0
@@ -122,7 +119,7 @@ class EndpointRuntime:
             "load_age_s": None,
             "stale": True,
             "scrape_error": self.scrape_error,
-            "prefix_blocks": len(self.prefix),
+            "prefix_blocks": len(self.prefix_index),
         }
         if load is not None:
             out["load"] = {
@@ -154,7 +151,7 @@ def resolve_headers(spec: UpstreamSpec) -> dict[str, str]:
 class ModelRoute:
     name: str
     endpoints: tuple[EndpointRuntime, ...]
-    pipeline: scheduling.Pipeline
+    pipeline: scheduling.Pipeline  # its scheduling profiles (one by default) and their handler
     deadlines: DeadlineSpec
     fallbacks: tuple[str, ...]  # models to walk, in order, once this one has failed
     headers: dict[str, str] = field(default_factory=dict)  # to every engine of this model

@@ -1,260 +1,96 @@
-"""Assembles one router process: view, source, scraper, proxy, and the two apps.
+"""The public ASGI app of a router process: the proxy's paths, /v1/models, the OpenAPI
+document and the error answers, for a `service.RouterService` that it starts and stops.
 
-The source is the config file (router-only mode) or, with `nats_url`, the
-control plane (controlplane.py), which also feeds admission its tenants, bands
-and the live router count.
-
-`RouterService` owns every long-lived piece and starts and stops them in
-order. `worker_app` is the factory uvicorn imports in each worker process when
-the router runs with several workers (uvicorn needs an import string then);
-the parent hands the resolved config over in an environment variable, so
-every worker runs exactly what the parent validated.
+`HotPaths` answers the proxy's paths before Starlette's middleware (see its docstring);
+the rest goes through Starlette.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmgw import logs
-from llmgw.router.admission.gate import control_plane_gate, from_router_config
-from llmgw.router.config import RouterConfig, projection, resolve_router_id
-from llmgw.router.endpoints.scraper import Scraper
-from llmgw.router.endpoints.view import EndpointSource, EndpointView, StaticSource, ViewSettings
-from llmgw.router.http import openapi, snapshots
+from llmgw.router.http import openapi
 from llmgw.router.http.cors import Cors
 from llmgw.router.http.errors import RouterError, error_body
-from llmgw.router.http.models import EngineModels
-from llmgw.router.kvcache.index import BlockIndex
-from llmgw.router.metrics import RouterMetrics
 from llmgw.router.request import body as rq
-from llmgw.router.request import handler as px
 from llmgw.router.request.kinds import RESPONSES_PREFIX
-from llmgw.router.scheduling import pipeline as scheduling
 
 if TYPE_CHECKING:
-    from llmgw.router.admission.seam import Gate
-
-CONFIG_ENV = "LLMGW_ROUTER_RESOLVED_CONFIG"
-SNAPSHOT_ENV = "LLMGW_ROUTER_SNAPSHOT_DIR"
+    from llmgw.router.service import RouterService
 
 
-class RouterService:
-    def __init__(
-        self,
-        config: RouterConfig,
-        *,
-        source: EndpointSource | None = None,
-        gate: Gate | None = None,
-    ):
-        if config.nats_url:
-            config = resolve_router_id(config)
-        self.config = config
-        self.metrics = RouterMetrics()
-        self.view = EndpointView(
-            ViewSettings(
-                circuit_failures=config.circuit.failures,
-                circuit_cooldown=config.circuit.cooldown_seconds,
-                prefix_capacity=config.prefix.capacity_blocks,
-                scheduling=scheduling.Settings(
-                    stale_after=config.scrape.stale_after_seconds,
-                    # Engines' KV events arrive over the bus, so only with a control plane.
-                    kv_index=BlockIndex(config.prefix.index_max_blocks)
-                    if config.nats_url
-                    else None,
-                    affinity_max_pending=config.prefix.affinity_max_pending,
-                    affinity_max_pending_tokens=config.prefix.affinity_max_pending_tokens,
-                ),
-            ),
-            observer=self.metrics,
+def public_app(
+    service: RouterService,
+    *,
+    lifespan: bool = True,
+    snapshot_dir: Path | None = None,
+    tune_gc: bool = False,
+) -> HotPaths:
+    """The public app of a router process: the proxy's paths, /v1/models and the
+    OpenAPI document, with the service started and stopped by its lifespan."""
+    engine_models = service.engine_models
+
+    def authenticate(request: Request) -> Response | None:
+        try:
+            service.proxy.gate.authenticate(dict(request.scope["headers"]))
+        except RouterError as err:
+            return _error(err.status, err.reason, err.message, request, err.headers)
+        return None
+
+    async def list_models(request: Request) -> Response:
+        refused = authenticate(request)
+        if refused is not None:
+            return refused
+        data = await engine_models.describe(
+            service.proxy.session, service.view.models(), service.view.resolve
         )
-        self.admission = None
-        if source is None and config.nats_url:
-            # Tenants and bands arrive later: the gate always exists, and the proxy uses
-            # it only while it has something to do (_install_gate).
-            from llmgw.router.controlplane.source import ControlPlaneSource
+        return JSONResponse({"object": "list", "data": data})
 
-            self.admission = control_plane_gate(config, self.metrics.admission)
-            source = ControlPlaneSource(
-                config, self.admission, self.metrics, on_gate_change=self._install_gate
-            )
-        elif gate is None:
-            gate = self.admission = from_router_config(config, self.metrics.admission)
-        self.source = source or StaticSource(projection(config))
-        if self.admission is not None:
-            self.admission.route_of = self.view.route
-            self.view.on_load(self.admission.observed)
-            self.view.subscribe(self._endpoints_changed)
-        self.proxy = px.Proxy(
-            self.view,
-            self.metrics,
-            px.Settings(
-                max_body_bytes=config.max_body_bytes,
-                body_read_seconds=config.body_read_timeout_seconds,
-                attempts_per_model=config.retry.attempts_per_model,
-                prefix_block_bytes=config.prefix.block_bytes,
-                prefix_max_blocks=config.prefix.max_blocks,
-                pool_limit=config.upstream.pool_limit,
-                keepalive_seconds=config.upstream.keepalive_seconds,
-                access_log=config.access_log,
-            ),
-            gate,
+    async def get_model(request: Request) -> Response:
+        refused = authenticate(request)
+        if refused is not None:
+            return refused
+        name = request.path_params["model"]
+        canonical = service.view.resolve(name)
+        if canonical is None:
+            return _error(404, "model_not_found", f"The model '{name}' does not exist", request)
+        root = canonical.name if canonical.name != name else None
+        data = await engine_models.describe(
+            service.proxy.session, [(name, root)], service.view.resolve
         )
-        self._install_gate()
-        self.scraper = (
-            Scraper(
-                self.view,
-                self.metrics,
-                config.scrape,
-                fallback_only=bool(config.nats_url) and config.scrape.fallback_only,
-            )
-            if config.scrape.enabled
-            else None
-        )
-        self.started = False
-        self._writer: snapshots.Writer | None = None
-        self.engine_models = EngineModels()
+        return JSONResponse(data[0])
 
-    async def start(self, snapshot_dir: Path | None = None) -> None:
-        await self.proxy.start()
-        await self.source.start(self.view)
-        if self.scraper is not None:
-            await self.scraper.start()
-        self.started = True
-        if snapshot_dir is not None:
-            self._writer = snapshots.Writer(snapshot_dir, self.snapshot)
-            self._writer.start()
+    @contextlib.asynccontextmanager
+    async def run(app: Starlette):
+        await service.start(snapshot_dir)
+        if tune_gc:
+            tune_collector()
+        try:
+            yield
+        finally:
+            await service.stop()
 
-    async def stop(self) -> None:
-        self.started = False
-        if self._writer is not None:
-            await self._writer.stop()
-        if self.scraper is not None:
-            await self.scraper.stop()
-        await self.source.stop()
-        await self.proxy.stop()
-        if self.admission is not None:
-            self.admission.close()
-
-    def _endpoints_changed(self) -> None:
-        def endpoints_of(model: str):
-            route = self.view.route(model)
-            return route.endpoints if route is not None else ()
-
-        self.admission.endpoints_changed(endpoints_of)
-        cold = any(r.scale_from_zero for m, _ in self.view.models() if (r := self.view.route(m)))
-        if cold != self.admission.scale_from_zero:
-            self.admission.routes_changed(cold)
-            self._install_gate()
-
-    def _install_gate(self) -> None:
-        """Control-plane mode: admission in the request path only while it can act."""
-        if self.config.nats_url and self.admission is not None:
-            self.proxy.set_gate(self.admission if self.admission.active else None)
-
-    def readiness(self) -> tuple[bool, str]:
-        if not self.started:
-            return False, "starting"
-        if not self.view.ready():
-            return False, "no ready endpoint known"
-        return True, "ok"
-
-    def describe_endpoints(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        stale = self.config.scrape.stale_after_seconds
-        out = [ep.describe(now, stale) for ep in self.view.endpoints.values()]
-        index = self.view.settings.scheduling.kv_index
-        if index is not None:
-            for ep in out:
-                st = index.endpoints.get(ep["id"])
-                # Blocks the engine holds per its KV events; null: no events (approximate).
-                ep["kv_events_blocks"] = st.count if st is not None and st.synced else None
-        return out
-
-    def snapshot(self) -> snapshots.Snapshot:
-        self.metrics.refresh_endpoints(self.view.endpoints.values(), time.monotonic())
-        return snapshots.Snapshot(
-            pid=os.getpid(),
-            written_at=time.time(),
-            ready=self.readiness()[0],
-            metrics=self.metrics.registry.snapshot(),
-            endpoints=self.describe_endpoints(),
-        )
-
-    # ------------------------------------------------------------ the public app
-
-    def public_app(
-        self,
-        *,
-        lifespan: bool = True,
-        snapshot_dir: Path | None = None,
-        tune_gc: bool = False,
-    ) -> HotPaths:
-        engine_models = self.engine_models
-
-        def authenticate(request: Request) -> Response | None:
-            try:
-                self.proxy.gate.authenticate(dict(request.scope["headers"]))
-            except RouterError as err:
-                return _error(err.status, err.reason, err.message, request, err.headers)
-            return None
-
-        async def list_models(request: Request) -> Response:
-            refused = authenticate(request)
-            if refused is not None:
-                return refused
-            data = await engine_models.describe(
-                self.proxy.session, self.view.models(), self.view.resolve
-            )
-            return JSONResponse({"object": "list", "data": data})
-
-        async def get_model(request: Request) -> Response:
-            refused = authenticate(request)
-            if refused is not None:
-                return refused
-            name = request.path_params["model"]
-            canonical = self.view.resolve(name)
-            if canonical is None:
-                return _error(404, "model_not_found", f"The model '{name}' does not exist", request)
-            root = canonical.name if canonical.name != name else None
-            data = await engine_models.describe(
-                self.proxy.session, [(name, root)], self.view.resolve
-            )
-            return JSONResponse(data[0])
-
-        @contextlib.asynccontextmanager
-        async def run(app: Starlette):
-            await self.start(snapshot_dir)
-            if tune_gc:
-                tune_collector()
-            try:
-                yield
-            finally:
-                await self.stop()
-
-        hot = {path: self.proxy.endpoint(kind) for path, kind in rq.PATHS.items()}
-        routes = [Route(path, ep, methods=["POST"]) for path, ep in hot.items()]
-        routes.append(Route("/v1/models", list_models, methods=["GET"]))
-        routes.append(Route("/v1/models/{model:path}", get_model, methods=["GET"]))
-        routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
-        app = Starlette(
-            routes=routes,
-            lifespan=run if lifespan else None,
-            exception_handlers={HTTPException: _http_error, Exception: _internal_error},
-        )
-        cors = Cors(self.config.cors) if self.config.cors.allow_origins else None
-        return HotPaths(app, hot, self.proxy.stored_responses(), self.proxy.new_rid, cors)
+    hot = {path: service.proxy.endpoint(kind) for path, kind in rq.PATHS.items()}
+    routes = [Route(path, ep, methods=["POST"]) for path, ep in hot.items()]
+    routes.append(Route("/v1/models", list_models, methods=["GET"]))
+    routes.append(Route("/v1/models/{model:path}", get_model, methods=["GET"]))
+    routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
+    app = Starlette(
+        routes=routes,
+        lifespan=run if lifespan else None,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+    cors = Cors(service.config.cors) if service.config.cors.allow_origins else None
+    return HotPaths(app, hot, service.proxy.stored_responses(), service.proxy.new_rid, cors)
 
 
 class HotPaths:
@@ -396,18 +232,3 @@ def tune_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, 50, 100)
-
-
-def encode_config(config: RouterConfig) -> str:
-    return msgspec.json.encode(config).decode()
-
-
-def worker_app() -> HotPaths:
-    """The factory each worker process calls (`--workers N`)."""
-    config = msgspec.json.decode(os.environ[CONFIG_ENV].encode(), type=RouterConfig)
-    logs.setup("router", config.log_level)
-    snapshot_dir = os.environ.get(SNAPSHOT_ENV)
-    service = RouterService(config)
-    return service.public_app(
-        snapshot_dir=Path(snapshot_dir) if snapshot_dir else None, tune_gc=True
-    )

@@ -41,7 +41,6 @@ from llmgw.router.request import kinds
 from llmgw.router.request.exchange import Exchange, request_id
 from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
 from llmgw.router.scheduling.pipeline import Context, request_key
-from llmgw.router.scheduling.prefix import block_hashes
 
 if TYPE_CHECKING:
     # The admission package implements the seam; the proxy only calls it.
@@ -61,8 +60,6 @@ class Settings:
     max_body_bytes: int = 8 * 1024 * 1024
     body_read_seconds: float = 30.0
     attempts_per_model: int = 3
-    prefix_block_bytes: int = 256
-    prefix_max_blocks: int = 128
     pool_limit: int = 4096
     keepalive_seconds: float = 30.0
     access_log: bool = False
@@ -284,19 +281,12 @@ class Proxy:
                 raise walk.outcome()
 
     def _prepare(self, req: rq.Parsed, headers: dict[bytes, bytes]):
-        settings = self.settings
-
         def prepare(ctx: Context, route: ModelRoute) -> None:
             pipeline = route.pipeline
             ctx.model = route.name
-            if pipeline.uses_prefix and not ctx.prefix and req.prompt:
-                ctx.prefix = block_hashes(
-                    req.prompt,
-                    settings.prefix_block_bytes,
-                    settings.prefix_max_blocks,
-                    req.cache_salt,
-                )
-            session = headers.get(pipeline.session_header) if pipeline.uses_session else None
+            if pipeline.needs_prompt_blocks and not ctx.prefix and req.prompt:
+                ctx.prefix = pipeline.prompt_blocks(req.prompt, req.cache_salt)
+            session = headers.get(pipeline.session_header) if pipeline.needs_session else None
             ctx.session = session.decode("latin-1") if session is not None else None
 
         return prepare

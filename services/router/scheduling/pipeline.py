@@ -1,7 +1,10 @@
 """Where a request goes: filters, then weighted scorers, then a picker.
 
-Each unit is small, named and behind one interface, and a model's pipeline is
-assembled from its `contracts.SchedulingSpec` (names and weights). Pure: the
+Each unit is small, named and behind one interface (the plugins live in `filters`,
+`scorers`, `prefix`, `cached` and `pickers`; their names in the registries here). A
+`Profile` is one run of them, and a model's `Pipeline` holds its profiles (one by
+default; see `profiles`), assembled from its `contracts.SchedulingSpec` (names and
+weights). Pure: the
 caller passes the time, and there is no random source. Where a picker needs
 chance (ties, p2c's two candidates, weighted_random's draw) it reads the
 request's key, a hash of its bytes (`request_key`): two routers with the same
@@ -17,33 +20,48 @@ model's weights and the picker chooses. Scorers that learn from decisions
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from llmgw.contracts import EndpointState, SchedulingSpec
-from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, salt_extra, token_count
-from llmgw.router.kvcache.tokens import TOKENIZERS, tokens_for
-from llmgw.router.relay.circuit import CLOSED
+from llmgw.contracts import SchedulingSpec
+from llmgw.router.scheduling.cached import CachedPrefixScorer
+from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
+from llmgw.router.scheduling.pickers import MaxScore, PowerOfTwo, WeightedRandom
+from llmgw.router.scheduling.prefix import (
+    NO_PROMPT,
+    PrefixConfig,
+    PrefixScorer,
+    PromptBlocks,
+    block_hashes,
+)
+from llmgw.router.scheduling.profiles import DEFAULT, ProfileHandler, SingleProfile
+from llmgw.router.scheduling.scorers import (
+    InflightScorer,
+    KvScorer,
+    QueueScorer,
+    SessionScorer,
+)
 
 if TYPE_CHECKING:
+    from llmgw.router.endpoints.capacity import BatchCapacities
     from llmgw.router.endpoints.view import EndpointRuntime
+    from llmgw.router.kvcache.indexer import Indexer, PromptWork
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
+    """What every model's pipeline is built from: each plugin reads its own config
+    section, and the data the router produces for the plugins that need it."""
+
     stale_after: float = 1.0  # seconds after which scraped load no longer counts
     session_capacity: int = 65536  # sessions remembered per model
-    # The router's index of engines' KV events (kvindex.BlockIndex); None: no events.
-    kv_index: Any = None
-    # Cache affinity holds while the warm engine has at most this many requests pending
-    # (waiting in its queue, or in flight from this router beyond its batch capacity).
-    affinity_max_pending: int = 4
-    # ... and while the uncached prompt tokens queued there are at most this many (0: no
-    # token limit): pending requests x the uncached tokens of this router's requests there.
-    affinity_max_pending_tokens: int = 8192
-    kv_max_blocks: int = 512  # prompt blocks hashed per request, at most
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)  # the config's `prefix:`
+    # What engines hold per their KV events (control-plane mode); None: no events.
+    indexer: Indexer | None = None
+    # Each endpoint's batch capacity, learned from its load samples (shared with
+    # admission); None: only the catalog's `max_running` hints.
+    batches: BatchCapacities | None = None
 
 
 class Context:
@@ -55,20 +73,22 @@ class Context:
         self,
         now: float,
         model: str,
-        prefix: list[int] | None = None,
+        prefix: PromptBlocks | None = None,
         session: str | None = None,
         exclude: Sequence[str] = (),
         key: int = 0,
     ):
         self.now = now
         self.model = model
-        self.prefix = prefix or []  # chained block hashes of the prompt
+        # The prompt, and its chained block hashes (computed on first use); empty when
+        # no scorer of the model reads it, or the request has no prompt.
+        self.prefix = prefix if prefix is not None else NO_PROMPT
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
         self.key = key  # request_key(body): the pickers' only source of chance
-        # kv_prefix's work on this prompt, kept for the request's retries: token ids by
-        # engine kind, lazily computed block hashes by (engine kind, block size).
-        self.kv: dict | None = None
+        # The KV indexer's work on this prompt (token ids, block hashes, what each
+        # engine held), kept for the request's retries.
+        self.kv: PromptWork | None = None
         # The request's cache_salt: engines key its first block by it, so must kv_prefix.
         self.salt: str | None = None
 
@@ -86,15 +106,6 @@ def request_key(body: bytes) -> int:
     return zlib.crc32(len(body).to_bytes(8, "little"), key)
 
 
-def _unit(key: int) -> float:
-    """The key as a number in [0, 1), its bits mixed so nearby keys land far apart
-    (murmur3's finaliser: CRCs of bodies that differ in one byte differ in few bits)."""
-    h = key & 0xFFFFFFFF
-    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
-    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
-    return (h ^ (h >> 16)) / 4294967296.0
-
-
 # ------------------------------------------------------------------ interfaces
 
 
@@ -109,6 +120,13 @@ class Filter(Protocol):
 class Scorer(Protocol):
     name: ClassVar[str]
     learns: ClassVar[bool]  # wants `picked` calls
+    # What it reads from the request, so the pipeline prepares only what some scorer
+    # needs: the prompt's blocks (`Context.prefix`), the session header (`.session`).
+    needs_prompt_blocks: ClassVar[bool]
+    needs_session: ClassVar[bool]
+
+    def configure(self, spec: SchedulingSpec) -> None:
+        """The model's scheduling section is known (e.g. its tokenizer)."""
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         """Write each candidate's score (0..1, higher is better) into `out`."""
@@ -120,359 +138,6 @@ class Picker(Protocol):
     name: ClassVar[str]
 
     def pick(self, totals: Sequence[float], key: int) -> int: ...
-
-
-# ------------------------------------------------------------------ filters
-
-
-class ServesModel:
-    name = "serves_model"
-
-    def __init__(self, settings: Settings):
-        pass
-
-    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
-        model = ctx.model
-        return [ep for ep in cands if model in ep.models]
-
-
-class Ready:
-    """Ready and not draining: a draining engine finishes what it has, takes nothing new."""
-
-    name = "ready"
-
-    def __init__(self, settings: Settings):
-        pass
-
-    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
-        ready = EndpointState.READY
-        return [ep for ep in cands if ep.state is ready]
-
-
-class CircuitClosed:
-    """Circuit not open; after the cool-down, one probe may pass."""
-
-    name = "circuit"
-
-    def __init__(self, settings: Settings):
-        pass
-
-    def select(self, cands: list[EndpointRuntime], ctx: Context) -> list[EndpointRuntime]:
-        now = ctx.now
-        return [ep for ep in cands if ep.circuit.state is CLOSED or ep.circuit.allows(now)]
-
-
-# ------------------------------------------------------------------ scorers
-
-
-class _Stateless:
-    learns = False
-
-    def __init__(self, settings: Settings):
-        self.stale_after = settings.stale_after
-
-    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        pass
-
-
-def _min_max(values: list[float | None], out: list[float]) -> None:
-    """Lower is better; unknown (None) scores 0. Relative, so small gaps still separate."""
-    known = [v for v in values if v is not None]
-    if not known:
-        return
-    lo, hi = min(known), max(known)
-    span = hi - lo
-    for i, v in enumerate(values):
-        if v is None:
-            out[i] = 0.0
-        elif span == 0:
-            out[i] = 1.0
-        else:
-            out[i] = (hi - v) / span
-
-
-class QueueScorer(_Stateless):
-    """Fewer requests waiting in the engine's queue is better (stale load scores 0)."""
-
-    name = "queue"
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        limit = ctx.now - self.stale_after
-        values: list[float | None] = []
-        for ep in cands:
-            load = ep.load
-            values.append(load.waiting if load is not None and load.at >= limit else None)
-        _min_max(values, out)
-
-
-class KvScorer(_Stateless):
-    """More free KV cache is better (stale load scores 0)."""
-
-    name = "kv"
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        limit = ctx.now - self.stale_after
-        for i, ep in enumerate(cands):
-            load = ep.load
-            out[i] = 1.0 - load.kv_usage if load is not None and load.at >= limit else 0.0
-
-
-class InflightScorer(_Stateless):
-    """Fewer requests this router has in flight there is better: the signal that never lags."""
-
-    name = "inflight"
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        _min_max([ep.inflight for ep in cands], out)
-
-
-class PrefixScorer(_Stateless):
-    """The share of the prompt's leading blocks this router already sent to the endpoint."""
-
-    name = "prefix"
-    learns = True
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        hashes = ctx.prefix
-        if not hashes:
-            return
-        n = len(hashes)
-        for i, ep in enumerate(cands):
-            out[i] = ep.prefix.match(hashes) / n
-
-    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        if ctx.prefix:
-            ep.prefix.insert(ctx.prefix)
-
-
-# Weight of the latest request in an endpoint's average of uncached prompt tokens.
-_UNCACHED_WEIGHT = 0.2
-
-
-class CachedPrefixScorer(_Stateless):
-    """The share of the prompt's blocks the endpoint actually holds, from engine KV events.
-
-    For an endpoint whose engine sends events (the router's BlockIndex is synced for
-    it) the prompt is tokenized as that engine does (prompttokens) and its blocks
-    hashed as the relay hashes them (kvblocks); for one that sends none, the
-    approximate guess of PrefixScorer stands in, and every pick still feeds that guess.
-
-    Load-aware affinity: an endpoint with more than `affinity_max_pending` requests
-    pending (its queue from a fresh load sample, or this router's in-flight requests
-    beyond its batch capacity, declared or learned), or with more than
-    `affinity_max_pending_tokens` uncached prompt tokens estimated queued there, scores
-    0 here, so load alone decides until it drains.
-    """
-
-    name = "kv_prefix"
-    learns = True
-
-    def __init__(self, settings: Settings):
-        super().__init__(settings)
-        self.index = settings.kv_index
-        self.max_pending = settings.affinity_max_pending
-        self.max_pending_tokens = settings.affinity_max_pending_tokens
-        self.max_blocks = settings.kv_max_blocks
-        self.tokenizer = ""
-
-    def configure(self, spec: SchedulingSpec) -> None:
-        self.tokenizer = spec.tokenizer
-        # Loaded in a thread now, so no request waits for it (approximate until then).
-        TOKENIZERS.want(spec.tokenizer)
-
-    def pending(self, ep: EndpointRuntime, now: float) -> int:
-        """Requests waiting at the engine: its queue from a fresh load sample, or this
-        router's in flight beyond the engine's batch capacity, whichever is larger.
-
-        The capacity is the catalog's `max_running`, else the one learned from load
-        samples: the largest running batch seen while requests queued (the batch was
-        full then). So a burst onto the warm engine is limited between samples too,
-        not only by a sample a few hundred milliseconds old."""
-        load = ep.load
-        waiting = 0
-        if load is not None:
-            if load.waiting > 0 and load.running > ep.batch_capacity:
-                ep.batch_capacity = load.running
-            if load.at >= now - self.stale_after:
-                waiting = load.waiting
-        cap = ep.spec.max_running or ep.batch_capacity
-        beyond = ep.inflight - cap if cap else 0
-        return max(waiting, beyond)
-
-    def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None] | None:
-        """Per candidate: the cached share from events, or None where there are none;
-        None (nothing allocated) when no candidate has events.
-
-        Hashes are computed while matching and only as far as some candidate holds the
-        prompt (a cold prompt costs one small chunk), and kept on the context with the
-        token ids, so a retry of the request recomputes nothing.
-        """
-        index = self.index
-        if index is None or not index.endpoints:
-            return None
-        sizes = None
-        for i, ep in enumerate(cands):
-            bs = index.block_size(ep.id)
-            if bs:
-                if sizes is None:
-                    sizes = [0] * len(cands)
-                sizes[i] = bs
-        if sizes is None:
-            return None
-        out: list[float | None] = [None] * len(cands)
-        prompt = getattr(ctx.prefix, "prompt", None)
-        if prompt is None:
-            return out
-        memo = ctx.kv
-        if memo is None:
-            memo = ctx.kv = {}
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, bs in enumerate(sizes):
-            if not bs:
-                continue
-            engine = cands[i].spec.engine
-            if ctx.salt and engine in EVENTS_WITHOUT_EXTRA_KEYS:
-                continue  # its events cannot tell salted blocks: the approximate guess
-            if engine not in memo:
-                memo[engine] = tokens_for(engine, self.tokenizer, prompt)
-            if memo[engine] is not None:
-                groups.setdefault((engine, bs), []).append(i)
-        for key, members in groups.items():
-            hashes = memo.get(key)
-            if hashes is None:
-                hashes = memo[key] = LazyPromptHashes(
-                    memo[key[0]], key[1], self.max_blocks, first_extra=salt_extra(ctx.salt)
-                )
-            n = len(hashes)
-            if not n:
-                for i in members:
-                    out[i] = 0.0
-                continue
-            found = index.match(hashes, [cands[i].id for i in members])
-            held = memo.setdefault("held", {})
-            for i in members:
-                ep_id = cands[i].id
-                out[i] = found.get(ep_id, 0) / n
-                held[ep_id] = found.get(ep_id, 0) * key[1]  # tokens cached there
-        return out
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        overlaps = self.overlaps(cands, ctx)
-        approx = None  # the approximate hashes, made only if some candidate needs them
-        n = 0
-        now = ctx.now
-        for i, ep in enumerate(cands):
-            share = overlaps[i] if overlaps is not None else None
-            if share is None:
-                if approx is None:
-                    approx = ctx.prefix
-                    n = len(approx)
-                share = ep.prefix.match(approx) / n if n else 0.0
-            if share and self.too_busy(ep, now):
-                share = 0.0
-            out[i] = share
-
-    def too_busy(self, ep: EndpointRuntime, now: float) -> bool:
-        """Past the affinity limit: too many requests pending, or too many uncached
-        prompt tokens queued (pending requests x the uncached tokens of this router's
-        requests there, a moving average)."""
-        pending = self.pending(ep, now)
-        if pending > self.max_pending:
-            return True
-        cap = self.max_pending_tokens
-        return bool(cap) and pending * ep.uncached_tokens > cap
-
-    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        memo = ctx.kv
-        if memo is not None:
-            held = memo.get("held", {}).get(ep.id)
-            tokens = memo.get(ep.spec.engine)
-            if held is not None and tokens is not None:
-                uncached = max(0, token_count(tokens) - held)
-                ep.uncached_tokens += _UNCACHED_WEIGHT * (uncached - ep.uncached_tokens)
-        # The guess is fed only for engines without events: it stands in for them alone,
-        # and hashing it for every request would cost what the lazy match saves.
-        if ctx.prefix and not (self.index is not None and self.index.block_size(ep.id)):
-            ep.prefix.insert(ctx.prefix)
-
-
-class SessionScorer:
-    """Requests with the same session header go where that session went last."""
-
-    name = "session"
-    learns = True
-
-    def __init__(self, settings: Settings):
-        self.capacity = settings.session_capacity
-        self.last: OrderedDict[str, str] = OrderedDict()  # session -> endpoint id
-
-    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
-        if ctx.session is None:
-            return
-        target = self.last.get(ctx.session)
-        if target is None:
-            return
-        for i, ep in enumerate(cands):
-            if ep.id == target:
-                out[i] = 1.0
-
-    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
-        if ctx.session is None:
-            return
-        last = self.last
-        last[ctx.session] = ep.id
-        last.move_to_end(ctx.session)
-        if len(last) > self.capacity:
-            last.popitem(last=False)
-
-
-# ------------------------------------------------------------------ pickers
-
-
-class MaxScore:
-    """The highest total; ties broken by the request key, so equal endpoints share the
-    load across distinct requests (and a repeated request goes where it went)."""
-
-    name = "max_score"
-
-    def pick(self, totals: Sequence[float], key: int) -> int:
-        best = max(totals)
-        ties = [i for i, t in enumerate(totals) if t >= best - 1e-9]
-        return ties[0] if len(ties) == 1 else ties[int(_unit(key) * len(ties))]
-
-
-class PowerOfTwo:
-    """The better of two candidates drawn from the request key: never piles onto one
-    endpoint under bursts of distinct requests."""
-
-    name = "p2c"
-
-    def pick(self, totals: Sequence[float], key: int) -> int:
-        n = len(totals)
-        if n == 1:
-            return 0
-        u = _unit(key) * n
-        a = int(u)
-        b = (a + 1 + int((u - a) * (n - 1))) % n  # any other index, from the rest of the draw
-        return a if totals[a] >= totals[b] else b
-
-
-class WeightedRandom:
-    """Chance proportional to the total score (uniform when every total is zero)."""
-
-    name = "weighted_random"
-
-    def pick(self, totals: Sequence[float], key: int) -> int:
-        weights = [t if t > 0 else 0.0 for t in totals]
-        total = sum(weights)
-        if total <= 0:
-            return int(_unit(key) * len(totals))
-        r = _unit(key) * total
-        for i, w in enumerate(weights):
-            r -= w
-            if r < 0:
-                return i
-        return len(totals) - 1
 
 
 FILTERS: dict[str, Callable[[Settings], Filter]] = {
@@ -505,30 +170,21 @@ class Observer(Protocol):
     def scored(self, model: str, scorer_name: str, value: float) -> None: ...
 
 
-class Pipeline:
-    def __init__(
-        self,
-        spec: SchedulingSpec,
-        settings: Settings | None = None,
-        *,
-        observer: Observer | None = None,
-    ):
-        settings = settings or Settings()
-        self.spec = spec
+class Profile:
+    """One run of filters, weighted scorers and a picker, built from a scheduling section."""
+
+    def __init__(self, spec: SchedulingSpec, settings: Settings, observer: Observer | None):
         self.filters = [FILTERS[name](settings) for name in spec.filters]
         # Weight 0 turns a scorer off without removing it from the file.
         self.scorers = [
             (SCORERS[name](settings), weight) for name, weight in spec.scorers.items() if weight > 0
         ]
         for scorer, _ in self.scorers:
-            configure = getattr(scorer, "configure", None)
-            if configure is not None:
-                configure(spec)
+            scorer.configure(spec)
         self.picker = PICKERS[spec.picker]()
         self.learners = [s for s, _ in self.scorers if s.learns]
-        self.uses_prefix = any(s.name in ("prefix", "kv_prefix") for s, _ in self.scorers)
-        self.session_header = spec.session_header.lower().encode()
-        self.uses_session = any(s.name == "session" for s, _ in self.scorers)
+        self.needs_prompt_blocks = any(s.needs_prompt_blocks for s, _ in self.scorers)
+        self.needs_session = any(s.needs_session for s, _ in self.scorers)
         self.observer = observer
 
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
@@ -568,3 +224,40 @@ class Pipeline:
         for scorer in self.learners:
             scorer.picked(chosen, ctx)
         return chosen
+
+
+class Pipeline:
+    """A model route's scheduling: its profiles, and the handler that runs them.
+
+    Built from the route's scheduling section: one profile, `default`, run for every
+    request by `profiles.SingleProfile` (see `profiles` for what a second one is for).
+    What the request path prepares for the scorers (the prompt's blocks, the session)
+    is what some profile's scorers declare they need.
+    """
+
+    def __init__(
+        self,
+        spec: SchedulingSpec,
+        settings: Settings | None = None,
+        *,
+        observer: Observer | None = None,
+    ):
+        settings = settings or Settings()
+        self.spec = spec
+        self.profiles: dict[str, Profile] = {DEFAULT: Profile(spec, settings, observer)}
+        self.handler: ProfileHandler = SingleProfile()
+        profiles = self.profiles.values()
+        self.needs_prompt_blocks = any(p.needs_prompt_blocks for p in profiles)
+        self.needs_session = any(p.needs_session for p in profiles)
+        self.session_header = spec.session_header.lower().encode()
+        self.block_bytes = settings.prefix.block_bytes
+        self.max_blocks = settings.prefix.max_blocks
+
+    def prompt_blocks(self, prompt: bytes, cache_salt: str | None) -> PromptBlocks:
+        """The request's prompt as the prefix scorers read it (`Context.prefix`), cut
+        into blocks as this router's `prefix` section says (hashed on first use)."""
+        return block_hashes(prompt, self.block_bytes, self.max_blocks, cache_salt)
+
+    def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
+        """The endpoint for this request, or None when every one was filtered out."""
+        return self.handler.pick(self.profiles, endpoints, ctx)

@@ -14,6 +14,31 @@ one worker, so the values never need to agree across processes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from llmgw import config as cfg
+from llmgw.router.scheduling.scorers import StatelessScorer
+
+if TYPE_CHECKING:
+    from llmgw.router.endpoints.view import EndpointRuntime
+    from llmgw.router.scheduling.pipeline import Context
+
+
+class PrefixConfig(cfg.ConfigStruct):
+    """The prefix scorers' section of the router config (`prefix:`): each of `prefix`,
+    `kv_prefix` and the pipeline's prompt blocks reads its own fields from it."""
+
+    block_bytes: int = 256  # 64 pseudo-tokens of 4 bytes, as llm-d's approximate matcher
+    max_blocks: int = 128  # hash at most this many leading blocks of a prompt
+    capacity_blocks: int = 16384  # LRU entries per endpoint
+    # The kv_prefix scorer: distinct engine blocks indexed from KV events (about 100 bytes
+    # each), and the queue past which cache affinity gives way to load.
+    index_max_blocks: int = 4_000_000
+    affinity_max_pending: int = 4
+    # ... and the uncached prompt tokens queued there (estimated), past which it gives
+    # way too: about half a second of prefill for a mid-size model on one GPU. 0: off.
+    affinity_max_pending_tokens: int = 8192
 
 
 class PromptBlocks:
@@ -64,6 +89,10 @@ class PromptBlocks:
 
     def __repr__(self) -> str:
         return f"PromptBlocks({self.hashes!r})"
+
+
+# A request whose prompt no scorer reads: no blocks, nothing to hash.
+NO_PROMPT = PromptBlocks(b"", 1, 0)
 
 
 def block_hashes(
@@ -120,3 +149,23 @@ class PrefixIndex:
                 lru[h] = None
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+
+
+class PrefixScorer(StatelessScorer):
+    """The share of the prompt's leading blocks this router already sent to the endpoint."""
+
+    name = "prefix"
+    learns = True
+    needs_prompt_blocks = True
+
+    def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
+        hashes = ctx.prefix
+        if not hashes:
+            return
+        n = len(hashes)
+        for i, ep in enumerate(cands):
+            out[i] = ep.prefix_index.match(hashes) / n
+
+    def picked(self, ep: EndpointRuntime, ctx: Context) -> None:
+        if ctx.prefix:
+            ep.prefix_index.insert(ctx.prefix)
