@@ -423,6 +423,7 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
         nats_url=nats.connected_url.geturl(),
         database_url=database_url,
         admin_listen=f"127.0.0.1:{port}",
+        api_auth="none",  # loopback; the tests read the API, they are not about access
         actor=FAST,
         fold=FoldConfig(fetch_wait_seconds=0.1),
         leader=LeaderConfig(retry_interval_seconds=0.2, check_interval_seconds=0.2),
