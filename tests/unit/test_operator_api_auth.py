@@ -95,3 +95,12 @@ def test_the_cli_finds_its_token_and_sends_a_dev_clusters_only_to_that_cluster(
     monkeypatch.setenv("LLMGW_API_TOKEN", "env-token")
     assert apiclient.find_api_token(None, "http://prod:9300") == "env-token"
     assert apiclient.find_api_token("flag-token", "http://prod:9300") == "flag-token"
+
+
+def test_a_dev_data_dir_keeps_its_api_token_across_runs(tmp_path):
+    from llmgw.dev import cluster as devcluster
+
+    first = devcluster._api_token(tmp_path)
+    assert first.startswith(keys.KEY_PREFIX)
+    assert devcluster._api_token(tmp_path) == first
+    assert (tmp_path / "api-token.json").stat().st_mode & 0o777 == 0o600
