@@ -146,8 +146,8 @@ def get_json(
             message = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = resp.text.strip()[:200]
-        if resp.status_code == 401:
-            message += " (pass --token or set LLMGW_API_TOKEN)" if token is None else ""
+        if resp.status_code == 401 and token is None:
+            message = f"{message} (pass --token or set LLMGW_API_TOKEN)"
         raise ApiError(f"{url}: HTTP {resp.status_code}: {' '.join(str(message).split())}")
     try:
         return resp.json()
