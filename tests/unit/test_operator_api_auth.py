@@ -104,3 +104,25 @@ def test_a_dev_data_dir_keeps_its_api_token_across_runs(tmp_path):
     assert first.startswith(keys.KEY_PREFIX)
     assert devcluster._api_token(tmp_path) == first
     assert (tmp_path / "api-token.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_reconciler_refuses_to_start_with_a_bad_token_config():
+    import os
+    import subprocess
+
+    from llmgw import procs
+
+    tokens = json.dumps([{"name": "x", "role": "root", "hash": keys.hash_key(TOKEN)}])
+    res = subprocess.run(
+        procs.llmgw_argv("reconciler", "--admin-listen", "0.0.0.0:9300", "--api-auth", "none"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LLMGW_API_TOKENS": tokens},
+    )
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        "llmgw reconciler: api_auth = none: only for an admin_listen on loopback, not "
+        "'0.0.0.0' (anyone who reaches the port would read the catalog); configure api_tokens",
+        "llmgw reconciler: api_tokens[0].role = 'root': must be one of read, admin",
+    ]
