@@ -12,8 +12,12 @@ environment whose Python is PATH) serving a tiny random Llama made on the fly
 (`llmgw.dev.tinymodel`), or `--model-path DIR`. Whatever catalog is applied (the demo
 or `--catalog`), the model, key and try-it line printed are that catalog's.
 
+The operator API wants a bearer token: each data dir gets one admin token
+(<data-dir>/api-token.json), which the reconcilers are given as a hash and the
+operator CLI finds in cluster.json (`api_token`); it is printed with the URLs.
+
 The data dir is reusable: NATS and Postgres keep their data and the demo keys
-stay the same across runs; `--fresh` starts from nothing.
+and API token stay the same across runs; `--fresh` starts from nothing.
 
 `--secure` runs the bus as production should: `llmgw certs init` into
 <data-dir>/certs, a nats-server config from `llmgw nats-config` (mutual TLS,
@@ -52,6 +56,7 @@ from llmgw.dev import tinymodel
 
 DEFAULT_DATA_DIR = ".llmgw"
 DEMO_MODELS = ("demo-chat", "demo-small")
+DEV_TOKEN_NAME = "dev-operator"
 
 
 def default_data_dir() -> Path:
@@ -174,6 +179,17 @@ def _demo_keys(data_dir: Path) -> dict[str, str]:
     return out
 
 
+def _api_token(data_dir: Path) -> str:
+    """The cluster's admin token for the operator API, made once per data dir."""
+    path = data_dir / "api-token.json"
+    if path.exists():
+        return json.loads(path.read_text())["token"]
+    token = keys.new_key()
+    path.write_text(json.dumps({"name": DEV_TOKEN_NAME, "role": "admin", "token": token}))
+    path.chmod(0o600)
+    return token
+
+
 def demo_catalog(demo_keys: dict[str, str]) -> dict[str, Any]:
     sim = {
         "engine": "sim",
@@ -262,6 +278,7 @@ class DevCluster:
         self.nats_url = ""
         self.pg: localservers.PostgresServer | None = None
         self.info: dict[str, Any] = {}
+        self.api_token = ""
         self.applied = devcatalog.try_it({}, {})  # the catalog applied, once it is
         self._stop = threading.Event()
 
@@ -287,6 +304,7 @@ class DevCluster:
         ports = _ports(self.data_dir, names)
 
         self.say(f"data dir {self.data_dir}")
+        self.api_token = _api_token(self.data_dir)
         self._start_nats([ports[n] for n in nats_names])
         self.say(f"nats-server {self.nats_url}")
         database_url = self._start_postgres(ports["postgres"])
@@ -312,6 +330,7 @@ class DevCluster:
             "database_url": database_url,
             "api_url": api_urls[0],
             "api_urls": api_urls,
+            "api_token": self.api_token,
             "router_admin": [f"http://127.0.0.1:{ports[r + '-admin']}" for r in routers],
             "agent_admin": [f"http://127.0.0.1:{ports[a + '-admin']}" for a in agents],
             "data_dir": str(self.data_dir),
@@ -347,6 +366,8 @@ class DevCluster:
     ) -> list[str]:
         """The reconcilers; the first is up before the rest start. Returns their API URLs."""
         api_urls = []
+        tokens = [{"name": DEV_TOKEN_NAME, "role": "admin", "hash": keys.hash_key(self.api_token)}]
+        env = {**env, "LLMGW_API_TOKENS": json.dumps(tokens)}
         for i in range(1, self.spec.reconcilers + 1):
             name = f"reconciler-{i}"
             admin = f"127.0.0.1:{ports[name]}"
@@ -550,7 +571,8 @@ class DevCluster:
 
     def _api_list(self, path: str) -> list[dict[str, Any]]:
         try:
-            body = httpx.get(f"{self.info['api_url']}{path}", timeout=2).json()
+            auth = {"Authorization": f"Bearer {self.api_token}"}
+            body = httpx.get(f"{self.info['api_url']}{path}", headers=auth, timeout=2).json()
         except (httpx.HTTPError, ValueError):
             return []
         if isinstance(body, dict):  # {"items": [...]} or similar: take the first list
@@ -617,6 +639,7 @@ class DevCluster:
         print(
             f"  operator API    : {self.info['api_url']}   (llmgw get models, llmgw explain {applied.model or 'MODEL'})"
         )
+        print(f"  API token       : {self.api_token}  (admin; the CLI reads it from cluster.json)")
         print(f"  NATS            : {self.info['nats_url']}")
         if self.secure:
             print(f"  NATS identities : {self.certs_dir} (mutual TLS; the CLI uses operator.crt)")

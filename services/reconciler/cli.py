@@ -16,6 +16,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats", dest="nats_url", help="NATS URL(s), comma-separated")
     parser.add_argument("--database-url", help="PostgreSQL URL (postgresql+asyncpg://...)")
     parser.add_argument("--admin-listen", help="host:port for /metrics, probes and the API")
+    parser.add_argument(
+        "--api-auth",
+        choices=("tokens", "none"),
+        help="who may call /api/: holders of api_tokens (default), or anyone (loopback only)",
+    )
     parser.add_argument("--id", help="this process's name in logs and /readyz")
     parser.add_argument("--log-level", help="debug | info | warning | error")
 
@@ -35,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         "nats_url": args.nats_url,
         "database_url": args.database_url,
         "admin_listen": args.admin_listen,
+        "api_auth": args.api_auth,
         "id": args.id,
         "log_level": args.log_level,
     }

@@ -10,6 +10,7 @@ import msgspec
 
 from llmgw import bus, config, tlsconfig
 from llmgw.reconciler import leader
+from llmgw.reconciler.api import auth
 from llmgw.reconciler.controllers.manager import ActorConfig
 from llmgw.reconciler.store import schema
 
@@ -36,6 +37,10 @@ class ReconcilerConfig(config.ConfigStruct, kw_only=True):
     nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
     database_url: str = schema.DEFAULT_DATABASE_URL
     admin_listen: str = "127.0.0.1:9300"  # /metrics, /healthz, /readyz, the operator API
+    # Who may call /api/ (api/auth.py): `tokens` (with none listed, every call is refused)
+    # or `none`, no check at all, allowed only on a loopback admin_listen.
+    api_auth: str = auth.AUTH_TOKENS
+    api_tokens: list[auth.ApiToken] = msgspec.field(default_factory=list)
     log_level: str = "info"
     bus: bus.BusConfig = msgspec.field(default_factory=bus.BusConfig)
     fold: FoldConfig = msgspec.field(default_factory=FoldConfig)
@@ -65,9 +70,11 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
     if not (math.isfinite(cfg.actor.autoscale_tick) and cfg.actor.autoscale_tick > 0):
         problems.append(f"actor.autoscale_tick = {cfg.actor.autoscale_tick}: must be a number > 0")
     try:
-        config.host_port(cfg.admin_listen, 9300)
+        host, _ = config.host_port(cfg.admin_listen, 9300)
     except config.ConfigError as exc:
         problems.append(f"admin_listen: {exc}")
+    else:
+        problems += auth.config_problems(cfg.api_auth, cfg.api_tokens, host)
     try:  # unreadable or mismatched certificates fail at start, not at the first connect
         tlsconfig.nats_options(cfg.nats_tls)
     except config.ConfigError as exc:

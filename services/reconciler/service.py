@@ -33,7 +33,7 @@ from llmgw import contracts as c
 from llmgw import tasks as llmgw_tasks
 from llmgw.reconciler import leader
 from llmgw.reconciler import metrics as m
-from llmgw.reconciler.api import admin
+from llmgw.reconciler.api import admin, auth
 from llmgw.reconciler.config import ReconcilerConfig, resolve_id
 from llmgw.reconciler.controllers.manager import Manager
 from llmgw.reconciler.intake import consumer
@@ -91,9 +91,15 @@ class Reconciler:
             if not await self._provision(js):
                 return 0
             host, port = config.host_port(self.cfg.admin_listen, 9300)
-            server = adminserver.AdminServer(admin.build_app(engine, self.role), host, port)
+            authorizer = auth.Authorizer(self.cfg.api_auth, self.cfg.api_tokens)
+            app = admin.build_app(engine, self.role, authorizer)
+            server = adminserver.AdminServer(app, host, port)
             await server.start()
             log.info("reconciler %s up; admin on %s:%d", self.id, host, port)
+            if self.cfg.api_auth == auth.AUTH_TOKENS and not self.cfg.api_tokens:
+                log.warning(
+                    "no api_tokens: the operator API refuses every call; %s", auth.HOW_TO_CONFIGURE
+                )
             await self._compete(engine, self.nc, js)
             return 0
         except (schema.SchemaError, adminserver.ListenError) as exc:

@@ -102,9 +102,9 @@ class Load:
                 await asyncio.sleep(0.1)
 
 
-async def sample(api: str, timeline: list, stop: asyncio.Event) -> None:
+async def sample(api: str, headers: dict, timeline: list, stop: asyncio.Event) -> None:
     """Once a second: desired count, replicas holding a GPU, ready endpoints."""
-    async with httpx.AsyncClient(base_url=api, timeout=5) as http:
+    async with httpx.AsyncClient(base_url=api, headers=headers, timeout=5) as http:
         while not stop.is_set():
             try:
                 explain = (await http.get("/api/explain/auto")).json()
@@ -140,7 +140,11 @@ async def drive(cluster) -> tuple[Load, list, list]:
     stop = asyncio.Event()
     most = max(n for _, n, _ in PHASES)
     tasks = [asyncio.create_task(load.worker(i, stop)) for i in range(most)]
-    tasks.append(asyncio.create_task(sample(cluster.info["api_url"], timeline, stop)))
+    tasks.append(
+        asyncio.create_task(
+            sample(cluster.info["api_url"], ck.api_headers(cluster), timeline, stop)
+        )
+    )
     for name, clients, seconds in PHASES:
         load.phase, load.active = name + str(len(marks)), clients
         marks.append((load.phase, time.monotonic()))

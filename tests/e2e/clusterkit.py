@@ -45,6 +45,7 @@ def cli(
 ) -> subprocess.CompletedProcess:
     env = {"LLMGW_API_URL": cluster.info["api_url"], "LLMGW_NATS_URL": cluster.info["nats_url"]}
     env["LLMGW_DATABASE_URL"] = cluster.info["database_url"]
+    env["LLMGW_API_TOKEN"] = cluster.info["api_token"]
     import os
 
     return subprocess.run(
@@ -56,8 +57,14 @@ def cli(
     )
 
 
+def api_headers(cluster: devcluster.DevCluster) -> dict[str, str]:
+    """The dev cluster's admin token, as the operator API wants it."""
+    return {"Authorization": f"Bearer {cluster.info['api_token']}"}
+
+
 def api(cluster: devcluster.DevCluster, path: str, base: str | None = None) -> Any:
-    return httpx.get(f"{base or cluster.info['api_url']}{path}", timeout=5).json()
+    url = f"{base or cluster.info['api_url']}{path}"
+    return httpx.get(url, headers=api_headers(cluster), timeout=5).json()
 
 
 def leader_api(cluster: devcluster.DevCluster) -> str | None:

@@ -32,6 +32,7 @@ CONFIG = """
 leader: {retry_interval_seconds: 0.2, check_interval_seconds: 0.5}
 fold: {batch_size: 50, fetch_wait_seconds: 0.2}
 log_level: info
+api_auth: none  # loopback; this test reads the API, it is not about access
 """
 
 

@@ -39,6 +39,7 @@ def config(nats_url: str, database_url: str, **kw) -> ReconcilerConfig:
         nats_url=nats_url,
         database_url=database_url,
         admin_listen=f"127.0.0.1:{localservers.free_port()}",
+        api_auth="none",  # loopback, and these tests are about the fold, not API access
         **kw,
     )
 

@@ -82,6 +82,7 @@ async def reconciler(nats, nats_url, database_url):
         nats_url=nats_url,
         database_url=database_url,
         admin_listen=f"127.0.0.1:{port}",
+        api_auth="none",  # loopback; these tests read the API, they are not about access
         fold=FoldConfig(batch_size=20, fetch_wait_seconds=0.1),
         leader=LeaderConfig(retry_interval_seconds=0.2, check_interval_seconds=0.5),
     )

@@ -423,6 +423,7 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
         nats_url=nats.connected_url.geturl(),
         database_url=database_url,
         admin_listen=f"127.0.0.1:{port}",
+        api_auth="none",  # loopback; the tests read the API, they are not about access
         actor=FAST,
         fold=FoldConfig(fetch_wait_seconds=0.1),
         leader=LeaderConfig(retry_interval_seconds=0.2, check_interval_seconds=0.2),
@@ -466,7 +467,7 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             stop_at = loop.time() + DEADLINE
             while True:  # the API reads Postgres, which the fold commits just before acting
                 code, text = await asyncio.to_thread(
-                    cli, explain, model="big", output="table", all=False, api=api
+                    cli, explain, model="big", output="table", all=False, api=api, token=None
                 )
                 # The first failure saw node-b free; m then took it, and the restated failure
                 # (at most every failure_restate_interval) says so.
@@ -477,12 +478,12 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             assert "- node-a  2 free GPUs of 2, needs 4" in text
             assert "- node-b  0 free GPUs of 1, needs 4" in text  # m took it
             code, text = await asyncio.to_thread(
-                cli, explain, model="m", output="table", all=False, api=api
+                cli, explain, model="m", output="table", all=False, api=api, token=None
             )
             assert code == 0 and "m-r1" in text and "placed: shard 0 on node-b (node-b-g0)" in text
             assert "now: ready" in text
             code, _ = await asyncio.to_thread(
-                cli, explain, model="nope", output="table", all=False, api=api
+                cli, explain, model="nope", output="table", all=False, api=api, token=None
             )
             assert code == 1
 
@@ -509,7 +510,7 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             stdout, _ = await asyncio.wait_for(proc.communicate(), DEADLINE)
             assert proc.returncode == 0 and b", 0 differ" in stdout
             code, text = await asyncio.to_thread(
-                cli, explain, model="big", output="json", all=False, api=api
+                cli, explain, model="big", output="json", all=False, api=api, token=None
             )
             seq = json.loads(text)["decisions"][0]["seq"]
             code, text = await asyncio.to_thread(

@@ -33,6 +33,7 @@ WINDOW = 15
 CONFIG = """
 leader: {retry_interval_seconds: 0.2, check_interval_seconds: 0.5}
 fold: {batch_size: 100, fetch_wait_seconds: 0.2}
+api_auth: none  # loopback; this test reads the API, it is not about access
 """
 
 

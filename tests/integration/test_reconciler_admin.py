@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import httpx
 
-from llmgw.reconciler.api import admin
+from llmgw.reconciler.api import admin, auth
 from llmgw.reconciler.store import schema
+
+# These tests are about probes and errors; who may call the API is test_operator_api_auth's.
+OPEN = auth.Authorizer(auth.AUTH_NONE, [])
 
 
 async def get(app, path: str) -> httpx.Response:
@@ -17,7 +20,7 @@ async def get(app, path: str) -> httpx.Response:
 async def test_probes_and_bad_parameters_on_a_live_database(database_url):
     engine = schema.make_engine(database_url)
     await schema.upgrade(engine)
-    app = admin.build_app(engine, admin.Role("r1", "standby"))
+    app = admin.build_app(engine, admin.Role("r1", "standby"), OPEN)
     try:
         ready = await get(app, "/readyz")
         assert ready.status_code == 200 and ready.json()["role"] == "standby"
@@ -38,7 +41,7 @@ async def test_probes_and_bad_parameters_on_a_live_database(database_url):
 
 async def test_readiness_fails_and_reads_say_why_when_the_database_is_unreachable():
     engine = schema.make_engine("postgresql+asyncpg://postgres@127.0.0.1:1/none")
-    app = admin.build_app(engine, admin.Role("r1", "standby"))
+    app = admin.build_app(engine, admin.Role("r1", "standby"), OPEN)
     try:
         ready = await get(app, "/readyz")
         assert ready.status_code == 503 and ready.json()["ready"] is False

@@ -278,3 +278,25 @@ def test_dockerfile_is_multi_stage_non_root_with_llmgw_entrypoint():
         for path in src.split():
             assert (ROOT / path).exists(), f"COPY {path}: no such file"
             assert path not in ignored, f"COPY {path}, but .dockerignore excludes it"
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default}, for the one form this file uses."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), value)
+
+
+def test_reconcilers_take_the_operator_token_hash_from_env_and_stay_closed_without_it():
+    from llmgw import keys
+    from llmgw.reconciler.api import auth
+    from llmgw.reconciler.config import ReconcilerConfig, validate
+
+    token = keys.new_key()
+    for name, svc in _by_command("reconciler").items():
+        assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), name
+        raw = _env(svc)["LLMGW_API_TOKENS"]
+        for env in ({}, {"OPERATOR_TOKEN_HASH": keys.hash_key(token)}):
+            cfg = config.load(ReconcilerConfig, env={"LLMGW_API_TOKENS": _interpolate(raw, env)})
+            assert validate(cfg) == [], name
+            checker = auth.Authorizer(cfg.api_auth, cfg.api_tokens)
+            opened = checker.check(f"Bearer {token}", auth.ADMIN) is None
+            assert opened == bool(env), name

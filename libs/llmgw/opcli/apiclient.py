@@ -2,7 +2,9 @@
 
 Where the operator API is, in order: `--api URL`, then `LLMGW_API_URL`, then
 `api_url` in the `cluster.json` that a running `llmgw dev` writes to its data
-dir (`LLMGW_DATA_DIR`, default `.llmgw/` in the current directory). NATS the
+dir (`LLMGW_DATA_DIR`, default `.llmgw/` in the current directory). Its bearer
+token: `--token`, then `LLMGW_API_TOKEN`, then `cluster.json`'s `api_token`, that
+last only for that cluster's own API (see `find_api_token`). NATS the
 same way: `--nats`, `LLMGW_NATS_URL`, `cluster.json`'s `nats_url`, then the
 default local server; its TLS settings from `LLMGW_NATS_TLS__*`, then
 `cluster.json`'s `nats_tls` (see `find_nats_tls`).
@@ -45,6 +47,25 @@ def find_api_url(explicit: str | None) -> str:
             f"(it writes {data_dir() / 'cluster.json'})"
         )
     return url.rstrip("/")
+
+
+def find_api_token(explicit: str | None, api_url: str) -> str | None:
+    """The operator API token: `--token`, then `LLMGW_API_TOKEN`, then the `api_token`
+    that `llmgw dev` writes to cluster.json, sent only to an API of that cluster, so a
+    dev cluster's token never goes to another API the CLI is pointed at."""
+    token = explicit or os.environ.get("LLMGW_API_TOKEN")
+    if token:
+        return token
+    try:
+        saved = json.loads((data_dir() / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    urls = [saved.get("api_url"), *(saved.get("api_urls") or [])]
+    ours = api_url.rstrip("/") in {u.rstrip("/") for u in urls if isinstance(u, str)}
+    token = saved.get("api_token")
+    return token if ours and isinstance(token, str) and token else None
 
 
 def find_nats_url(explicit: str | None) -> str:
@@ -93,17 +114,31 @@ def add_api_argument(parser) -> None:
     )
 
 
+def add_token_argument(parser) -> None:
+    parser.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="operator API token (default: $LLMGW_API_TOKEN, then llmgw dev's)",
+    )
+
+
 def add_nats_argument(parser) -> None:
     parser.add_argument(
         "--nats", metavar="URL", help="NATS URL (default: $LLMGW_NATS_URL, then llmgw dev's)"
     )
 
 
-def get_json(base_url: str, path: str, params: dict[str, Any] | None = None) -> Any:
-    """GET base_url+path as JSON; ApiError with a clear message on any failure."""
+def get_json(
+    base_url: str, path: str, params: dict[str, Any] | None = None, token: str | None = None
+) -> Any:
+    """GET base_url+path as JSON; ApiError with a clear message on any failure.
+
+    `token` is the `--token` value; without one it is found as `find_api_token` says."""
     url = base_url + path
+    token = find_api_token(token, base_url)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(url, params=params, timeout=10.0)
+        resp = httpx.get(url, params=params, headers=headers, timeout=10.0)
     except httpx.HTTPError as exc:
         raise ApiError(f"cannot reach the operator API at {base_url}: {exc}") from None
     if resp.status_code != 200:
@@ -111,7 +146,9 @@ def get_json(base_url: str, path: str, params: dict[str, Any] | None = None) -> 
             message = resp.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = resp.text.strip()[:200]
-        raise ApiError(f"{url}: HTTP {resp.status_code}: {message}")
+        if resp.status_code == 401 and token is None:
+            message = f"{message} (pass --token or set LLMGW_API_TOKEN)"
+        raise ApiError(f"{url}: HTTP {resp.status_code}: {' '.join(str(message).split())}")
     try:
         return resp.json()
     except ValueError:

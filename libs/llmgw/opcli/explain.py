@@ -29,12 +29,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--all", action="store_true", help="also show the decisions of retired replicas"
     )
     apiclient.add_api_argument(parser)
+    apiclient.add_token_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         base = apiclient.find_api_url(args.api)
-        data = apiclient.get_json(base, f"/api/explain/{quote(args.model, safe='')}")
+        path = f"/api/explain/{quote(args.model, safe='')}"
+        data = apiclient.get_json(base, path, token=args.token)
     except apiclient.ApiError as exc:
         print(f"llmgw explain: {exc}", file=sys.stderr)
         return 1

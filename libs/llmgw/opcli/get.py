@@ -117,11 +117,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=list(KINDS), help="what to list")
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
     apiclient.add_api_argument(parser)
+    apiclient.add_token_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        items = apiclient.get_json(apiclient.find_api_url(args.api), f"/api/{args.kind}")
+        base = apiclient.find_api_url(args.api)
+        items = apiclient.get_json(base, f"/api/{args.kind}", token=args.token)
     except apiclient.ApiError as exc:
         print(f"llmgw get: {exc}", file=sys.stderr)
         return 1

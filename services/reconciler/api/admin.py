@@ -3,6 +3,10 @@
 Readiness is about serving reads, which leader and standby both do from
 Postgres: 200 for either (the body says which), 503 when the database cannot
 be reached. Errors use the OpenAI error shape, like every llmgw HTTP surface.
+
+The probes and /metrics stay open (kubelets and Prometheus carry no token);
+every /api/ route names the role it needs (`auth`), and a request without it
+gets 401 (with `WWW-Authenticate: Bearer`) or 403.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmgw.reconciler import metrics as m
+from llmgw.reconciler.api import auth
 from llmgw.reconciler.api import read as readapi
 
 log = logging.getLogger(__name__)
@@ -47,8 +52,23 @@ class JSON(Response):
         return msgspec.json.encode(content)
 
 
-def error(status: int, message: str, kind: str) -> JSON:
-    return JSON({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+def error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSON:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return JSON(body, status, headers=headers)
+
+
+def denied(why: auth.Denied) -> JSON:
+    if why.status == 401:
+        return error(
+            401, why.message, "invalid_request_error", why.code, {"WWW-Authenticate": "Bearer"}
+        )
+    return error(why.status, why.message, "permission_error", why.code)
 
 
 def _int_param(request: Request, name: str, default: int | None) -> int | None:
@@ -61,7 +81,7 @@ def _int_param(request: Request, name: str, default: int | None) -> int | None:
         raise ValueError(f"query parameter {name}={raw!r}: expected an integer") from None
 
 
-def build_app(engine: AsyncEngine, role: Role) -> Starlette:
+def build_app(engine: AsyncEngine, role: Role, authorizer: auth.Authorizer) -> Starlette:
     async def read(fn: Callable[[AsyncConnection], Awaitable[Any]]) -> JSON:
         try:
             async with asyncio.timeout(DB_TIMEOUT), engine.connect() as conn:
@@ -128,20 +148,34 @@ def build_app(engine: AsyncEngine, role: Role) -> Starlette:
     async def not_found(request: Request, exc: Exception) -> Response:
         return error(404, f"no such endpoint: {request.url.path}", "not_found")
 
+    def needs(needed: str, endpoint: Callable[[Request], Awaitable[Response]]):
+        async def guarded(request: Request) -> Response:
+            why = authorizer.check(request.headers.get("authorization"), needed)
+            return denied(why) if why is not None else await endpoint(request)
+
+        return guarded
+
     routes = [
         Route("/metrics", metrics),
         Route("/healthz", healthz),
         Route("/readyz", readyz),
-        Route("/api/status", status),
-        Route("/api/nodes", listing(readapi.nodes)),
-        Route("/api/models", listing(readapi.models)),
-        Route("/api/replicas", listing(readapi.replicas)),
-        Route("/api/endpoints", listing(readapi.endpoints)),
-        Route("/api/tenants", listing(readapi.tenants)),
-        Route("/api/catalog", listing(readapi.catalog)),
-        Route("/api/bands", listing(readapi.bands)),
-        Route("/api/events", events),
-        Route("/api/dead-letters", dead_letters),
-        Route("/api/explain/{model:path}", explain),
+        Route("/api/status", needs(auth.READ, status)),
+        Route("/api/nodes", needs(auth.READ, listing(readapi.nodes))),
+        Route("/api/models", needs(auth.READ, listing(readapi.models))),
+        Route("/api/replicas", needs(auth.READ, listing(readapi.replicas))),
+        Route("/api/endpoints", needs(auth.READ, listing(readapi.endpoints))),
+        # Bands are the admission classes routers enforce (ceilings, queues): how the
+        # cluster behaves, with no tenant or credential in them.
+        Route("/api/bands", needs(auth.READ, listing(readapi.bands))),
+        # The log carries the catalog's declarations as published (tenant key hashes,
+        # plain upstream headers; secret header values never travel in events), so a
+        # read token sees those here: docs/security.md says so.
+        Route("/api/events", needs(auth.READ, events)),
+        Route("/api/dead-letters", needs(auth.READ, dead_letters)),
+        Route("/api/explain/{model:path}", needs(auth.READ, explain)),
+        # Who the tenants are and what they may use; the catalog adds key hashes
+        # and upstream headers.
+        Route("/api/tenants", needs(auth.ADMIN, listing(readapi.tenants))),
+        Route("/api/catalog", needs(auth.ADMIN, listing(readapi.catalog))),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found})
