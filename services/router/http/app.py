@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from llmgw import logs
 from llmgw.router.admission.gate import control_plane_gate, from_router_config
@@ -284,7 +285,7 @@ class HotPaths:
         self.new_rid = new_rid
         self.cors = cors
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
+from starlette.types import Receive, Scope, Send
 
 from llmgw import logs
 from llmgw.router.endpoints.view import EndpointView, ModelRoute
@@ -145,7 +146,7 @@ class Proxy:
     def new_rid(self) -> bytes:
         return f"{self._rid_prefix}{next(self._rid_seq):x}".encode()
 
-    def exchange(self, scope, receive, send) -> Exchange:
+    def exchange(self, scope: Scope, receive: Receive, send: Send) -> Exchange:
         t0 = self._time()
         headers = dict(scope["headers"])
         rid = request_id(headers, self.new_rid)
@@ -157,7 +158,7 @@ class Proxy:
 
     # ------------------------------------------------------------ per request
 
-    async def handle(self, api: kinds.ApiKind, scope, receive, send) -> None:
+    async def handle(self, api: kinds.ApiKind, scope: Scope, receive: Receive, send: Send) -> None:
         ex = self.exchange(scope, receive, send)
         gate = self.gate  # this request's gate, even if another is installed meanwhile
         try:
@@ -308,7 +309,7 @@ class _KindEndpoint:
         self.proxy = proxy
         self.api = api
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.proxy.handle(self.api, scope, receive, send)
 
 

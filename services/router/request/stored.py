@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import aiohttp
+from starlette.types import Receive, Scope, Send
 
 from llmgw.router.http.errors import RouterError
 from llmgw.router.relay.walk import TIMEOUT_STATUS
@@ -47,7 +48,7 @@ class StoredResponses:
         if len(kept) > RESPONSE_IDS_KEPT:
             kept.popitem(last=False)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET / DELETE / cancel of a stored response: to the endpoint that made it."""
         proxy = self.proxy
         ex = proxy.exchange(scope, receive, send)
