@@ -151,7 +151,7 @@ class Registry:
 
 class RequestSeries:
     """What the request path counts: answers, their latencies and tokens, retries and
-    fallbacks, failed attempts, and the scheduling pipeline's filters and scores."""
+    fallbacks, failed attempts, clients gone."""
 
     def __init__(self) -> None:
         self.requests = Counter(
@@ -209,17 +209,6 @@ class RequestSeries:
             "Clients that went away before their answer ended (the upstream is cancelled).",
             ("model",),
         )
-        self.scorer_value = Histogram(
-            "llmgw_router_scorer_value",
-            "Each scorer's value (0..1) for the endpoint that was picked.",
-            ("model", "scorer"),
-            SCORE_BUCKETS,
-        )
-        self.filter_drops = Counter(
-            "llmgw_router_filter_drops_total",
-            "Endpoints removed from consideration, by model and filter.",
-            ("model", "filter"),
-        )
 
     def request_series(self) -> list[Series]:
         return [
@@ -233,11 +222,29 @@ class RequestSeries:
             self.fallbacks,
             self.upstream_errors,
             self.disconnects,
-            self.scorer_value,
-            self.filter_drops,
         ]
 
-    # scheduling.Observer
+
+class SchedulingSeries:
+    """What the scheduling pipeline reports of each pick (its `Observer`): the endpoints
+    each filter dropped, and each scorer's value for the endpoint picked."""
+
+    def __init__(self) -> None:
+        self.scorer_value = Histogram(
+            "llmgw_router_scorer_value",
+            "Each scorer's value (0..1) for the endpoint that was picked.",
+            ("model", "scorer"),
+            SCORE_BUCKETS,
+        )
+        self.filter_drops = Counter(
+            "llmgw_router_filter_drops_total",
+            "Endpoints removed from consideration, by model and filter.",
+            ("model", "filter"),
+        )
+
+    def scheduling_series(self) -> list[Series]:
+        return [self.scorer_value, self.filter_drops]
+
     def dropped(self, model: str, filter_name: str, count: int) -> None:
         self.filter_drops.inc((model, filter_name), count)
 
@@ -390,12 +397,13 @@ class KvSeries:
         return [self.kv_events, self.kv_snapshots, self.kv_index_blocks]
 
 
-class RouterMetrics(RequestSeries, EndpointSeries, FeedSeries, KvSeries):
+class RouterMetrics(RequestSeries, SchedulingSeries, EndpointSeries, FeedSeries, KvSeries):
     """Every series the router exposes (see docs/router.md for what each means), declared
     by the part of the router that updates them; the registry lists them in that order."""
 
     def __init__(self) -> None:
         RequestSeries.__init__(self)
+        SchedulingSeries.__init__(self)
         EndpointSeries.__init__(self)
         FeedSeries.__init__(self)
         KvSeries.__init__(self)
@@ -406,6 +414,7 @@ class RouterMetrics(RequestSeries, EndpointSeries, FeedSeries, KvSeries):
         self.registry = Registry(
             [
                 *self.request_series(),
+                *self.scheduling_series(),
                 *self.endpoint_series(),
                 *self.feed_series(),
                 *self.kv_series(),
