@@ -2,9 +2,10 @@
 
 Per request: authenticate (headers only, so a request without a valid key
 gets 401 whatever its body), read and parse the body, resolve the model, pass
-the admission gate, then walk the endpoints and fallbacks (dispatch.py, pure)
-with one upstream attempt each (upstream.py) until one answers or nothing is
-left; the client side of all this is one `Exchange` (exchange.py).
+the admission gate, then walk the endpoints and fallbacks (relay/walk.py, pure)
+with one upstream attempt each (relay/upstream.py) until one answers or nothing
+is left; the client side of all this is one `Exchange` (exchange.py). Calls
+about a stored Responses API answer go their own way (stored.py).
 
 Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
