@@ -149,8 +149,9 @@ class Registry:
             yield _family(m, combined)
 
 
-class RouterMetrics:
-    """Every series the router exposes (see docs/router.md for what each means)."""
+class RequestSeries:
+    """What the request path counts: answers, their latencies and tokens, retries and
+    fallbacks, failed attempts, clients gone."""
 
     def __init__(self) -> None:
         self.requests = Counter(
@@ -208,6 +209,27 @@ class RouterMetrics:
             "Clients that went away before their answer ended (the upstream is cancelled).",
             ("model",),
         )
+
+    def request_series(self) -> list[Series]:
+        return [
+            self.requests,
+            self.duration,
+            self.ttft,
+            self.itl,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.retries,
+            self.fallbacks,
+            self.upstream_errors,
+            self.disconnects,
+        ]
+
+
+class SchedulingSeries:
+    """What the scheduling pipeline reports of each pick (its `Observer`): the endpoints
+    each filter dropped, and each scorer's value for the endpoint picked."""
+
+    def __init__(self) -> None:
         self.scorer_value = Histogram(
             "llmgw_router_scorer_value",
             "Each scorer's value (0..1) for the endpoint that was picked.",
@@ -219,6 +241,22 @@ class RouterMetrics:
             "Endpoints removed from consideration, by model and filter.",
             ("model", "filter"),
         )
+
+    def scheduling_series(self) -> list[Series]:
+        return [self.scorer_value, self.filter_drops]
+
+    def dropped(self, model: str, filter_name: str, count: int) -> None:
+        self.filter_drops.inc((model, filter_name), count)
+
+    def scored(self, model: str, scorer_name: str, value: float) -> None:
+        self.scorer_value.observe((model, scorer_name), value)
+
+
+class EndpointSeries:
+    """Each endpoint's state: gauges set from the view when metrics are read, and the
+    counters of the scraper that reads engines' /metrics."""
+
+    def __init__(self) -> None:
         self.scrape_errors = Counter(
             "llmgw_router_scrape_errors_total",
             "Failed scrapes of an endpoint's /metrics.",
@@ -266,7 +304,44 @@ class RouterMetrics:
             "load samples for it are late).",
             ("endpoint",),
         )
-        # Control-plane mode (controlplane.py).
+
+    def endpoint_series(self) -> list[Series]:
+        return [
+            self.scrape_errors,
+            self.inflight,
+            self.circuit,
+            self.waiting,
+            self.running,
+            self.kv_usage,
+            self.load_age,
+            self.scrapes,
+        ]
+
+    def set_endpoint_gauges(self, endpoints: Iterable[Any], now: float) -> None:
+        """Set the per-endpoint gauges from the view (at scrape time, not per request)."""
+        circuit_codes = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+        for gauge in (self.inflight, self.circuit, self.waiting, self.running, self.kv_usage):
+            gauge.values.clear()
+        self.load_age.values.clear()
+        for ep in endpoints:
+            key = (ep.id,)
+            self.inflight.set(key, float(ep.inflight))
+            self.circuit.set(key, circuit_codes.get(ep.circuit.state, 0.0))
+            load = ep.load
+            if load is None:
+                self.load_age.set(key, math.inf)
+                continue
+            self.waiting.set(key, float(load.waiting))
+            self.running.set(key, float(load.running))
+            self.kv_usage.set(key, load.kv_usage)
+            self.load_age.set(key, max(0.0, now - load.at))
+
+
+class FeedSeries:
+    """The control-plane feed (controlplane/): the NATS connection, the routers seen,
+    projection entries applied, and the agents' load samples."""
+
+    def __init__(self) -> None:
         self.nats_connected = Gauge(
             "llmgw_router_nats_connected",
             "1 while connected to NATS (control-plane mode); the view is kept while 0.",
@@ -290,6 +365,15 @@ class RouterMetrics:
             "in the view), malformed.",
             ("result",),
         )
+
+    def feed_series(self) -> list[Series]:
+        return [self.nats_connected, self.live_routers, self.projection_updates, self.load_samples]
+
+
+class KvSeries:
+    """The KV-event feed and index (kvcache/): event batches, snapshots asked, blocks held."""
+
+    def __init__(self) -> None:
         self.kv_events = Counter(
             "llmgw_router_kv_events_total",
             "Relayed engine KV event batches, by result: applied, resync (a gap, a new epoch "
@@ -308,66 +392,38 @@ class RouterMetrics:
             (),
             merge="max",
         )
+
+    def kv_series(self) -> list[Series]:
+        return [self.kv_events, self.kv_snapshots, self.kv_index_blocks]
+
+
+class RouterMetrics(RequestSeries, SchedulingSeries, EndpointSeries, FeedSeries, KvSeries):
+    """Every series the router exposes (see docs/router.md for what each means), declared
+    by the part of the router that updates them; the registry lists them in that order."""
+
+    def __init__(self) -> None:
+        RequestSeries.__init__(self)
+        SchedulingSeries.__init__(self)
+        EndpointSeries.__init__(self)
+        FeedSeries.__init__(self)
+        KvSeries.__init__(self)
         # Admission's series live in the same registry, so workers' snapshots merge them too.
         from llmgw.router.admission.metrics import AdmissionMetrics
 
         self.admission = AdmissionMetrics()
         self.registry = Registry(
             [
-                self.requests,
-                self.duration,
-                self.ttft,
-                self.itl,
-                self.prompt_tokens,
-                self.completion_tokens,
-                self.retries,
-                self.fallbacks,
-                self.upstream_errors,
-                self.disconnects,
-                self.scorer_value,
-                self.filter_drops,
-                self.scrape_errors,
-                self.inflight,
-                self.circuit,
-                self.waiting,
-                self.running,
-                self.kv_usage,
-                self.load_age,
-                self.scrapes,
-                self.nats_connected,
-                self.live_routers,
-                self.projection_updates,
-                self.load_samples,
-                self.kv_events,
-                self.kv_snapshots,
-                self.kv_index_blocks,
+                *self.request_series(),
+                *self.scheduling_series(),
+                *self.endpoint_series(),
+                *self.feed_series(),
+                *self.kv_series(),
                 *self.admission.series,
             ]
         )
 
-    # scheduling.Observer
-    def dropped(self, model: str, filter_name: str, count: int) -> None:
-        self.filter_drops.inc((model, filter_name), count)
-
-    def scored(self, model: str, scorer_name: str, value: float) -> None:
-        self.scorer_value.observe((model, scorer_name), value)
-
     def refresh_endpoints(self, endpoints: Iterable[Any], now: float) -> None:
-        """Set the per-endpoint gauges from the view (at scrape time, not per request)."""
-        circuit_codes = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
-        for gauge in (self.inflight, self.circuit, self.waiting, self.running, self.kv_usage):
-            gauge.values.clear()
-        self.load_age.values.clear()
-        for ep in endpoints:
-            key = (ep.id,)
-            self.inflight.set(key, float(ep.inflight))
-            self.circuit.set(key, circuit_codes.get(ep.circuit.state, 0.0))
-            load = ep.load
-            if load is None:
-                self.load_age.set(key, math.inf)
-                continue
-            self.waiting.set(key, float(load.waiting))
-            self.running.set(key, float(load.running))
-            self.kv_usage.set(key, load.kv_usage)
-            self.load_age.set(key, max(0.0, now - load.at))
+        """Set the gauges read at scrape time: the endpoints' from the view, admission's
+        from its controller."""
+        self.set_endpoint_gauges(endpoints, now)
         self.admission.refresh()

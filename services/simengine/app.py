@@ -16,10 +16,10 @@ import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
 
 from llmgw import config as llmgw_config
 from llmgw.simengine import embeddings, kvevents, responses, tokens, wire
@@ -33,9 +33,6 @@ from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 32 << 20

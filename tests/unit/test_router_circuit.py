@@ -42,3 +42,23 @@ def test_a_probe_without_a_verdict_lets_the_next_request_probe():
     c.dispatched(2.0)
     c.abandoned()  # the client left before the engine answered
     assert c.allows(2.1)
+
+
+def test_a_verdict_is_given_when_its_request_ends_even_by_an_exception():
+    now = [0.0]
+    c = Circuit(threshold=1, cooldown=5.0)
+    try:
+        with c.verdict(lambda: now[0]) as v:
+            v.healthy = False
+            now[0] = 3.0
+            raise RuntimeError("the attempt broke")
+    except RuntimeError:
+        pass
+    assert c.state is OPEN and c.opened_at == 3.0  # failed at the end's time, not the start's
+    now[0] = 8.0
+    with c.verdict(lambda: now[0]):
+        assert c.state is HALF_OPEN and not c.allows(8.0)  # dispatched: the one probe
+    assert c.state is HALF_OPEN and c.allows(8.1)  # no verdict: the next request may probe
+    with c.verdict(lambda: now[0]) as v:
+        v.healthy = True
+    assert c.state is CLOSED

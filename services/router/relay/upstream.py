@@ -9,9 +9,11 @@ so an engine that accepts a request and then never produces a token can still
 be retried. Whether a stream is complete is the kind's rule: `[DONE]` for chat,
 a terminal `event:` for the Responses API.
 
-The attempt gives the circuit breaker its verdict (healthy, failed, or
-abandoned when the engine was only busy or the client's budget ran out) and
-returns a `dispatch.Failure` when nothing reached the client.
+An attempt is `_send` (the POST and its status: a busy or broken engine is a
+`walk.Failure` at once), then `_answer_whole` or `_relay`; whatever it raises
+is one `_failure_of` table. It gives the circuit breaker its verdict (healthy,
+failed, or none when the engine was only busy or the client's budget ran out)
+and returns a `walk.Failure` when nothing reached the client.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from collections.abc import Callable
 
 import aiohttp
 
+from llmgw.router.config import DeadlineSpec
 from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.relay.circuit import Verdict
 from llmgw.router.relay.walk import BROKEN_STATUS, BUSY, TIMEOUT_STATUS, Failure, retry_after
 from llmgw.router.request import body as rq
 from llmgw.router.request.exchange import Exchange
@@ -66,126 +70,104 @@ class Upstream:
         None: the exchange is over (answered, relayed, or ended with an error
         event after its first byte). A Failure: nothing reached the client.
         """
-        clock = self.clock
-        dl = route.deadlines
         guard = ex.guard
-        circuit = ep.circuit
-        circuit.dispatched(clock())
-        ep.inflight += 1
-        verdict: bool | None = None  # for the circuit: True healthy, False failed
-        resp: aiohttp.ClientResponse | None = None
-        reusable = False
         rule = req.api.stream
-        # An engine sends a non-streamed answer's headers with the answer, when it is
-        # complete: only the total deadline can bound that wait.
-        guard.arm("headers", dl.headers if req.stream else _FOREVER)
-        try:
-            with guard:
-                resp = await self.session.post(  # type: ignore[union-attr]
-                    ep.target(path),
-                    data=body,
-                    headers=ex.upstream_headers(
-                        ep.request_headers(route, req.content_type, ex.rid)
-                    ),
-                    timeout=self.connect_timeout(dl.connect),
-                )
-                status = resp.status
-                if status >= 500 or status in BUSY:
-                    busy = status < 500
-                    verdict = None if busy else False
-                    detail = (await resp.read())[:300].decode("utf-8", "replace")
-                    reusable = True
-                    return Failure(
-                        "upstream_overloaded" if busy else f"upstream_{status}",
-                        f"the engine answered {status}",
-                        status if busy else BROKEN_STATUS,
-                        detail=f"endpoint {ep.id} answered {status}: {detail}",
-                        retry_after=retry_after(resp.headers) if busy else None,
-                    )
-                ctype = resp.headers.get("Content-Type", "")
-                if not (
-                    rule is not None
-                    and req.stream
-                    and status == 200
-                    and ctype.startswith("text/event-stream")
-                ):
-                    guard.arm("total", _FOREVER)
-                    data = await resp.read()
-                    reusable = True
-                    verdict = True
-                    if status == 200:
-                        if req.api is RESPONSES:
-                            ex.usage = rq.response_usage_of(data)
-                            self._remember(data, ep)
-                        else:
-                            ex.usage = rq.usage_of(data)
-                    await ex.answer(status, ctype.encode(), data, ep.id)
+        resp: aiohttp.ClientResponse | None = None
+        with ep.circuit.verdict(self.clock) as verdict:
+            ep.inflight += 1
+            # An engine sends a non-streamed answer's headers with the answer, when it is
+            # complete: only the total deadline can bound that wait.
+            guard.arm("headers", route.deadlines.headers if req.stream else _FOREVER)
+            try:
+                with guard:
+                    sent = await self._send(ex, ep, route, req, body, path, verdict)
+                    if isinstance(sent, Failure):
+                        return sent
+                    resp = sent
+                    if (
+                        rule is not None
+                        and req.stream
+                        and resp.status == 200
+                        and resp.headers.get("Content-Type", "").startswith("text/event-stream")
+                    ):
+                        return await self._relay(ex, ep, route, req, resp, rule, verdict)
+                    await self._answer_whole(ex, ep, req, resp, verdict)
                     return None
-                verdict, reusable, failure = await self._relay(ex, ep, route, req, resp, rule)
-                return failure
-        except DeadlinePassed as passed:
-            phase = passed.phase
-            kind = f"{phase}_timeout"
-            limit = getattr(dl, phase)
-            if phase != "total":
-                verdict = False  # a slow client's total budget says nothing of the engine
-            message = f"the engine's {phase.replace('_', ' ')} deadline of {limit}s passed"
-            if ex.started:
-                await self.end_stream(ex, ep, rule, kind, message, TIMEOUT_STATUS)
-                return None
-            return Failure(
-                kind,
-                message,
-                TIMEOUT_STATUS,
-                detail=f"endpoint {ep.id}: {message}",
-                final=phase == "total",
-            )
-        except aiohttp.ConnectionTimeoutError:
-            verdict = False
-            return Failure(
-                "connect_timeout",
-                f"no engine accepted a connection within {dl.connect}s",
-                TIMEOUT_STATUS,
-                detail=f"endpoint {ep.id} did not accept a connection within {dl.connect}s",
-            )
-        except aiohttp.ClientConnectorError as exc:
-            verdict = False
-            return Failure(
-                "connect_error",
-                "an engine refused the connection",
-                BROKEN_STATUS,
-                detail=f"endpoint {ep.id} refused the connection: {exc.os_error}",
-            )
-        except aiohttp.ClientError as exc:
-            verdict = False
-            detail = f"endpoint {ep.id} broke the connection: {exc.__class__.__name__}"
-            if ex.started:
+            except (DeadlinePassed, aiohttp.ClientError) as exc:
+                failure, blames_engine = _failure_of(exc, ep.id, route.deadlines)
+                if blames_engine:
+                    verdict.healthy = False
+                if not ex.started:
+                    return failure
                 await self.end_stream(
-                    ex,
-                    ep,
-                    rule,
-                    "upstream_broken",
-                    "the engine broke the connection",
-                    detail=detail,
+                    ex, ep, rule, failure.kind, failure.message, failure.status, failure.detail
                 )
                 return None
-            return Failure(
-                "upstream_broken", "the engine broke the connection", BROKEN_STATUS, detail=detail
-            )
-        finally:
-            guard.no_deadline()
-            ep.inflight -= 1
-            if verdict is True:
-                circuit.success()
-            elif verdict is False:
-                circuit.failure(clock())
+            finally:
+                guard.no_deadline()
+                ep.inflight -= 1
+                if resp is not None:
+                    resp.close()  # an answer read whole was released already: this cuts the rest
+
+    async def _send(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        route: ModelRoute,
+        req: rq.Parsed,
+        body: bytes,
+        path: str,
+        verdict: Verdict,
+    ) -> aiohttp.ClientResponse | Failure:
+        """POST the request: the engine's response, or the Failure its status says
+        (a 5xx, or busy: 408 and 429), its body then read and the connection released."""
+        resp = await self.session.post(  # type: ignore[union-attr]
+            ep.target(path),
+            data=body,
+            headers=ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid)),
+            timeout=self.connect_timeout(route.deadlines.connect),
+        )
+        status = resp.status
+        if status < 500 and status not in BUSY:
+            return resp
+        busy = status < 500
+        if not busy:
+            verdict.healthy = False
+        try:
+            detail = (await resp.read())[:300].decode("utf-8", "replace")
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return Failure(
+            "upstream_overloaded" if busy else f"upstream_{status}",
+            f"the engine answered {status}",
+            status if busy else BROKEN_STATUS,
+            detail=f"endpoint {ep.id} answered {status}: {detail}",
+            retry_after=retry_after(resp.headers) if busy else None,
+        )
+
+    async def _answer_whole(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        req: rq.Parsed,
+        resp: aiohttp.ClientResponse,
+        verdict: Verdict,
+    ) -> None:
+        """Pass a non-streamed answer (or any answer not an SSE stream) on whole."""
+        ex.guard.arm("total", _FOREVER)
+        data = await resp.read()
+        resp.release()
+        verdict.healthy = True
+        status = resp.status
+        if status == 200:
+            if req.api is RESPONSES:
+                ex.usage = rq.response_usage_of(data)
+                self._remember(data, ep)
             else:
-                circuit.abandoned()
-            if resp is not None:
-                if reusable:
-                    resp.release()
-                else:
-                    resp.close()
+                ex.usage = rq.usage_of(data)
+        await ex.answer(status, resp.headers.get("Content-Type", "").encode(), data, ep.id)
 
     async def _relay(
         self,
@@ -195,8 +177,9 @@ class Upstream:
         req: rq.Parsed,
         resp: aiohttp.ClientResponse,
         rule: StreamRule,
-    ) -> tuple[bool, bool, Failure | None]:
-        """Relay an SSE stream: (circuit verdict, connection reusable, failure)."""
+        verdict: Verdict,
+    ) -> Failure | None:
+        """Relay an SSE stream; a Failure if it ended before any event."""
         guard = ex.guard
         dl = route.deadlines
         guard.arm("first_token", dl.first_token)
@@ -238,29 +221,41 @@ class Upstream:
             complete = ended(out)
             await send({"type": "http.response.body", "body": out, "more_body": True})
             guard.arm("idle", idle)
-        if buf or not complete:
-            if not ex.started:
-                return (
-                    False,
-                    False,
-                    Failure(
-                        "upstream_truncated",
-                        "the engine closed the stream before any event",
-                        BROKEN_STATUS,
-                        detail=f"endpoint {ep.id} closed the stream before any event",
-                    ),
-                )
-            await self.end_stream(
-                ex,
-                ep,
-                rule,
+        return await self._stream_ended(ex, ep, rule, resp, verdict, complete and not buf)
+
+    async def _stream_ended(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        rule: StreamRule,
+        resp: aiohttp.ClientResponse,
+        verdict: Verdict,
+        complete: bool,
+    ) -> Failure | None:
+        """The engine closed the stream: end it for the client, whole or cut short."""
+        if complete:
+            await ex.end_stream()
+            verdict.healthy = True
+            resp.release()
+            return None
+        if not ex.started:
+            verdict.healthy = False
+            return Failure(
                 "upstream_truncated",
-                "the engine ended the stream early",
-                detail=f"endpoint {ep.id} ended the stream early",
+                "the engine closed the stream before any event",
+                BROKEN_STATUS,
+                detail=f"endpoint {ep.id} closed the stream before any event",
             )
-            return False, False, None
-        await ex.end_stream()
-        return True, True, None
+        await self.end_stream(
+            ex,
+            ep,
+            rule,
+            "upstream_truncated",
+            "the engine ended the stream early",
+            detail=f"endpoint {ep.id} ended the stream early",
+        )
+        verdict.healthy = False
+        return None
 
     def _remember(self, data: bytes, ep: EndpointRuntime) -> None:
         if self.on_response_id is not None:
@@ -285,6 +280,41 @@ class Upstream:
         )
         assert rule is not None
         await ex.end_stream(rule.error_event(kind, message, status))
+
+
+def _failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failure, bool]:
+    """What an attempt that raised `exc` failed of, and whether that blames the engine
+    (a slow client's total budget says nothing of it)."""
+    if isinstance(exc, DeadlinePassed):
+        phase = exc.phase
+        message = f"the engine's {phase.replace('_', ' ')} deadline of {getattr(dl, phase)}s passed"
+        return Failure(
+            f"{phase}_timeout",
+            message,
+            TIMEOUT_STATUS,
+            detail=f"endpoint {endpoint}: {message}",
+            final=phase == "total",
+        ), phase != "total"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return Failure(
+            "connect_timeout",
+            f"no engine accepted a connection within {dl.connect}s",
+            TIMEOUT_STATUS,
+            detail=f"endpoint {endpoint} did not accept a connection within {dl.connect}s",
+        ), True
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Failure(
+            "connect_error",
+            "an engine refused the connection",
+            BROKEN_STATUS,
+            detail=f"endpoint {endpoint} refused the connection: {exc.os_error}",
+        ), True
+    return Failure(
+        "upstream_broken",
+        "the engine broke the connection",
+        BROKEN_STATUS,
+        detail=f"endpoint {endpoint} broke the connection: {exc.__class__.__name__}",
+    ), True
 
 
 def _stream_usage(out: bytes, responses: bool) -> rq.Usage | None:

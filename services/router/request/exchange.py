@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from starlette.types import Receive, Send
+
 from llmgw.router.http.errors import RouterError
 from llmgw.router.request.body import Usage
 from llmgw.router.request.guard import DeadlinePassed, Guard
@@ -44,7 +46,13 @@ class Exchange:
     )
 
     def __init__(
-        self, rid: bytes, t0: float, headers: dict[bytes, bytes], guard: Guard, receive, send
+        self,
+        rid: bytes,
+        t0: float,
+        headers: dict[bytes, bytes],
+        guard: Guard,
+        receive: Receive,
+        send: Send,
     ):
         self.rid = rid
         self.t0 = t0

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 
+from starlette.types import Receive
+
 _TOLERANCE = 0.001  # uvloop's clock ticks in milliseconds; a timer may fire a tick early
 
 
@@ -65,7 +67,11 @@ class Guard:
     )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, task: asyncio.Task, receive, watch_after: float
+        self,
+        loop: asyncio.AbstractEventLoop,
+        task: asyncio.Task,
+        receive: Receive,
+        watch_after: float,
     ):
         self._loop = loop
         self._task = task

@@ -2,9 +2,10 @@
 
 Per request: authenticate (headers only, so a request without a valid key
 gets 401 whatever its body), read and parse the body, resolve the model, pass
-the admission gate, then walk the endpoints and fallbacks (dispatch.py, pure)
-with one upstream attempt each (upstream.py) until one answers or nothing is
-left; the client side of all this is one `Exchange` (exchange.py).
+the admission gate, then walk the endpoints and fallbacks (relay/walk.py, pure)
+with one upstream attempt each (relay/upstream.py) until one answers or nothing
+is left; the client side of all this is one `Exchange` (exchange.py). Calls
+about a stored Responses API answer go their own way (stored.py).
 
 Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
@@ -24,11 +25,11 @@ import itertools
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
+from starlette.types import Receive, Scope, Send
 
 from llmgw import logs
 from llmgw.router.endpoints.view import EndpointView, ModelRoute
@@ -40,6 +41,7 @@ from llmgw.router.request import body as rq
 from llmgw.router.request import kinds
 from llmgw.router.request.exchange import Exchange, request_id
 from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
+from llmgw.router.request.stored import StoredResponses
 from llmgw.router.scheduling.pipeline import Context, request_key
 
 if TYPE_CHECKING:
@@ -50,9 +52,6 @@ log = logging.getLogger(__name__)
 
 # See guard.py: a client that leaves sooner is noticed this long after arrival.
 DISCONNECT_WATCH_AFTER = 0.02
-# Stored Responses API answers this router process remembers the endpoint of.
-RESPONSE_IDS_KEPT = 100_000
-STORED_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +105,8 @@ class Proxy:
         self._time = time.monotonic
         self._ltime = time.monotonic
         self.upstream = Upstream(metrics, self._time)
-        self.upstream.on_response_id = self._remember_response
-        self.response_endpoints: OrderedDict[bytes, str] = OrderedDict()
+        self.stored = StoredResponses(self)
+        self.upstream.on_response_id = self.stored.remember
 
     @property
     def session(self) -> aiohttp.ClientSession | None:
@@ -139,13 +138,13 @@ class Proxy:
     def endpoint(self, kind: str) -> _KindEndpoint:
         return _KindEndpoint(self, kinds.BY_NAME[kind])
 
-    def stored_responses(self) -> _StoredResponses:
-        return _StoredResponses(self)
+    def stored_responses(self) -> StoredResponses:
+        return self.stored
 
     def new_rid(self) -> bytes:
         return f"{self._rid_prefix}{next(self._rid_seq):x}".encode()
 
-    def _exchange(self, scope, receive, send) -> Exchange:
+    def exchange(self, scope: Scope, receive: Receive, send: Send) -> Exchange:
         t0 = self._time()
         headers = dict(scope["headers"])
         rid = request_id(headers, self.new_rid)
@@ -157,8 +156,8 @@ class Proxy:
 
     # ------------------------------------------------------------ per request
 
-    async def handle(self, api: kinds.ApiKind, scope, receive, send) -> None:
-        ex = self._exchange(scope, receive, send)
+    async def handle(self, api: kinds.ApiKind, scope: Scope, receive: Receive, send: Send) -> None:
+        ex = self.exchange(scope, receive, send)
         gate = self.gate  # this request's gate, even if another is installed meanwhile
         try:
             with ex.guard:  # a deadline or disconnect that lands between attempts
@@ -211,9 +210,9 @@ class Proxy:
             await ex.fail(RouterError(500, "internal_error", "internal error"), api.stream)
         finally:
             ex.guard.close()
-            self._record(ex)
+            self.record(ex)
 
-    def _record(self, ex: Exchange) -> None:
+    def record(self, ex: Exchange) -> None:
         m = self.metrics
         model = ex.model
         m.requests.inc((model, ex.endpoint, str(ex.status)))
@@ -291,85 +290,6 @@ class Proxy:
 
         return prepare
 
-    # ------------------------------------------------------------ stored responses
-
-    def _remember_response(self, response_id: bytes, endpoint_id: str) -> None:
-        kept = self.response_endpoints
-        kept[response_id] = endpoint_id
-        if len(kept) > RESPONSE_IDS_KEPT:
-            kept.popitem(last=False)
-
-    async def handle_stored(self, scope, receive, send) -> None:
-        """GET / DELETE / cancel of a stored response: to the endpoint that made it.
-
-        The endpoint is remembered when this router process relayed the answer;
-        otherwise (another router or worker made it) the ready endpoints are asked
-        in turn until one does not answer 404. Only authentication applies: these
-        calls cost an engine nothing worth a quota."""
-        ex = self._exchange(scope, receive, send)
-        path = scope["path"]
-        query = scope.get("query_string", b"")
-        try:
-            with ex.guard:
-                self.gate.authenticate(ex.headers)
-                body = await ex.read_body(
-                    self.settings.max_body_bytes, self.settings.body_read_seconds
-                )
-                if body is None:
-                    ex.status = 499
-                    return
-                response_id = path[len(kinds.RESPONSES_PREFIX) :].split("/", 1)[0].encode()
-                known = self.response_endpoints.get(response_id)
-                candidates = list(self.view.endpoints.values())
-                candidates.sort(key=lambda ep: ep.id != known)
-                answered = None
-                for ep in candidates:
-                    got = await self._ask_stored(ex, ep, scope["method"], path, query, body)
-                    if got is not None:
-                        answered = (ep, got)
-                        if got[0] != 404:
-                            break
-                if answered is not None:
-                    ep, (status, ctype, data) = answered
-                    await ex.answer(status, ctype, data, ep.id)
-                    return
-                if candidates:
-                    raise RouterError(502, "upstream_broken", "no engine answered")
-                raise RouterError(
-                    404, "response_not_found", "no stored response with that id", param="id"
-                )
-        except RouterError as err:
-            await ex.fail(err)
-        except ClientGone:
-            ex.status = 499
-        except DeadlinePassed as passed:
-            await ex.fail(RouterError(TIMEOUT_STATUS, f"{passed.phase}_timeout", "deadline passed"))
-        finally:
-            ex.guard.close()
-            self._record(ex)
-
-    async def _ask_stored(
-        self, ex: Exchange, ep, method: str, path: str, query: bytes, body: bytes
-    ) -> tuple[int, bytes, bytes] | None:
-        """One endpoint's answer about a stored response, or None if it did not give one."""
-        url = ep.target(path)
-        if query:
-            url = url.with_query(query.decode("latin-1"))
-        try:
-            async with self.upstream.session.request(  # type: ignore[union-attr]
-                method,
-                url,
-                data=body or None,
-                headers=ex.upstream_headers(ep.request_headers(None, None, ex.rid)),
-                timeout=STORED_TIMEOUT,
-            ) as resp:
-                data = await resp.read()
-                ctype = resp.headers.get("Content-Type", "application/json").encode()
-                return resp.status, ctype, data
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("endpoint %s did not answer about a stored response: %r", ep.id, exc)
-            return None
-
 
 class _KindEndpoint:
     """The ASGI app mounted at one of an API kind's POST paths."""
@@ -380,18 +300,8 @@ class _KindEndpoint:
         self.proxy = proxy
         self.api = api
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.proxy.handle(self.api, scope, receive, send)
-
-
-class _StoredResponses:
-    __slots__ = ("proxy",)
-
-    def __init__(self, proxy: Proxy):
-        self.proxy = proxy
-
-    async def __call__(self, scope, receive, send) -> None:
-        await self.proxy.handle_stored(scope, receive, send)
 
 
 __all__ = ["Proxy", "Settings", "error_body"]

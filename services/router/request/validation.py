@@ -4,7 +4,7 @@ A gateway in front of vLLM must not refuse what vLLM accepts, so sampling
 fields, ranges and message shapes are the engine's to judge (its 400 is
 relayed as it sent it). The router checks only what it needs itself:
 
-- the body's size (proxy.py) and nesting: deeper than MAX_DEPTH levels, a JSON
+- the body's size (handler.py) and nesting: deeper than MAX_DEPTH levels, a JSON
   depth bomb would exhaust a decoder's recursion;
 - the types of the keys it reads (`RoutedFields`): `model` a string of at most
   MAX_MODEL_NAME characters without control characters, `stream` a boolean.
