@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, NoRespondersError, NoServersError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError, ServerError
 
 from llmgw import contracts as c
 from llmgw import subjects as s
@@ -149,9 +149,30 @@ async def publish(
             delay = min(delay * 2, 1.0)
 
 
+# nats-server answers 10049 "error creating store for stream" while the files of a
+# stream of the same name, just deleted, are still being removed (seen when a stream is
+# recreated at once under load); it passes within a moment.
+STORE_BUSY = 10049
+STORE_BUSY_DEADLINE = 5.0
+
+
+async def _while_store_busy(name: str, create: Callable[[], Awaitable[object]]) -> None:
+    loop = asyncio.get_running_loop()
+    stop_at = loop.time() + STORE_BUSY_DEADLINE
+    while True:
+        try:
+            await create()
+            return
+        except ServerError as exc:
+            if exc.err_code != STORE_BUSY or loop.time() >= stop_at:
+                raise
+            log.info("stream %s: store busy (%s); retrying", name, exc.description)
+            await asyncio.sleep(0.1)
+
+
 async def _ensure_stream(js: JetStreamContext, cfg: jsapi.StreamConfig) -> None:
     try:
-        await js.add_stream(cfg)
+        await _while_store_busy(cfg.name or "", lambda: js.add_stream(cfg))
     except BadRequestError as exc:
         if exc.err_code == 10058:  # exists with a different config: bring it up to date
             await js.update_stream(cfg)
@@ -212,16 +233,11 @@ async def _ensure_bucket(
     except Exception as exc:  # nats-py raises BucketNotFoundError (a NotFoundError) or similar
         if "not found" not in str(exc).lower():
             raise
+    kv_cfg = jsapi.KeyValueConfig(
+        bucket=bucket, history=1, ttl=ttl, replicas=cfg.replicas, storage=jsapi.StorageType.FILE
+    )
     try:
-        await js.create_key_value(
-            jsapi.KeyValueConfig(
-                bucket=bucket,
-                history=1,
-                ttl=ttl,
-                replicas=cfg.replicas,
-                storage=jsapi.StorageType.FILE,
-            )
-        )
+        await _while_store_busy(f"KV_{bucket}", lambda: js.create_key_value(kv_cfg))
     except BadRequestError as exc:
         if exc.err_code != 10058:  # another process created it meanwhile
             raise
