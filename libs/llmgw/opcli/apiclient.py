@@ -205,6 +205,26 @@ def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
+def transport_failure(base_url: str, exc: httpx.TransportError, tls: ApiTLS) -> str:
+    """One line for an API that could not be talked to, saying what TLS has to do with it.
+
+    A listener that refuses a client certificate (or gets none) under TLS 1.3 just
+    closes the connection after the handshake, so on https a disconnect counts as TLS."""
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    dropped = isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError)
+    if base_url.startswith("https:") and (_ssl_cause(exc) is not None or dropped):
+        hint = (
+            ""
+            if tls.cert and tls.ca
+            else " (its client certificate and CA: --api-cert/--api-key/--api-ca or "
+            "LLMGW_API_TLS__*)"
+        )
+        return f"TLS with the operator API at {base_url} failed: {reason}{hint}"
+    if dropped:
+        reason += " (a reconciler with admin_tls answers only https)"
+    return f"cannot reach the operator API at {base_url}: {reason}"
+
+
 def get_json(
     base_url: str,
     path: str,
@@ -223,19 +243,10 @@ def get_json(
     verify: ssl.SSLContext | bool = api_verify(tls) if base_url.startswith("https:") else True
     try:
         resp = httpx.get(url, params=params, headers=headers, timeout=10.0, verify=verify)
+    except httpx.TransportError as exc:
+        raise ApiError(transport_failure(base_url, exc, tls)) from None
     except httpx.HTTPError as exc:
-        reason = " ".join(str(exc).split())
-        if _ssl_cause(exc) is not None:
-            hint = (
-                ""
-                if tls.cert and tls.ca
-                else " (its client certificate and CA: --api-cert/--api-key/--api-ca or "
-                "LLMGW_API_TLS__*)"
-            )
-            raise ApiError(
-                f"TLS with the operator API at {base_url} failed: {reason}{hint}"
-            ) from None
-        raise ApiError(f"cannot reach the operator API at {base_url}: {reason}") from None
+        raise ApiError(f"cannot reach the operator API at {base_url}: {exc}") from None
     if resp.status_code != 200:
         try:
             message = resp.json()["error"]["message"]
