@@ -133,15 +133,21 @@ class AdminTLS(config.ConfigStruct, kw_only=True):
         return bool(self.cert or self.key or self.ca)
 
 
-def admin_server_options(tls: AdminTLS, section: str = "admin_tls") -> dict[str, Any]:
+def admin_server_options(tls: AdminTLS) -> dict[str, Any]:
     """uvicorn.Config keyword arguments for `tls`; empty when it is off.
 
     There is no server-only TLS: a listener that takes a certificate also requires
     one from every client, so `ca` is mandatory. The files are loaded here the way
     uvicorn loads them, so a bad one stops the service at start with its key named
     rather than inside uvicorn's task."""
+    section = "admin_tls"
     if not tls.enabled:
         return {}
+    if not tls.cert and not tls.key:
+        raise config.ConfigError(
+            f"{section}.cert, {section}.key: required with {section}.ca (the listener's own "
+            "certificate)"
+        )
     if not tls.cert or not tls.key:
         raise config.ConfigError(f"{section}: cert and key must be given together")
     if not tls.ca:

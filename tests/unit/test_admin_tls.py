@@ -46,6 +46,7 @@ def test_admin_tls_is_off_by_default_and_asks_every_client_for_a_certificate(cer
         ({"key": None}, "admin_tls: cert and key must be given together"),
         ({"cert": None}, "admin_tls: cert and key must be given together"),
         ({"ca": None}, "admin_tls.ca: required with admin_tls.cert"),
+        ({"cert": None, "key": None}, "admin_tls.cert, admin_tls.key: required with admin_tls.ca"),
         ({"ca": "nope"}, "admin_tls.ca = '{d}/nope.crt': no such file"),
         ({"cert": "nope"}, "admin_tls.cert = '{d}/nope.crt': no such file"),
         ({"key": "nope"}, "admin_tls.key = '{d}/nope.key': no such file"),
