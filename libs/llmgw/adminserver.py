@@ -3,6 +3,10 @@
 The service owns SIGTERM, so uvicorn installs no signal handlers. The socket is
 bound here, before uvicorn starts, so an address in use is a clear `ListenError`
 at start instead of uvicorn's `sys.exit` inside a task.
+
+With `tls` (an `llmgw.tlsconfig.AdminTLS` that is set) the listener speaks
+HTTPS and completes no handshake without a client certificate its CA signed:
+every path, probes included, is then behind the certificate.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+
+from llmgw import tlsconfig
 
 
 class ListenError(OSError):
@@ -38,10 +44,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class AdminServer:
-    def __init__(self, app: Starlette, host: str, port: int):
+    def __init__(self, app: Starlette, host: str, port: int, tls: tlsconfig.AdminTLS | None = None):
         self.host, self.port = host, port
+        ssl_options = tlsconfig.admin_server_options(tls) if tls else {}
+        self.scheme = "https" if ssl_options else "http"
         self.server = QuietServer(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+            uvicorn.Config(
+                app, host=host, port=port, log_level="warning", access_log=False, **ssl_options
+            )
         )
         self.task: asyncio.Task | None = None
 

@@ -10,6 +10,11 @@ subject, `CN=<name>,O=llmgw`, which the nats-server config written by
     reconciler     shared by the leader and its standbys
     operator       the CLI (`llmgw apply`, `llmgw events` ...)
 
+A second server certificate, `reconciler-admin`, is for the reconcilers'
+admin listener (the operator API with `admin_tls`): its own key, so a
+reconciler never holds the NATS server's. Clients present their identity's
+client certificate there too (the CLI `operator`'s).
+
 Running `init` again reuses the CA and every certificate already in the
 folder and adds the missing ones, so a new node is one more `--nodes n3` away
 and does not invalidate certificates deployed elsewhere. `--force` replaces
@@ -43,6 +48,16 @@ SERVER_NAME = "server"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 # The service name NATS gets in docker-compose and in the Kubernetes manifests.
 DEFAULT_EXTRA_HOSTS = ("nats", "nats.llmgw.svc", "nats.llmgw.svc.cluster.local")
+ADMIN_SERVER_NAME = "reconciler-admin"
+# The reconcilers' names in docker-compose and their Service in the Kubernetes manifests.
+ADMIN_EXTRA_HOSTS = (
+    "reconciler-1",
+    "reconciler-2",
+    "llmgw-reconciler",
+    "llmgw-reconciler.llmgw.svc",
+    "llmgw-reconciler.llmgw.svc.cluster.local",
+)
+SERVER_CERTS = (SERVER_NAME, ADMIN_SERVER_NAME)
 
 
 class CertError(ValueError):
@@ -254,7 +269,7 @@ def read_identities(directory: Path) -> list[Identity]:
     """Every client identity whose certificate lies in `directory`, sorted by name."""
     found = []
     for path in sorted(Path(directory).glob("*.crt")):
-        if path.stem in (CA_NAME, SERVER_NAME):
+        if path.stem in (CA_NAME, *SERVER_CERTS):
             continue
         try:
             cert = x509.load_pem_x509_certificate(path.read_bytes())
@@ -273,6 +288,7 @@ def init(
     routers: int = 1,
     *,
     hosts: Iterable[str] = (),
+    admin_hosts: Iterable[str] = (),
     days: int = 365,
     ca_days: int = 3650,
     force: bool = False,
@@ -289,11 +305,16 @@ def init(
         ca_key, ca_cert = make_ca(ca_days)
         _save(directory, CA_NAME, ca_key, ca_cert)
         written.append(CA_NAME)
-    server_hosts = list(dict.fromkeys([*DEFAULT_HOSTS, *DEFAULT_EXTRA_HOSTS, *hosts]))
-    if force or not (directory / f"{SERVER_NAME}.crt").exists():
-        key, cert = make_leaf(ca_key, ca_cert, "nats-server", days, server_hosts=server_hosts)
-        _save(directory, SERVER_NAME, key, cert)
-        written.append(SERVER_NAME)
+    servers = {
+        SERVER_NAME: ("nats-server", [*DEFAULT_HOSTS, *DEFAULT_EXTRA_HOSTS, *hosts]),
+        ADMIN_SERVER_NAME: (ADMIN_SERVER_NAME, [*DEFAULT_HOSTS, *ADMIN_EXTRA_HOSTS, *admin_hosts]),
+    }
+    for stem, (cn, names) in servers.items():
+        if force or not (directory / f"{stem}.crt").exists():
+            server_hosts = list(dict.fromkeys(names))
+            key, cert = make_leaf(ca_key, ca_cert, cn, days, server_hosts=server_hosts)
+            _save(directory, stem, key, cert)
+            written.append(stem)
     for ident in wanted:
         if force or not (directory / f"{ident.name}.crt").exists():
             key, cert = make_leaf(ca_key, ca_cert, ident.name, days)
@@ -326,8 +347,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--hosts",
         type=_csv,
         default=[],
-        help="extra DNS names or IPs for the server certificate "
+        help="extra DNS names or IPs for the NATS server certificate "
         f"(always: {', '.join(DEFAULT_HOSTS + DEFAULT_EXTRA_HOSTS)})",
+    )
+    p.add_argument(
+        "--admin-hosts",
+        type=_csv,
+        default=[],
+        help=f"extra DNS names or IPs for the reconcilers' admin listener ({ADMIN_SERVER_NAME}) "
+        f"(always: {', '.join(DEFAULT_HOSTS + ADMIN_EXTRA_HOSTS)})",
     )
     p.add_argument("--days", type=int, default=365, help="validity of leaf certificates")
     p.add_argument("--force", action="store_true", help="replace existing leaf certificates")
@@ -343,13 +371,14 @@ def run(args: argparse.Namespace) -> int:
             args.nodes,
             args.routers,
             hosts=args.hosts,
+            admin_hosts=args.admin_hosts,
             days=args.days,
             force=args.force,
         )
     except (CertError, subjects.SubjectError) as exc:
         print(f"llmgw certs: {exc}", file=sys.stderr)
         return 1
-    present = [CA_NAME, SERVER_NAME] + [i.name for i in read_identities(args.dir)]
+    present = [CA_NAME, *SERVER_CERTS] + [i.name for i in read_identities(args.dir)]
     for name in present:
         state = "created" if name in written else "kept"
         print(f"{state:8} {args.dir / name}.crt")

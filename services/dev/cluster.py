@@ -23,9 +23,12 @@ and API token stay the same across runs; `--fresh` starts from nothing.
 <data-dir>/certs, a nats-server config from `llmgw nats-config` (mutual TLS,
 per-identity permissions), and every process connecting with its own
 identity (agents agent-<node>, routers router-N, reconcilers reconciler,
-`apply` operator) through LLMGW_NATS_TLS__*. cluster.json then has tls://
-URLs and the operator's certificate under `nats_tls`, which the operator CLI
-picks up. `--nats-cluster 3` runs three nats-servers as one JetStream cluster
+`apply` operator) through LLMGW_NATS_TLS__*. The reconcilers' admin listeners
+serve HTTPS with the `reconciler-admin` certificate and ask for a client
+certificate of the same CA (LLMGW_ADMIN_TLS__*), so the operator API, probes
+included, is mutual TLS too. cluster.json then has tls:// and https:// URLs and
+the operator's certificate under `nats_tls` and `api_tls`, which the operator
+CLI picks up. `--nats-cluster 3` runs three nats-servers as one JetStream cluster
 with streams and buckets at three replicas (LLMGW_BUS__REPLICAS for every
 process); both flags combine.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -49,7 +53,7 @@ from typing import Any
 import httpx
 import yaml
 
-from llmgw import certs, keys, natsconfig, procs
+from llmgw import certs, keys, natsconfig, procs, tlsconfig
 from llmgw.dev import catalog as devcatalog
 from llmgw.dev import servers as localservers
 from llmgw.dev import tinymodel
@@ -343,8 +347,9 @@ class DevCluster:
         if len(nats_pids) > 1:
             self.info["servers"]["nats_nodes"] = nats_pids
         if self.secure:
-            # The operator's identity: `llmgw apply/events/audit` read it from here.
+            # The operator's identity: `llmgw apply/events/audit/get` read it from here.
             self.info["nats_tls"] = self._tls_paths("operator")
+            self.info["api_tls"] = self._tls_paths("operator")
             self.info["certs_dir"] = str(self.certs_dir)
         (self.data_dir / "cluster.json").write_text(json.dumps(self.info, indent=2))
         self._wait_models_ready(self._ready_timeout())
@@ -367,11 +372,12 @@ class DevCluster:
         """The reconcilers; the first is up before the rest start. Returns their API URLs."""
         api_urls = []
         tokens = [{"name": DEV_TOKEN_NAME, "role": "admin", "hash": keys.hash_key(self.api_token)}]
-        env = {**env, "LLMGW_API_TOKENS": json.dumps(tokens)}
+        env = {**env, "LLMGW_API_TOKENS": json.dumps(tokens), **self._admin_tls()}
+        scheme = "https" if self.secure else "http"
         for i in range(1, self.spec.reconcilers + 1):
             name = f"reconciler-{i}"
             admin = f"127.0.0.1:{ports[name]}"
-            api_urls.append(f"http://{admin}")
+            api_urls.append(f"{scheme}://{admin}")
             argv = procs.llmgw_argv(
                 "reconciler",
                 "--nats",
@@ -385,7 +391,7 @@ class DevCluster:
             )
             self.group.start(name, argv, env={**env, **self._identity("reconciler")})
             if i == 1:
-                self._wait_http(f"http://{admin}/healthz", name, 60)
+                self._wait_http(f"{scheme}://{admin}/healthz", name, 60, self.api_verify)
         return api_urls
 
     def _start_agents(self, agents: list[str], ports: dict[str, int], env: dict[str, str]) -> None:
@@ -474,6 +480,26 @@ class DevCluster:
             "key": str(self.certs_dir / f"{identity}.key"),
         }
 
+    def _admin_tls(self) -> dict[str, str]:
+        """Environment for a reconciler's admin listener: mutual TLS with --secure."""
+        if not self.secure:
+            return {}
+        return {
+            "LLMGW_ADMIN_TLS__CERT": str(self.certs_dir / f"{certs.ADMIN_SERVER_NAME}.crt"),
+            "LLMGW_ADMIN_TLS__KEY": str(self.certs_dir / f"{certs.ADMIN_SERVER_NAME}.key"),
+            "LLMGW_ADMIN_TLS__CA": str(self.certs_dir / f"{certs.CA_NAME}.crt"),
+        }
+
+    @functools.cached_property
+    def api_verify(self) -> Any:
+        """httpx's `verify` for the operator API: with --secure, the operator's
+        certificate, which the admin listeners ask for on every path (read once the
+        certificates exist)."""
+        if not self.secure:
+            return True
+        tls = self._tls_paths("operator")
+        return tlsconfig.client_context(tls["ca"], tls["cert"], tls["key"], "api_tls")
+
     def _identity(self, identity: str) -> dict[str, str]:
         """Environment for a process: its NATS identity (with --secure) and the replicas."""
         env = {}
@@ -524,10 +550,10 @@ class DevCluster:
         if code != 0:
             raise SystemExit(f"llmgw dev: {name} failed (exit {code}):\n{child.output()}")
 
-    def _wait_http(self, url: str, what: str, timeout: float) -> None:
+    def _wait_http(self, url: str, what: str, timeout: float, verify: Any = True) -> None:
         def ok() -> bool:
             try:
-                return httpx.get(url, timeout=1).status_code < 500
+                return httpx.get(url, timeout=1, verify=verify).status_code < 500
             except httpx.HTTPError:
                 return False
 
@@ -572,7 +598,8 @@ class DevCluster:
     def _api_list(self, path: str) -> list[dict[str, Any]]:
         try:
             auth = {"Authorization": f"Bearer {self.api_token}"}
-            body = httpx.get(f"{self.info['api_url']}{path}", headers=auth, timeout=2).json()
+            url = f"{self.info['api_url']}{path}"
+            body = httpx.get(url, headers=auth, timeout=2, verify=self.api_verify).json()
         except (httpx.HTTPError, ValueError):
             return []
         if isinstance(body, dict):  # {"items": [...]} or similar: take the first list
@@ -642,7 +669,8 @@ class DevCluster:
         print(f"  API token       : {self.api_token}  (admin; the CLI reads it from cluster.json)")
         print(f"  NATS            : {self.info['nats_url']}")
         if self.secure:
-            print(f"  NATS identities : {self.certs_dir} (mutual TLS; the CLI uses operator.crt)")
+            print(f"  identities      : {self.certs_dir} (the CLI presents operator.crt)")
+            print("                    mutual TLS on the bus and on the operator API")
         print(f"  Postgres        : {self.info['database_url']}")
         if self.info["agent_admin"]:
             print(f"  agent /metrics  : {', '.join(self.info['agent_admin'])}")

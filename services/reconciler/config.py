@@ -37,6 +37,9 @@ class ReconcilerConfig(config.ConfigStruct, kw_only=True):
     nats_tls: tlsconfig.NatsTLS = msgspec.field(default_factory=tlsconfig.NatsTLS)
     database_url: str = schema.DEFAULT_DATABASE_URL
     admin_listen: str = "127.0.0.1:9300"  # /metrics, /healthz, /readyz, the operator API
+    # HTTPS on admin_listen, a client certificate signed by `ca` required of every caller
+    # (probes and /metrics too); tokens still decide the API role.
+    admin_tls: tlsconfig.AdminTLS = msgspec.field(default_factory=tlsconfig.AdminTLS)
     # Who may call /api/ (api/auth.py): `tokens` (with none listed, every call is refused)
     # or `none`, no check at all, allowed only on a loopback admin_listen.
     api_auth: str = auth.AUTH_TOKENS
@@ -77,6 +80,10 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
         problems += auth.config_problems(cfg.api_auth, cfg.api_tokens, host)
     try:  # unreadable or mismatched certificates fail at start, not at the first connect
         tlsconfig.nats_options(cfg.nats_tls)
+    except config.ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        tlsconfig.admin_server_options(cfg.admin_tls)
     except config.ConfigError as exc:
         problems.append(str(exc))
     return problems

@@ -93,16 +93,16 @@ class Reconciler:
             host, port = config.host_port(self.cfg.admin_listen, 9300)
             authorizer = auth.Authorizer(self.cfg.api_auth, self.cfg.api_tokens)
             app = admin.build_app(engine, self.role, authorizer)
-            server = adminserver.AdminServer(app, host, port)
+            server = adminserver.AdminServer(app, host, port, self.cfg.admin_tls)
             await server.start()
-            log.info("reconciler %s up; admin on %s:%d", self.id, host, port)
+            log.info("reconciler %s up; admin on %s://%s:%d", self.id, server.scheme, host, port)
             if self.cfg.api_auth == auth.AUTH_TOKENS and not self.cfg.api_tokens:
                 log.warning(
                     "no api_tokens: the operator API refuses every call; %s", auth.HOW_TO_CONFIGURE
                 )
             await self._compete(engine, self.nc, js)
             return 0
-        except (schema.SchemaError, adminserver.ListenError) as exc:
+        except (schema.SchemaError, adminserver.ListenError, config.ConfigError) as exc:
             log.error("%s", exc)
             return 1
         finally:

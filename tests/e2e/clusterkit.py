@@ -46,6 +46,8 @@ def cli(
     env = {"LLMGW_API_URL": cluster.info["api_url"], "LLMGW_NATS_URL": cluster.info["nats_url"]}
     env["LLMGW_DATABASE_URL"] = cluster.info["database_url"]
     env["LLMGW_API_TOKEN"] = cluster.info["api_token"]
+    for key, path in cluster.info.get("api_tls", {}).items():  # --secure: the operator's
+        env[f"LLMGW_API_TLS__{key.upper()}"] = path
     import os
 
     return subprocess.run(
@@ -64,13 +66,13 @@ def api_headers(cluster: devcluster.DevCluster) -> dict[str, str]:
 
 def api(cluster: devcluster.DevCluster, path: str, base: str | None = None) -> Any:
     url = f"{base or cluster.info['api_url']}{path}"
-    return httpx.get(url, headers=api_headers(cluster), timeout=5).json()
+    return httpx.get(url, headers=api_headers(cluster), timeout=5, verify=cluster.api_verify).json()
 
 
 def leader_api(cluster: devcluster.DevCluster) -> str | None:
     for base in cluster.info["api_urls"]:
         try:
-            r = httpx.get(f"{base}/readyz", timeout=2)
+            r = httpx.get(f"{base}/readyz", timeout=2, verify=cluster.api_verify)
         except httpx.HTTPError:
             continue
         if r.status_code == 200 and "leader" in r.text and "standby" not in r.text:

@@ -4,8 +4,9 @@ The dev process makes a CA and certificates, writes the nats-server config with
 per-identity permissions, and starts every process with its own identity. The test
 reads cluster.json, checks each process runs as the identity it should (its
 environment), serves a demo model through the router with the openai SDK, uses the
-operator CLI with the certificate cluster.json names, sees a client without a
-certificate refused, then sends SIGTERM: the dev process exits 0 and leaves no process
+operator CLI with the certificate cluster.json names (on the bus and on the operator
+API, which is https with client certificates), sees a client without a certificate
+refused by both, then sends SIGTERM: the dev process exits 0 and leaves no process
 behind, engines included. (That an agent cannot act as another node under these
 permissions is tests/integration/test_nats_mtls.py's subject.)
 """
@@ -22,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import nats
 import openai
 import pytest
@@ -60,7 +62,7 @@ def environ(pid: int) -> dict[str, str]:
 
 
 def cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_NATS_TLS__")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_NATS", "LLMGW_API"))}
     env["LLMGW_DATA_DIR"] = str(data_dir)
     return subprocess.run(
         procs.llmgw_argv(*args), capture_output=True, text=True, timeout=60, env=env
@@ -137,6 +139,16 @@ def test_dev_secure_serves_with_every_identity_and_stops_clean(tmp_path):
         with pytest.raises(OSError):  # ssl.SSLError or ConnectionResetError
             asyncio.run(connect(tls=no_cert))
         asyncio.run(connect(**tlsconfig.nats_options(tlsconfig.NatsTLS(**tls))))  # the control
+
+        # The operator API is https and asks for a client certificate too; the CLI finds
+        # the operator's, the URL and the token in cluster.json alone.
+        assert all(url.startswith("https://") for url in info["api_urls"])
+        assert info["api_tls"] == tls
+        res = cli(data_dir, "get", "models")
+        assert res.returncode == 0, res.stderr
+        assert {"demo-chat", "demo-small"} <= {line.split()[0] for line in res.stdout.splitlines()}
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{info['api_url']}/healthz", verify=no_cert, timeout=5)
 
         def engines() -> list[int]:
             return [

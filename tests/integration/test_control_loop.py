@@ -438,6 +438,10 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
         await asyncio.wait_for(task, timeout=45)
 
 
+# explain's --api-ca/--api-cert/--api-key, unset, as the parser would give them.
+NO_TLS = {"api_ca": None, "api_cert": None, "api_key": None}
+
+
 def cli(module, **kw) -> tuple[int, str]:
     """Run an operator command module as `llmgw` would; its exit code and stdout."""
     out = io.StringIO()
@@ -467,7 +471,14 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             stop_at = loop.time() + DEADLINE
             while True:  # the API reads Postgres, which the fold commits just before acting
                 code, text = await asyncio.to_thread(
-                    cli, explain, model="big", output="table", all=False, api=api, token=None
+                    cli,
+                    explain,
+                    model="big",
+                    output="table",
+                    all=False,
+                    api=api,
+                    token=None,
+                    **NO_TLS,
                 )
                 # The first failure saw node-b free; m then took it, and the restated failure
                 # (at most every failure_restate_interval) says so.
@@ -478,12 +489,12 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             assert "- node-a  2 free GPUs of 2, needs 4" in text
             assert "- node-b  0 free GPUs of 1, needs 4" in text  # m took it
             code, text = await asyncio.to_thread(
-                cli, explain, model="m", output="table", all=False, api=api, token=None
+                cli, explain, model="m", output="table", all=False, api=api, token=None, **NO_TLS
             )
             assert code == 0 and "m-r1" in text and "placed: shard 0 on node-b (node-b-g0)" in text
             assert "now: ready" in text
             code, _ = await asyncio.to_thread(
-                cli, explain, model="nope", output="table", all=False, api=api, token=None
+                cli, explain, model="nope", output="table", all=False, api=api, token=None, **NO_TLS
             )
             assert code == 1
 
@@ -510,7 +521,7 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             stdout, _ = await asyncio.wait_for(proc.communicate(), DEADLINE)
             assert proc.returncode == 0 and b", 0 differ" in stdout
             code, text = await asyncio.to_thread(
-                cli, explain, model="big", output="json", all=False, api=api, token=None
+                cli, explain, model="big", output="json", all=False, api=api, token=None, **NO_TLS
             )
             seq = json.loads(text)["decisions"][0]["seq"]
             code, text = await asyncio.to_thread(

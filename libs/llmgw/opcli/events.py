@@ -90,6 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--nats", metavar="URL", help="read the stream at URL instead of the archive"
     )
     apiclient.add_token_argument(export)
+    apiclient.add_api_tls_arguments(export)
 
 
 async def _connect(url: str):
@@ -147,13 +148,15 @@ async def _export_stream(url: str, from_seq: int, to_seq: int | None) -> None:
         await bus.close_quietly(nc)
 
 
-def _export_api(api: str, from_seq: int, to_seq: int | None, token: str | None) -> None:
+def _export_api(
+    api: str, from_seq: int, to_seq: int | None, token: str | None, tls: apiclient.ApiTLS
+) -> None:
     seq = from_seq
     while to_seq is None or seq <= to_seq:
         params: dict[str, Any] = {"from_seq": seq, "limit": PAGE}
         if to_seq is not None:
             params["to_seq"] = to_seq
-        page = apiclient.get_json(api, "/api/events", params, token)
+        page = apiclient.get_json(api, "/api/events", params, token, tls)
         for e in page:
             print(json.dumps(e))
         if len(page) < PAGE:
@@ -168,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
         elif args.nats:
             asyncio.run(_export_stream(args.nats, args.from_seq, args.to_seq))
         else:
-            _export_api(apiclient.find_api_url(args.api), args.from_seq, args.to_seq, args.token)
+            api = apiclient.find_api_url(args.api)
+            tls = apiclient.api_tls_flags(args)
+            _export_api(api, args.from_seq, args.to_seq, args.token, tls)
     except apiclient.ApiError as exc:
         print(f"llmgw events: {exc}", file=sys.stderr)
         return 1

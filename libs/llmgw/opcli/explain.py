@@ -30,13 +30,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     apiclient.add_api_argument(parser)
     apiclient.add_token_argument(parser)
+    apiclient.add_api_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         base = apiclient.find_api_url(args.api)
         path = f"/api/explain/{quote(args.model, safe='')}"
-        data = apiclient.get_json(base, path, token=args.token)
+        data = apiclient.get_json(base, path, token=args.token, tls=apiclient.api_tls_flags(args))
     except apiclient.ApiError as exc:
         print(f"llmgw explain: {exc}", file=sys.stderr)
         return 1

@@ -118,12 +118,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
     apiclient.add_api_argument(parser)
     apiclient.add_token_argument(parser)
+    apiclient.add_api_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         base = apiclient.find_api_url(args.api)
-        items = apiclient.get_json(base, f"/api/{args.kind}", token=args.token)
+        tls = apiclient.api_tls_flags(args)
+        items = apiclient.get_json(base, f"/api/{args.kind}", token=args.token, tls=tls)
     except apiclient.ApiError as exc:
         print(f"llmgw get: {exc}", file=sys.stderr)
         return 1
