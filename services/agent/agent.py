@@ -25,7 +25,6 @@ import subprocess
 import time
 
 import httpx
-import zmq
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -33,7 +32,7 @@ from nats.js.errors import NotFoundError
 from llmgw import __version__, adminserver, bus, config, subjects, tlsconfig
 from llmgw import contracts as c
 
-from . import admin, procs
+from . import admin, kvsockets, procs
 from .commands import Commands
 from .config import ADMIN_PORT, AgentConfig
 from .inventory import Inventory
@@ -84,7 +83,7 @@ class Agent:
         self._resync_task: asyncio.Task | None = None
         self._heartbeat_at: float | None = None  # monotonic time of the last acknowledged one
         self.metrics = AgentMetrics(self.live)
-        self.kv_relays = KvRelays(node, metrics=self.metrics)
+        self.kv_relays = KvRelays(node, state_dir.kv_sockets, metrics=self.metrics)
         self.outbox = Outbox(node, self.metrics, self.registered, self._ensure_streams)
         self.launcher = Launcher(
             cfg,
@@ -249,28 +248,25 @@ class Agent:
                 )
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
-            if rec.kv_events_port:
-                self._reopen_relay(rec)
+            if rec.kv_events_endpoint:
+                # The engine's sockets stay where it bound them; the relay connects.
+                relay = self.kv_relays.open(
+                    rec.shard_id,
+                    (rec.kv_events_endpoint, rec.kv_replay_endpoint),
+                    engine_running=True,
+                )
+                relay.url = rec.url
             self._supervise(shard)
-
-    def _reopen_relay(self, rec: ShardRecord) -> None:
-        """Bind the adopted engine's relay on its saved port: the engine's publisher
-        reconnects to that port on its own. If another process took the port meanwhile,
-        the shard is adopted without KV events (routers score it approximately)."""
-        try:
-            relay = self.kv_relays.open(
-                rec.shard_id, rec.kv_events_port, rec.kv_replay_port, engine_running=True
-            )
-            relay.url = rec.url
-        except zmq.ZMQError as exc:
-            self.metrics.kv_relay_bind_failures.inc()
-            log.warning(
-                "shard %s: cannot rebind its KV event relay on port %d (%s); "
-                "adopted without KV events",
-                rec.shard_id,
-                rec.kv_events_port,
-                exc,
-            )
+        # No engine is being launched yet: socket files no live engine holds are of
+        # engines killed without closing them (a bind would replace them anyway).
+        kvsockets.prune(
+            self.state_dir.kv_sockets,
+            {
+                e
+                for s in self.live_shards()
+                for e in (s.rec.kv_events_endpoint, s.rec.kv_replay_endpoint)
+            },
+        )
 
     def _new_shard(self, rec: ShardRecord, proc: subprocess.Popen | None = None) -> EngineShard:
         shard = EngineShard(

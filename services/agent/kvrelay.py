@@ -1,8 +1,11 @@
 """KV cache events from the node's engines onto the bus, and snapshots on request.
 
-Each vLLM or simulator engine the agent launches gets `--kv-events-config` pointing
-at a ZMQ SUB socket the relay binds on loopback (the engine's PUB connects, as vLLM's
-does for a non-wildcard endpoint). The relay
+Each engine the agent launches gets `--kv-events-config` naming two ipc:// endpoints in
+the agent's socket directory (kvsockets: a Unix socket in a 0700 directory, so no other
+user can publish into a relay or read an engine's history): the engine binds its ZMQ
+PUB on the first, as vLLM, SGLang and the simulator do for an ipc endpoint, and the
+relay's SUB connects to it (ZMQ connects again on its own whenever the engine is not,
+or no longer, there). The relay
 
 - keeps the engine's cached block set, each engine block hash mapped to its canonical
   hash (llmgw.kvblocks: chained over the token ids the event carries), so routers can
@@ -35,19 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import random
 import secrets
-import socket
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire, subjects
+
+from . import kvsockets
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,9 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 class _Superseded(Exception):
     """A replay found the relay's state no longer its own (a new epoch, a newer replay)."""
 
+
+# How often the relay's socket tries to join an engine's that is not there (yet).
+_RECONNECT_MS = 10
 
 # Bytes per hash in a JSON snapshot, at most (19 digits and a comma), for sizing replies.
 _HASH_JSON_BYTES = 20
@@ -142,8 +148,7 @@ class EngineRelay:
         shard_id: str,
         *,
         publish: Publish,
-        port: int = 0,
-        host: str = "127.0.0.1",
+        endpoint: str,
         replay_endpoint: str = "",
         replay_timeout: float = 5.0,
         replay_quiet: float = 0.25,
@@ -171,7 +176,6 @@ class EngineRelay:
         self.published = 0
         # The engine's replay socket ("" = none) and what asking it brought back.
         self.replay_endpoint = replay_endpoint
-        self.replay_port = 0  # its port, as the owner recorded it
         self.replay_timeout = replay_timeout  # for one replay, from when its turn comes
         # vLLM sends a reply in one burst, so a pause this long after its first batch means
         # its ROUTER dropped the rest (silently, past its high-water mark of 1,000).
@@ -203,15 +207,16 @@ class EngineRelay:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
             self._sock.setsockopt(zmq.RCVHWM, 100_000)
             self._sock.setsockopt(zmq.LINGER, 0)
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            # The engine binds its socket, and batches it sends before this one has joined
+            # are lost (noticed only with the next batch); ZMQ's 100 ms between tries to
+            # connect would leave time for a whole first request. A failed try on a Unix
+            # socket path costs a few system calls.
+            self._sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+            self._sock.connect(endpoint)  # the engine binds it, now or later
         except zmq.ZMQError:
             self._sock.close(linger=0)
             raise
-        self.port = port
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = endpoint  # where the engine publishes
         self.task: asyncio.Task | None = None
 
     # -- the engine side -------------------------------------------------------------
@@ -573,59 +578,12 @@ class EngineRelay:
         self._sock.close(linger=0)
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-# The fewest ports above the kernel's ephemeral range worth taking replay ports from;
-# with fewer (a range ending near 65535), they come from below it.
-_MIN_ROOM_ABOVE = 512
-
-
-def replay_port_candidates(
-    ephemeral: tuple[int, int], avoid: Sequence[range] = (), taken: Collection[int] = ()
-) -> list[int]:
-    """The ports an engine's replay socket may get. Pure.
-
-    Outside the kernel's ephemeral range where there is room (`ephemeral`: its first and
-    last port), so no outgoing connection made while the engine loads lands on it first;
-    never in `avoid` (the agent's engine port range) nor `taken` (ports live shards hold:
-    an engine binds its HTTP and replay ports only once its model is loaded, minutes
-    after they were recorded, so a port's being free says nothing about them)."""
-    lo, hi = ephemeral
-
-    def allowed(span: range) -> list[int]:
-        return [p for p in span if p not in taken and not any(p in r for r in avoid)]
-
-    if 65535 - hi >= _MIN_ROOM_ABOVE:
-        ports = allowed(range(hi + 1, 65536))
-    else:
-        ports = allowed(range(1024, lo))
-    # An ephemeral range covering (nearly) every port: anywhere else, then.
-    return ports or allowed(range(1024, 65536))
-
-
 class KvRelays:
     """The agent's relays, by shard id, and the node's snapshot service."""
 
-    def __init__(self, node: str, host: str = "127.0.0.1", metrics=None, replays_at_once: int = 2):
+    def __init__(self, node: str, socket_dir: Path, metrics=None, replays_at_once: int = 2):
         self.node = node
-        self.host = host
+        self.socket_dir = socket_dir  # kvsockets: the engines' endpoints, this user's only
         self.metrics = metrics  # telemetry.AgentMetrics, or None
         self.relays: dict[str, EngineRelay] = {}
         self._nc = None
@@ -642,28 +600,18 @@ class KvRelays:
             raise ConnectionError("not connected to NATS")
         await nc.publish(subject, data)
 
-    def replay_port(self, *, avoid: Sequence[range] = (), taken: Collection[int] = ()) -> int:
-        """A free loopback port for an engine's replay socket, which the engine binds:
-        one of `replay_port_candidates`, and none of this agent's relays' ports (their
-        engines may not have bound them yet). `avoid`: the engine port range; `taken`:
-        the ports the agent's live shards hold."""
-        held = set(taken)
-        for r in self.relays.values():
-            held.update((r.port, r.replay_port))
-        candidates = replay_port_candidates(_ephemeral_range(), avoid, held)
-        for port in random.sample(candidates, min(64, len(candidates))):
-            if _port_is_free(self.host, port):
-                return port
-        raise OSError(errno.EADDRINUSE, "no free loopback port for a KV event replay socket")
-
     def open(
-        self, shard_id: str, port: int = 0, replay_port: int = 0, *, engine_running: bool = False
+        self,
+        shard_id: str,
+        endpoints: tuple[str, str] | None = None,
+        *,
+        engine_running: bool = False,
     ) -> EngineRelay:
-        """Bind a relay for this shard (a free loopback port unless `port`) and start it.
-        `replay_port`: the engine's replay socket (0: none); `engine_running`: the engine
-        is up already (adopted), so the relay asks it to replay its buffer at once.
-
-        Raises zmq.ZMQError when the port cannot be bound (another process holds it)."""
+        """Connect a relay for this shard to its engine's sockets and start it.
+        `endpoints`: the engine's (events, replay) endpoints, as its launch recorded them;
+        None: the shard's own in the socket directory, for an engine about to start.
+        `engine_running`: the engine is up already (adopted), so the relay asks it to
+        replay its buffer at once."""
         old = self.relays.pop(shard_id, None)
         if old is not None:
             # Its socket closes now; stop() awaits the rest of its shutdown.
@@ -671,34 +619,11 @@ class KvRelays:
             task = asyncio.ensure_future(old.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        # Re-binding the port just closed races ZMQ's I/O thread releasing it: retry briefly.
-        retry_until = time.monotonic() + 1.0 if old is not None and old.port == port else 0.0
-        # A random port may be another engine's replay port, free until that engine has
-        # loaded its model: such a socket is kept bound (so the next try gets another
-        # port) and closed once one fits.
-        reserved = {r.replay_port for r in self.relays.values()} | {replay_port}
-        misfits: list[EngineRelay] = []
-        try:
-            while True:
-                try:
-                    relay = EngineRelay(
-                        self.node, shard_id, publish=self._publish, port=port, host=self.host,
-                        metrics=self.metrics, context=self._context,
-                        replay_gate=self._replay_gate,
-                        replay_endpoint=f"tcp://{self.host}:{replay_port}" if replay_port else "",
-                    )  # fmt: skip
-                except zmq.ZMQError as e:
-                    if e.errno != errno.EADDRINUSE or time.monotonic() >= retry_until:
-                        raise
-                    time.sleep(0.02)
-                    continue
-                if port or relay.port not in reserved or len(misfits) >= 8:
-                    break
-                misfits.append(relay)
-        finally:
-            for misfit in misfits:
-                misfit.close_socket()
-        relay.replay_port = replay_port
+        events, replay = endpoints or kvsockets.endpoints(self.socket_dir, shard_id)
+        relay = EngineRelay(
+            self.node, shard_id, publish=self._publish, endpoint=events, replay_endpoint=replay,
+            metrics=self.metrics, context=self._context, replay_gate=self._replay_gate,
+        )  # fmt: skip
         relay.start(engine_running=engine_running)
         self.relays[shard_id] = relay
         return relay
@@ -734,8 +659,8 @@ class KvRelays:
             await self.close(shard_id)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        # A closed socket's port is released by ZMQ's I/O thread a moment later; terminating
-        # the context waits for that, so once the agent has stopped its relays' ports are
-        # free for whoever binds them next. destroy() first closes, with linger 0, any
+        # A closed socket's connections are torn down by ZMQ's I/O thread a moment later;
+        # terminating the context waits for that, so once the agent has stopped none of
+        # its relays holds an engine's socket. destroy() first closes, with linger 0, any
         # socket still open (a replay request cut short), so the wait cannot hang.
         self._context.destroy(linger=0)

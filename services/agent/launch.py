@@ -63,8 +63,9 @@ def _opt(flag: str, value: object | None) -> list[str]:
 
 def kv_events_args(ctx: LaunchContext) -> list[str]:
     """vLLM's `--kv-events-config`, which the simulator accepts too: the engine's ZMQ
-    publisher connects to the relay the agent bound for it, and binds a replay socket
-    (its last `buffer_steps` batches, asked for by the relay on a gap) where told."""
+    publisher binds the ipc endpoint the agent chose for it (the relay connects), and so
+    does its replay socket (its last `buffer_steps` batches, asked for by the relay on a
+    gap)."""
     if not ctx.kv_events_endpoint:
         return []
     replay = f'"replay_endpoint":"{ctx.kv_replay_endpoint}",' if ctx.kv_replay_endpoint else ""
@@ -78,8 +79,8 @@ def kv_events_args(ctx: LaunchContext) -> list[str]:
 def sglang_kv_events_args(ctx: LaunchContext) -> list[str]:
     """SGLang's `--kv-events-config` (sglang.srt.disaggregation.kv_events.KVEventsConfig):
     the same JSON keys as vLLM's but no `enable_kv_cache_events` (the flag's presence
-    turns events on) and the publisher defaults to "null"; its PUB connects to a
-    non-wildcard endpoint too. Only the attention-TP rank 0 scheduler publishes, and a
+    turns events on) and the publisher defaults to "null"; its PUB binds an ipc
+    endpoint too. Only the attention-TP rank 0 scheduler publishes, and a
     data-parallel-attention rank r publishes to port + r (`kv_events_off_reason` keeps
     events off then, and below a page size of 16). Its replay socket is vLLM's too (its
     replies leave out the topic frame)."""
@@ -121,25 +122,25 @@ def kv_events_off_reason(profile: c.ServingProfile) -> str:
     """Why this profile's engine must not get KV events ("" when it may), from its
     `engine_args`.
 
-    Data parallelism: every DP rank r > 0 of vLLM (`offset_endpoint_port`, by the global
-    rank, for both the publisher and the replay endpoint) and of SGLang publishes to the
-    relay's port + r. Relays sit on arbitrary loopback ports, so that port may be another
-    engine's relay: its numbering would interleave with that engine's and its blocks would
-    be credited to the wrong endpoint. So DP > 1 runs without events."""
+    Data parallelism: every DP rank r > 0 of vLLM and of SGLang derives its publisher and
+    replay endpoints from the configured ones (`offset_endpoint_port`: a TCP port + r),
+    and both refuse to do that for the agent's ipc:// endpoints. The ranks would also
+    publish separate numberings one relay cannot follow. So DP > 1 runs without events."""
     args = profile.engine_args
     if profile.engine == "vllm":
         dp = _int_flag(args, "--data-parallel-size", "-dp")
         if dp is not None and dp > 1:
             return (
-                f"data parallel size {dp}: vLLM's rank r publishes to the relay's port + r, "
-                "which may be another engine's relay"
+                f"data parallel size {dp}: vLLM's rank r publishes to the endpoint's port + r, "
+                "and an ipc endpoint has no port"
             )
     elif profile.engine == "sglang":
         dp = _int_flag(args, "--dp-size", "--dp")
         if dp is not None and dp > 1:
             return (
-                f"data parallel size {dp}: SGLang's DP ranks publish to the relay's port + "
-                "rank (or, without DP attention, several schedulers under one numbering)"
+                f"data parallel size {dp}: SGLang's DP ranks publish to the endpoint's port + "
+                "rank, which an ipc endpoint has not (or, without DP attention, several "
+                "schedulers under one numbering)"
             )
         page = _int_flag(args, "--page-size")
         if page is None or page < SGLANG_MIN_KV_EVENT_PAGE_SIZE:

@@ -63,10 +63,9 @@ def next_port(
 
 
 def held_ports(records: Iterable[ShardRecord]) -> set[int]:
-    """Every port these shards' records hold: HTTP, KV relay and replay socket. An engine
-    binds its ports only once its model is loaded (minutes), so until then only the
-    record says they are spoken for."""
-    return {p for rec in records for p in (rec.port, rec.kv_events_port, rec.kv_replay_port) if p}
+    """Every port these shards' records hold. An engine binds its port only once its
+    model is loaded (minutes), so until then only the record says it is spoken for."""
+    return {rec.port for rec in records if rec.port}
 
 
 class Launcher:
@@ -194,14 +193,7 @@ class Launcher:
             )
         if not (kv_events and port):
             return None
-        try:
-            replay_port = self.kv_relays.replay_port(
-                avoid=[self.ports], taken=held_ports(s.rec for s in self.live_shards()) | {port}
-            )
-        except OSError as exc:
-            log.warning("shard %s: KV events without replay: %s", cmd.shard_id, exc)
-            replay_port = 0
-        return self.kv_relays.open(cmd.shard_id, replay_port=replay_port)
+        return self.kv_relays.open(cmd.shard_id)
 
     def _context(self, cmd: c.StartShard, port: int, relay: EngineRelay | None) -> LaunchContext:
         return LaunchContext(
@@ -223,8 +215,8 @@ class Launcher:
         )
         if relay is not None:
             relay.url = rec.url
-            rec.kv_events_port = relay.port
-            rec.kv_replay_port = relay.replay_port
+            rec.kv_events_endpoint = relay.endpoint
+            rec.kv_replay_endpoint = relay.replay_endpoint
         rec.argv = spec.argv
         rec.launched_at = time.time()
 

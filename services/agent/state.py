@@ -6,6 +6,7 @@ records back, re-adopts the engines still alive, and answers repeated commands
 for shards that ended before the restart (command keys are kept).
 
 Layout:  agent.lock   shards/<shard>.json   logs/<shard>.log
+         kv/<hash>.ev, kv/<hash>.rp   (engines' KV event sockets, mode 0700: kvsockets)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from llmgw import contracts as c
+
+from . import kvsockets
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,10 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     exit_code: int | None = None
     output_tail: list[str] = msgspec.field(default_factory=list)
     max_running: int | None = None
-    kv_events_port: int = 0  # the agent's KV event relay for this engine (loopback), 0: none
-    kv_replay_port: int = 0  # the engine's KV event replay socket (loopback), 0: none
+    # The engine's KV event publisher and replay socket (ipc:// endpoints it binds, the
+    # relay connects), kept for as long as the engine runs; "": no KV events.
+    kv_events_endpoint: str = ""
+    kv_replay_endpoint: str = ""
     updated_at: float = 0.0
 
     @property
@@ -100,12 +105,14 @@ class StateDir:
         self.root = Path(root)
         self.shards = self.root / "shards"
         self.logs = self.root / "logs"
+        self.kv_sockets = self.root / kvsockets.DIR_NAME
         self._lock_fd: int | None = None
 
     def open(self) -> StateDir:
         """Create the layout and take the lock: two agents on one state dir would fight."""
         for d in (self.root, self.shards, self.logs):
             d.mkdir(parents=True, exist_ok=True)
+        kvsockets.prepare(self.kv_sockets)
         fd = os.open(self.root / "agent.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

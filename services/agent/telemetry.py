@@ -179,12 +179,6 @@ class AgentMetrics:
             [],
             registry=r,
         )
-        self.kv_relay_bind_failures = Counter(
-            "llmgw_agent_kv_relay_bind_failures_total",
-            "Adopted engines whose KV event relay could not rebind its port (no KV events)",
-            [],
-            registry=r,
-        )
         self.publish_failures = Counter(
             "llmgw_agent_publish_failures_total",
             "Failed publishes, by what (status and registration are retried; "

@@ -22,27 +22,27 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import tempfile
 import time
 
 import zmq.asyncio
 
 from llmgw import kvwire
 from llmgw.agent.kvrelay import EngineRelay
-from llmgw.dev.servers import free_port
 
 BS = 16
 PER_BATCH = 4
 
 
-def engine(sub_port: int, replay_port: int, batches: int, ready, stop) -> None:
+def engine(endpoint: str, replay_endpoint: str, batches: int, ready, stop) -> None:
     from llmgw.simengine import kvevents
 
     cfg = kvevents.parse_config(
         json.dumps(
             {
                 "enable_kv_cache_events": True,
-                "endpoint": f"tcp://127.0.0.1:{sub_port}",
-                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "endpoint": endpoint,
+                "replay_endpoint": replay_endpoint,
                 "buffer_steps": batches,
                 "topic": "kv",
             }
@@ -73,10 +73,11 @@ def engine(sub_port: int, replay_port: int, batches: int, ready, stop) -> None:
 
 async def measure(batches: int) -> tuple[float, EngineRelay]:
     ctx = zmq.asyncio.Context()
-    sub_port, replay_port = free_port(), free_port()
+    sockets = tempfile.mkdtemp(prefix="kv")  # the engine binds both, as for the agent
+    endpoint, replay_endpoint = f"ipc://{sockets}/e.ev", f"ipc://{sockets}/e.rp"
     spawn = mp.get_context("spawn")
     ready, stop = spawn.Event(), spawn.Event()
-    proc = spawn.Process(target=engine, args=(sub_port, replay_port, batches, ready, stop))
+    proc = spawn.Process(target=engine, args=(endpoint, replay_endpoint, batches, ready, stop))
     proc.start()
     try:
         await asyncio.to_thread(ready.wait, 120)
@@ -85,8 +86,8 @@ async def measure(batches: int) -> tuple[float, EngineRelay]:
             pass
 
         relay = EngineRelay(
-            "n1", "s1", publish=publish, port=sub_port, context=ctx,
-            replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+            "n1", "s1", publish=publish, endpoint=endpoint, context=ctx,
+            replay_endpoint=replay_endpoint,
         )  # fmt: skip
         began = time.perf_counter()
         relay.start(engine_running=True)

@@ -57,7 +57,8 @@ import httpx
 
 from llmgw import bus, projection
 from llmgw import contracts as c
-from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent import kvsockets
+from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import start_router
@@ -122,10 +123,11 @@ class Result:
         return len(self.ttfts) / self.seconds if self.seconds else 0.0
 
 
-def relay_flag(endpoint: str) -> str:
+def relay_flag(relay: EngineRelay) -> str:
     ctx = LaunchContext(
-        port=1, gpu_indices=[], bind_host="", command=[], kv_events_endpoint=endpoint
-    )
+        port=1, gpu_indices=[], bind_host="", command=[],
+        kv_events_endpoint=relay.endpoint, kv_replay_endpoint=relay.replay_endpoint,
+    )  # fmt: skip
     return kv_events_args(ctx)[1]
 
 
@@ -250,15 +252,14 @@ async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
 @contextlib.asynccontextmanager
 async def engines(nats_url: str):
     nc = await bus.connect(nats_url, name=f"agent-{NODE}")
-    relays = KvRelays(NODE)
+    sockets = kvsockets.prepare(Path(tempfile.mkdtemp(prefix="kv")) / kvsockets.DIR_NAME)
+    relays = KvRelays(NODE, sockets)
     await relays.attach(nc)
     sims = []
     try:
         for i in range(4):
             relay = relays.open(f"e{i}")
-            sim = await asyncio.to_thread(
-                start_sim, kv_events_config=relay_flag(relay.endpoint), **SIM
-            )
+            sim = await asyncio.to_thread(start_sim, kv_events_config=relay_flag(relay), **SIM)
             relay.url = sim.url
             sims.append(sim)
         yield relays, sims
@@ -477,7 +478,7 @@ def engine_counters_text(texts: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def start_vllm(python: str, model: str, endpoint: str, directory: Path):
+def start_vllm(python: str, model: str, relay: EngineRelay, directory: Path):
     port = localservers.free_port()
     log = open(directory / f"vllm-{port}.log", "wb")  # noqa: SIM115
     cmd = [
@@ -485,7 +486,7 @@ def start_vllm(python: str, model: str, endpoint: str, directory: Path):
         "--model", model, "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port),
         "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
-        "--kv-events-config", relay_flag(endpoint),
+        "--kv-events-config", relay_flag(relay),
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -504,7 +505,7 @@ async def run_vllm(args) -> int:
     directory = Path(tempfile.mkdtemp(prefix="bench-prefix-vllm-"))
     server = localservers.NatsServer(directory / "nats").start()
     nc = await bus.connect(server.url, name=f"agent-{NODE}")
-    relays = KvRelays(NODE)
+    relays = KvRelays(NODE, kvsockets.prepare(directory / kvsockets.DIR_NAME))
     await relays.attach(nc)
     js = nc.jetstream()
     await bus.provision(js)
@@ -515,7 +516,7 @@ async def run_vllm(args) -> int:
     try:
         for i in range(2):
             relay = relays.open(f"v{i}")
-            procs.append(start_vllm(args.vllm_python, args.vllm_model, relay.endpoint, directory))
+            procs.append(start_vllm(args.vllm_python, args.vllm_model, relay, directory))
             relay.url = procs[-1].url
         began = time.monotonic()
         async with httpx.AsyncClient(timeout=5) as http:

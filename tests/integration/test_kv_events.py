@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
 
 from llmgw import bus, projection, subjects
 from llmgw import contracts as c
-from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent import kvsockets
+from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev.routerkit import running_router
 from llmgw.dev.simkit import start_sim
@@ -39,9 +43,20 @@ def messages(tenant: int, turns: int) -> list[dict]:
     return out
 
 
-def relay_flag(endpoint: str) -> str:
-    ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
-    return kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": endpoint}))[1]
+def relay_flag(relay: EngineRelay) -> str:
+    """The `--kv-events-config` the agent gives the relay's engine."""
+    ctx = LaunchContext(
+        port=1, gpu_indices=[], bind_host="", command=[],
+        kv_events_endpoint=relay.endpoint, kv_replay_endpoint=relay.replay_endpoint,
+    )  # fmt: skip
+    return kv_events_args(ctx)[1]
+
+
+@contextlib.contextmanager
+def socket_dir() -> Iterator[Path]:
+    """A directory for the engines' KV event sockets, as the agent's state dir has."""
+    with tempfile.TemporaryDirectory(prefix="kv") as d:
+        yield kvsockets.prepare(Path(d) / kvsockets.DIR_NAME)
 
 
 async def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
@@ -57,7 +72,8 @@ async def wait_for(predicate, timeout: float = 20.0, what: str = "condition") ->
 async def fleet(nats_url: str, n: int = 2):
     """n simulators whose KV events reach the bus through a relay on its own connection."""
     nc = await bus.connect(nats_url, name="agent-n1")
-    relays = KvRelays(NODE)
+    sockets = contextlib.ExitStack()
+    relays = KvRelays(NODE, sockets.enter_context(socket_dir()))
     await relays.attach(nc)
     sims = []
     try:
@@ -68,7 +84,7 @@ async def fleet(nats_url: str, n: int = 2):
                 model=MODEL,
                 block_size=16,
                 kv_blocks=4096,
-                kv_events_config=relay_flag(relay.endpoint),
+                kv_events_config=relay_flag(relay),
             )
             relay.url = sim.url
             sims.append(sim)
@@ -78,6 +94,7 @@ async def fleet(nats_url: str, n: int = 2):
             await asyncio.to_thread(sim.stop)
         await relays.stop()
         await bus.close_quietly(nc)
+        sockets.close()
 
 
 def record(sims) -> c.ModelEndpoints:

@@ -16,7 +16,6 @@ import httpx
 
 from llmgw import bus, kvblocks, kvwire
 from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
-from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.dev.routerkit import running_router
 from llmgw.dev.simkit import start_sim
 from llmgw.kvblocks import byte_tokens
@@ -29,17 +28,11 @@ from .test_kv_events import (
     messages,
     put_model,
     record,
+    relay_flag,
     send,
+    socket_dir,
     wait_for,
 )
-
-
-def flags(relay: EngineRelay) -> str:
-    ctx = LaunchContext(
-        port=1, gpu_indices=[], bind_host="", command=[],
-        kv_events_endpoint=relay.endpoint, kv_replay_endpoint=relay.replay_endpoint,
-    )  # fmt: skip
-    return kv_events_args(ctx)[1]
 
 
 class Tap:
@@ -72,14 +65,15 @@ async def engine_and_router(nats):
     await bus.provision(js)
     url = nats.connected_url.geturl()
     nc = await bus.connect(url, name="agent-n1")
-    relays = KvRelays(NODE)
+    sockets = contextlib.ExitStack()
+    relays = KvRelays(NODE, sockets.enter_context(socket_dir()))
     await relays.attach(nc)
     sim = None
     try:
-        relay = relays.open("shard-0", replay_port=relays.replay_port())
+        relay = relays.open("shard-0")
         tap = Tap(relay)
         sim = await asyncio.to_thread(
-            start_sim, model="m", block_size=16, kv_blocks=4096, kv_events_config=flags(relay)
+            start_sim, model="m", block_size=16, kv_blocks=4096, kv_events_config=relay_flag(relay)
         )
         relay.url = sim.url
         async with running_router(config(url, "r1")) as router:
@@ -90,6 +84,7 @@ async def engine_and_router(nats):
             await asyncio.to_thread(sim.stop)
         await relays.stop()
         await bus.close_quietly(nc)
+        sockets.close()
 
 
 async def test_batches_lost_between_engine_and_relay_reach_the_router_by_replay(nats):
@@ -136,13 +131,13 @@ async def test_a_relay_bound_again_rebuilds_what_the_engine_stored_before_and_me
         await wait_for(
             lambda: set(hashes(before)) <= blocks_of(index_of(router), "shard-0"), what="synced"
         )
-        port, replay_port = relay.port, relay.replay_port
+        endpoints = relay.endpoint, relay.replay_endpoint
         # The relay goes (an agent restart) while the engine keeps storing blocks.
         await relays.close("shard-0")
         await complete(http, sim.url, meanwhile)
-        # Bound again on its ports, as a restarted agent adopting the engine does. Nothing
-        # reaches the engine after this, so no live event tells the relay anything.
-        relay = relays.open("shard-0", port, replay_port, engine_running=True)
+        # Connected again to its sockets, as a restarted agent adopting the engine does.
+        # Nothing reaches the engine after this, so no live event tells the relay anything.
+        relay = relays.open("shard-0", endpoints, engine_running=True)
         relay.url = sim.url
         expected = set(hashes(before)) | set(hashes(meanwhile))
         await wait_for(lambda: expected <= set(relay.blocks.hashes()), what="relay rebuilt")

@@ -404,7 +404,7 @@ async def test_a_command_without_tls_settings_fails_fast_instead_of_hanging(secu
 
 
 async def test_kv_events_flow_agent_to_router_and_snapshots_answer_under_mtls(
-    reconciler, clients, violations
+    reconciler, clients, violations, tmp_path
 ):
     """An agent relays its own engines' KV events and answers snapshot requests on the
     router's inbox; it cannot publish events as another node."""
@@ -412,7 +412,7 @@ async def test_kv_events_flow_agent_to_router_and_snapshots_answer_under_mtls(
 
     agent = await clients("agent-node-a")
     router = await clients("router-1")
-    relays = KvRelays("node-a")
+    relays = KvRelays("node-a", tmp_path)
     await relays.attach(agent)
     relay = relays.open("sh1")
     try:

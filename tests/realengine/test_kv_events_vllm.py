@@ -1,8 +1,8 @@
 """Real vLLM's KV events through the agent's relay to the bus, and the router's prompt hashes
 matching them: the path that precise prefix routing relies on, on a real engine.
 
-One vLLM (the tiny random model) publishes to a relay (llmgw.agent.kvrelay) bound as the
-agent binds it; the raw ZMQ messages are also compared with what the simulator sends.
+One vLLM (the tiny random model) publishes to a relay (llmgw.agent.kvrelay) connected as
+the agent connects it, over ipc:// sockets; the raw ZMQ messages are also compared with what the simulator sends.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw import kvblocks, subjects
-from llmgw.agent.kvrelay import KvRelays
+from llmgw.agent import kvsockets
+from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.router.kvcache.tokens import HfTokens
 from tests.realengine import test_sim_parity as parity_test
@@ -40,13 +41,22 @@ STORED_KEYS = [
 ]
 
 
+def agent_flags(relay: EngineRelay) -> list[str]:
+    """The `--kv-events-config` the agent gives the relay's engine."""
+    ctx = LaunchContext(
+        port=1, gpu_indices=[], bind_host="", command=[],
+        kv_events_endpoint=relay.endpoint, kv_replay_endpoint=relay.replay_endpoint,
+    )  # fmt: skip
+    return kv_events_args(ctx)
+
+
 async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
     nats,
     tiny,
     vllm_python,
     tmp_path,
 ):
-    relays = KvRelays("n-real")
+    relays = KvRelays("n-real", kvsockets.prepare(tmp_path / kvsockets.DIR_NAME))
     await relays.attach(nats)
     relay = relays.open("v0")
     raw: list[list[bytes]] = []
@@ -63,8 +73,7 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
         events.append(c.decode(msg.data, c.KvEvents))
 
     sub = await nats.subscribe(subjects.kv_events("n-real", "v0"), cb=on_msg)
-    ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
-    flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
+    flags = agent_flags(relay)
     python = vllm_python
     vllm = await asyncio.to_thread(
         lambda: _started(launch_vllm(python, tiny, tmp_path / "vllm.log", *flags))
@@ -136,11 +145,10 @@ async def test_a_salted_prompt_on_vllm_is_indexed_apart_from_the_unsalted_one(
     from llmgw.router.scheduling.prefix import block_hashes
     from tests.unit.test_router_kvindex import endpoint
 
-    relays = KvRelays("n-salt")
+    relays = KvRelays("n-salt", kvsockets.prepare(tmp_path / kvsockets.DIR_NAME))
     await relays.attach(nats)
     relay = relays.open("v0")
-    ctx = LaunchContext(port=1, gpu_indices=[], bind_host="", command=[])
-    flags = kv_events_args(LaunchContext(**{**ctx.__dict__, "kv_events_endpoint": relay.endpoint}))
+    flags = agent_flags(relay)
     vllm = await asyncio.to_thread(
         lambda: _started(launch_vllm(vllm_python, tiny, tmp_path / "vllm.log", *flags))
     )

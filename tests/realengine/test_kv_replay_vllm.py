@@ -1,5 +1,5 @@
 """Real vLLM's KV event replay socket, asked by the agent's relay: batches lost between the
-engine and the relay come back, and a relay bound again (an agent restart adopting the
+engine and the relay come back, and a relay connected again (an agent restart adopting the
 engine) rebuilds the block set from the engine's buffer, blocks stored while it was away
 included. One vLLM (the tiny random model), launched with the flags the agent writes.
 """
@@ -15,6 +15,7 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw import kvblocks, subjects
+from llmgw.agent import kvsockets
 from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
 from llmgw.router.kvcache.tokens import HfTokens
@@ -42,9 +43,9 @@ async def wait_for(predicate, timeout: float = 60.0, what: str = "condition") ->
 
 
 async def test_vllm_replays_kv_events_the_relay_missed(nats, tiny, vllm_python, tmp_path):
-    relays = KvRelays("n-real")
+    relays = KvRelays("n-real", kvsockets.prepare(tmp_path / kvsockets.DIR_NAME))
     await relays.attach(nats)
-    relay = relays.open("v0", replay_port=relays.replay_port())
+    relay = relays.open("v0")
     dropping = False
     dropped = 0
 
@@ -102,11 +103,11 @@ async def test_vllm_replays_kv_events_the_relay_missed(nats, tiny, vllm_python, 
             assert relay.engine_gaps == 0 and relay.replayed >= 1
             everything = set(relay.blocks.hashes())
 
-            # 2. The relay goes and comes back on its ports while the engine stores more.
-            port, replay_port = relay.port, relay.replay_port
+            # 2. The relay goes and comes back to its sockets while the engine stores more.
+            endpoints = relay.endpoint, relay.replay_endpoint
             await relays.close("v0")
             await complete(prompt("meanwhile"))
-            relay = relays.open("v0", port, replay_port, engine_running=True)
+            relay = relays.open("v0", endpoints, engine_running=True)
             relay.url = vllm.url
             expected = everything | hashes(prompt("meanwhile"), bs)
             await wait_for(lambda: expected <= set(relay.blocks.hashes()), what="set rebuilt")

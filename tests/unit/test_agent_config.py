@@ -101,13 +101,14 @@ def test_engine_ports_go_round_the_range_so_a_freed_port_is_not_reused_at_once()
 
 
 def test_an_engine_port_is_never_one_a_live_shards_record_holds():
-    """Engines bind their ports only once the model is loaded: a replay or relay port
-    recorded for another shard is free to the kernel, but not to give out."""
+    """Engines bind their ports only once the model is loaded: a port recorded for
+    another shard is free to the kernel, but not to give out. (KV event sockets are
+    ipc:// paths, no ports.)"""
     from llmgw.agent.launcher import held_ports, next_port
     from llmgw.agent.state import ShardRecord
 
     loading = ShardRecord(shard_id="a", model="m", replica_id="r", shard_index=0, engine="sim")
-    loading.port, loading.kv_events_port, loading.kv_replay_port = 8100, 50001, 8101
+    loading.port, loading.kv_events_endpoint = 8101, "ipc:///s/kv/a.ev"
     ports = parse_port_range("8100-8102")
-    assert held_ports([loading]) == {8100, 50001, 8101}
+    assert held_ports([loading]) == {8101}
     assert next_port(ports, held_ports([loading]), 8100, lambda p: True) == 8102

@@ -26,7 +26,8 @@ def populated() -> ShardRecord:
         proc_start=99, kernel_boot_id="boot", argv=["vllm", "serve"], log_path="/l",
         launched_at=1.5, stopping=True, stop_grace=3.0, drain_started=2.0,
         drain_deadline=4.0, reason="exited with code 3", exit_code=3,
-        output_tail=["a", "b"], max_running=64, kv_events_port=50001, kv_replay_port=50002,
+        output_tail=["a", "b"], max_running=64, kv_events_endpoint="ipc:///s/kv/a.ev",
+        kv_replay_endpoint="ipc:///s/kv/a.rp",
         updated_at=5.0,
     )  # fmt: skip
 

@@ -1,5 +1,5 @@
 """Which engine command lines get KV events: SGLang only with pages of 16 tokens or more,
-and no engine with data parallelism (its ranks publish to the relay's port + rank)."""
+and no engine with data parallelism (its ranks offset the endpoint's port, which ipc has not)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ async def test_a_malformed_store_keeps_the_rest_of_its_batch():
     crediting evicted blocks, and the batch's number would read as a gap."""
     from llmgw.agent.kvrelay import EngineRelay
 
-    relay = EngineRelay("n1", "s1", publish=None, flush_seconds=3600)
+    relay = EngineRelay("n1", "s1", publish=None, endpoint="inproc://none", flush_seconds=3600)
     try:
 
         def stored(hashes, tokens, parent=None, extra_keys=None):

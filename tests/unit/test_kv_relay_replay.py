@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import zmq
@@ -20,7 +23,6 @@ import zmq.asyncio
 
 from llmgw import contracts as c
 from llmgw import kvblocks, kvwire
-from llmgw.agent import kvrelay
 from llmgw.agent.kvrelay import BlockSet, EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args, sglang_kv_events_args
 from llmgw.config import ConfigError
@@ -41,6 +43,15 @@ REQ = Request(
 )
 
 
+# The engines' sockets, as the agent's are: ipc:// in a directory of its own.
+SOCKETS = Path(tempfile.mkdtemp(prefix="kvrr"))
+
+
+def ipc() -> str:
+    """A fresh ipc:// endpoint."""
+    return f"ipc://{SOCKETS}/{uuid.uuid4().hex[:8]}"
+
+
 async def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
     began = time.monotonic()
     while time.monotonic() - began < timeout:
@@ -51,17 +62,29 @@ async def wait_for(predicate, timeout: float = 20.0, what: str = "condition") ->
 
 
 class Harness:
-    """One engine publisher and one relay on loopback, with the relay's output collected."""
+    """One engine publisher and one relay on ipc sockets, with the relay's output collected."""
 
     def __init__(self, *, buffer_steps: int = 10_000, answers: bool = True, timeout: float = 10):
         self.ctx = zmq.asyncio.Context()
         self.published: list[c.KvEvents] = []
-        self.replay_port = free_port()
+        self.replay_endpoint = ipc()
+        cfg = {
+            "enable_kv_cache_events": True,
+            "endpoint": ipc(),
+            # `answers=False`: an engine without a replay socket where the relay asks.
+            "replay_endpoint": self.replay_endpoint if answers else None,
+            "buffer_steps": buffer_steps,
+            "topic": "kv",
+        }
+        # The engine binds its sockets first, as an engine the agent adopts has: the relay
+        # joins at once instead of at its next reconnect (a tenth of a second later).
+        self.engine = kvevents.Publisher(kvevents.parse_config(json.dumps(cfg)), BS)
         self.relay = EngineRelay(
             "n1",
             "s1",
             publish=self._publish,
-            replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}",
+            endpoint=cfg["endpoint"],
+            replay_endpoint=self.replay_endpoint,
             replay_timeout=timeout,
             context=self.ctx,
         )
@@ -73,15 +96,6 @@ class Harness:
                 live(parts)
 
         self.relay.receive = lossy  # type: ignore[method-assign]
-        cfg = {
-            "enable_kv_cache_events": True,
-            "endpoint": self.relay.endpoint,
-            # `answers=False`: an engine without a replay socket where the relay asks.
-            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}" if answers else None,
-            "buffer_steps": buffer_steps,
-            "topic": "kv",
-        }
-        self.engine = kvevents.Publisher(kvevents.parse_config(json.dumps(cfg)), BS)
 
     async def _publish(self, subject: str, data: bytes) -> None:
         self.published.append(c.decode(data, c.KvEvents))
@@ -203,16 +217,16 @@ async def test_a_reply_with_a_hole_is_asked_for_again():
     """vLLM's ROUTER drops replies past its high-water mark when the relay reads slowly:
     an engine that loses one batch of its first reply."""
     ctx = zmq.asyncio.Context()
-    port = free_port()
+    replay = ipc()
     router = ctx.socket(zmq.ROUTER)
-    router.bind(f"tcp://127.0.0.1:{port}")
+    router.bind(replay)
     published: list[c.KvEvents] = []
 
     async def publish(subject: str, data: bytes) -> None:
         published.append(c.decode(data, c.KvEvents))
 
-    relay = EngineRelay("n1", "s1", publish=publish, context=ctx,
-                        replay_endpoint=f"tcp://127.0.0.1:{port}")  # fmt: skip
+    relay = EngineRelay("n1", "s1", publish=publish, context=ctx, endpoint=ipc(),
+                        replay_endpoint=replay)  # fmt: skip
     batches = []
     parent = None
     for i in range(N):
@@ -307,18 +321,6 @@ def test_the_adapter_gives_the_engine_its_replay_endpoint_in_vllms_keys():
     assert json.loads(value)["replay_endpoint"] == "tcp://127.0.0.1:61234"
 
 
-async def test_replay_ports_lie_outside_the_kernels_ephemeral_range():
-    relays = KvRelays("n1")
-    try:
-        lo, hi = kvrelay._ephemeral_range()
-        port = relays.replay_port()
-        assert not lo <= port <= hi
-        relay = relays.open("s1", replay_port=port)
-        assert relay.replay_endpoint == f"tcp://127.0.0.1:{port}" and relay.replay_port == port
-    finally:
-        await relays.stop()
-
-
 def test_replies_read_in_vllms_form_and_sglangs_which_has_no_topic():
     payload = kvwire.encode_batch(1.0, [kvwire.AllBlocksCleared()])
     seq = (5).to_bytes(8, "big")
@@ -346,16 +348,16 @@ def numbered_batches(n: int = N) -> list[bytes]:
 
 
 class ScriptedEngine:
-    """A replay socket on loopback, served in this loop: each request is recorded, and
+    """A replay socket, served in this loop: each request is recorded, and
     `reply(round, seq)` says whether that batch of the reply is sent (False: dropped, as
     vLLM's ROUTER drops past its high-water mark); `end(round)` whether END is. `hold`
     keeps every reply back until set."""
 
     def __init__(self, ctx, batches: list[bytes], *, reply=None, end=None):
-        self.port = free_port()
+        self.endpoint = ipc()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://127.0.0.1:{self.port}")
+        self.router.bind(self.endpoint)
         self.batches = batches
         self.asked: list[int] = []
         self.reply = reply or (lambda rnd, seq: True)
@@ -395,7 +397,7 @@ async def test_a_reply_whose_tail_and_end_marker_are_dropped_is_asked_for_again(
         reply=lambda rnd, seq: rnd > 1 or seq < N - 2, end=lambda rnd: rnd > 1,
     )  # fmt: skip
     relay = EngineRelay("n1", "s1", publish=_discard, context=ctx, replay_timeout=30,
-                        replay_endpoint=f"tcp://127.0.0.1:{engine.port}")  # fmt: skip
+                        replay_endpoint=engine.endpoint, endpoint=ipc())  # fmt: skip
     try:
         relay.start(engine_running=True)
         await wait_for(lambda: not relay.replaying, timeout=60)
@@ -457,7 +459,7 @@ async def test_a_replay_of_the_old_engine_process_never_lands_in_the_new_epoch()
     the new process's first batch starts a new epoch (and cancels the replay)."""
     ctx = _Context()
     relay = EngineRelay("n1", "s1", publish=_discard, context=ctx, replay_timeout=30,
-                        replay_endpoint="tcp://127.0.0.1:1")  # fmt: skip
+                        replay_endpoint="tcp://127.0.0.1:1", endpoint=ipc())  # fmt: skip
     try:
         relay.start(engine_running=True)  # adopted: asks for the buffer
         await wait_for(lambda: ctx.dealer.pending, what="the replay request")
@@ -482,14 +484,14 @@ async def test_replays_wait_their_turn_and_each_deadline_starts_with_it():
     """After an agent restart every adopted engine's relay asks for its whole buffer: at
     most two replays run at once in the agent, and a relay's deadline starts when its turn
     comes, not while it waits."""
-    relays = KvRelays("n1")
+    relays = KvRelays("n1", SOCKETS)
     ctx = zmq.asyncio.Context()
     engines = [ScriptedEngine(ctx, numbered_batches()) for _ in range(3)]
     for e in engines[:2]:
         e.hold.clear()  # the first two replies take their time
     try:
         opened = [
-            relays.open(f"s{i}", replay_port=e.port, engine_running=True)
+            relays.open(f"s{i}", (ipc(), e.endpoint), engine_running=True)
             for i, e in enumerate(engines)
         ]
         for r in opened:
@@ -514,7 +516,7 @@ async def test_replays_wait_their_turn_and_each_deadline_starts_with_it():
 
 async def test_after_a_replay_nobody_answered_the_next_gaps_are_not_held_back():
     relay = EngineRelay("n1", "s1", publish=_discard, replay_timeout=0.3,
-                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}", endpoint=ipc())  # fmt: skip
     try:
         relay.receive(_batch(0, 1))
         relay.receive(_batch(2, 2))  # a gap: replay asked, nobody answers
@@ -531,7 +533,7 @@ async def test_after_a_replay_nobody_answered_the_next_gaps_are_not_held_back():
 async def test_a_gap_left_by_a_batch_the_relay_could_not_read_is_not_replayed():
     """The engine would replay the same bytes: asking for them again is pointless."""
     relay = EngineRelay("n1", "s1", publish=_discard, replay_timeout=30,
-                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+                        replay_endpoint=f"tcp://127.0.0.1:{free_port()}", endpoint=ipc())  # fmt: skip
     try:
         relay.receive(_batch(0, 1))
         relay.receive([b"kv", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])
@@ -545,57 +547,3 @@ async def test_a_gap_left_by_a_batch_the_relay_could_not_read_is_not_replayed():
         assert 2 in relay.blocks.canon and 3 in relay.blocks.canon
     finally:
         await relay.close()
-
-
-def test_replay_ports_avoid_the_engine_port_range_and_every_port_a_shard_holds():
-    engine_ports = range(8100, 8200)
-    held = {61_000, 61_001, 9_000}
-    # The kernel's ephemeral range ends high: replay ports come from below it.
-    below = kvrelay.replay_port_candidates((32768, 65535), [engine_ports], held)
-    assert below and not set(below) & (set(engine_ports) | held)
-    assert min(below) >= 1024 and max(below) < 32768
-    # The usual range (Linux's default): above it, up to 65535, but not a held port.
-    above = kvrelay.replay_port_candidates((32768, 60999), [engine_ports], held)
-    assert set(above) == set(range(61000, 65536)) - held
-    # Too little room above the range: below it instead.
-    tight = kvrelay.replay_port_candidates((32768, 65400), [engine_ports], held)
-    assert max(tight) < 32768
-    # No port outside the range at all: anywhere but the engine ports and held ones.
-    whole = kvrelay.replay_port_candidates((1024, 65535), [engine_ports], held)
-    assert whole and not set(whole) & (set(engine_ports) | held)
-
-
-async def test_the_agents_replay_port_is_neither_an_engine_port_nor_one_taken(monkeypatch):
-    monkeypatch.setattr(kvrelay, "_ephemeral_range", lambda: (20000, 65535))
-    monkeypatch.setattr(kvrelay, "_port_is_free", lambda host, port: True)
-    relays = KvRelays("n1")
-    try:
-        # The range ends high: ports come from below it, where the engine ports are. Every
-        # port there is held by a shard but 9000 and the engine ports (not bound yet).
-        taken = set(range(1024, 8100)) | set(range(8200, 20000))
-        port = relays.replay_port(avoid=[range(8100, 8200)], taken=taken - {9000})
-        assert port == 9000
-    finally:
-        await relays.stop()
-
-
-async def test_a_relays_random_port_is_never_a_replay_port_given_out(monkeypatch):
-    """A replay port is bound by its engine only once the model is loaded: until then a
-    relay binding a random port could take it, and the engine could not start its socket."""
-    relays = KvRelays("n1")
-    first = relays.open("s1", replay_port=relays.replay_port())
-    real = EngineRelay.__init__
-    tries = []
-
-    def onto_the_replay_port(self, *args, port=0, **kwargs):
-        tries.append(port)
-        if len(tries) == 1:
-            port = first.replay_port  # the kernel's random pick: that very port
-        real(self, *args, port=port, **kwargs)
-
-    monkeypatch.setattr(EngineRelay, "__init__", onto_the_replay_port)
-    try:
-        second = relays.open("s2")
-        assert len(tries) == 2 and second.port != first.replay_port
-    finally:
-        await relays.stop()

@@ -26,8 +26,9 @@ def stored_frames(seq: int, chain: list[bytes], tokens: list[int], parent=None) 
 
 
 def relay(publish) -> EngineRelay:
-    # A long flush delay: the test decides when batches go out.
-    return EngineRelay("n1", "s1", publish=publish, flush_seconds=3600)
+    # A long flush delay: the test decides when batches go out. No engine binds its
+    # endpoint: the test hands it the batches.
+    return EngineRelay("n1", "s1", publish=publish, endpoint="inproc://none", flush_seconds=3600)
 
 
 async def test_no_published_batch_straddles_a_snapshot():
