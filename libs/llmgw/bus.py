@@ -149,9 +149,10 @@ async def publish(
             delay = min(delay * 2, 1.0)
 
 
-# nats-server answers 10049 "error creating store for stream" while the files of a
-# stream of the same name, just deleted, are still being removed (seen when a stream is
-# recreated at once under load); it passes within a moment.
+# nats-server answers 10049 "error creating store for stream" for a create that meets
+# the removal of the account's store directory, which it does when the last stream is
+# deleted (its log: "mkdir .../$G/streams: no such file or directory"; nats-server
+# 2.15.1, about one create in 150 right after such a delete); it passes at once.
 STORE_BUSY = 10049
 STORE_BUSY_DEADLINE = 5.0
 
@@ -170,7 +171,8 @@ async def _while_store_busy(name: str, create: Callable[[], Awaitable[object]]) 
             await asyncio.sleep(0.1)
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: jsapi.StreamConfig) -> None:
+async def ensure_stream(js: JetStreamContext, cfg: jsapi.StreamConfig) -> None:
+    """Create the stream, or bring an existing one up to `cfg`."""
     try:
         await _while_store_busy(cfg.name or "", lambda: js.add_stream(cfg))
     except BadRequestError as exc:
@@ -247,7 +249,7 @@ async def provision(js: JetStreamContext, cfg: BusConfig | None = None) -> None:
     """Create or update every stream and bucket llmgw uses. Idempotent."""
     cfg = cfg or BusConfig()
     for stream in stream_configs(cfg):
-        await _ensure_stream(js, stream)
+        await ensure_stream(js, stream)
     await _ensure_bucket(js, s.ENDPOINTS_BUCKET, cfg)
     await _ensure_bucket(js, s.TENANTS_BUCKET, cfg)
     await _ensure_bucket(js, s.ROUTERS_BUCKET, cfg, ttl=cfg.presence_ttl_seconds)

@@ -11,7 +11,7 @@ from llmgw import subjects as s
 
 
 async def test_jetstream_stream_dedupe_consume_ack(js):
-    await js.add_stream(api.StreamConfig(name="T", subjects=["t.>"], duplicate_window=60))
+    await bus.ensure_stream(js, api.StreamConfig(name="T", subjects=["t.>"], duplicate_window=60))
     first = await js.publish("t.a", b"one", headers={"Nats-Msg-Id": "id-1"})
     again = await js.publish("t.a", b"one", headers={"Nats-Msg-Id": "id-1"})
     assert not first.duplicate and again.duplicate and again.seq == first.seq
