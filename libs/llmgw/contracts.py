@@ -300,6 +300,11 @@ class Quotas(msgspec.Struct, kw_only=True, omit_defaults=True):
     concurrency: int | None = None
 
 
+# Whose prefix cache a tenant's requests may share (docs/admission.md, "Prefix cache
+# isolation"): everyone's; only the tenant's own; only those sent with the same API key.
+CACHE_ISOLATION = ("none", "tenant", "key")
+
+
 class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     publisher: ClassVar[str] = "operator"
     subject_kind: ClassVar[str] = "tenant"
@@ -309,6 +314,7 @@ class TenantDeclared(Message, kw_only=True, tag="catalog.tenant.declared"):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)  # "sha256:<hex>"
     quotas: Quotas = msgspec.field(default_factory=Quotas)
+    cache_isolation: str = "none"  # one of CACHE_ISOLATION
 
 
 class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
@@ -712,6 +718,7 @@ class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)
     quotas: Quotas = msgspec.field(default_factory=Quotas)
+    cache_isolation: str = "none"  # one of CACHE_ISOLATION
     # The leader term that wrote it: a router ignores a record of an older term (or of
     # the same term and an older based_on_seq) than the one it holds for the key.
     term: int = 0

@@ -58,6 +58,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     metadata: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    # vLLM's extension: the caller names the response (a router binding it to a tenant).
+    request_id: str | None = None
     user: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
@@ -198,6 +200,8 @@ class Response:
     task: Any = None
 
     def __post_init__(self) -> None:
+        if self.parsed.req.request_id:
+            self.id = self.parsed.req.request_id
         tool = self.parsed.job.outputs[0].tool
         self.item_id = f"fc_{_hex()}" if tool is not None else f"msg_{_hex()}"
 

@@ -184,6 +184,36 @@ async def test_tenants_from_kv_require_a_key(nats, sims):
             ).chat.completions.create(**chat())
 
 
+async def test_a_tenants_cache_isolation_from_kv_keeps_its_prefix_cache_its_own(nats, sims):
+    js = nats.jetstream()
+    await bus.provision(js)
+    isolated = [
+        c.TenantRecord(
+            name=name, band="gold", key_hashes=[keys.hash_key(f"sk-{name}")], cache_isolation=iso
+        )
+        for name, iso in (("iso-a", "tenant"), ("iso-b", "tenant"))
+    ]
+    await put_tenants(js, *isolated)
+    await put_model(js, record(sims[0]))
+    system = {"role": "system", "content": "A system prompt no other test sends. " * 20}
+
+    async def cached(http: httpx.AsyncClient, url: str, tenant: str, user: str) -> int:
+        body = chat(messages=[system, {"role": "user", "content": user}])
+        resp = await http.post(url, json=body, headers={"Authorization": f"Bearer sk-{tenant}"})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async with (
+        running_router(config(nats.connected_url.geturl(), "r1")) as r,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+        await wait_for(lambda: ready(http, r.admin_url), what="/readyz 200")
+        url = r.url + "/v1/chat/completions"
+        assert await cached(http, url, "iso-a", "one") == 0
+        assert await cached(http, url, "iso-a", "two") > 0
+        assert await cached(http, url, "iso-b", "one") == 0
+
+
 async def test_two_live_routers_halve_a_tenants_quota(nats, sims):
     js = nats.jetstream()
     await bus.provision(js)

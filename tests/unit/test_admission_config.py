@@ -82,6 +82,10 @@ def test_typos_are_errors_naming_the_key(tmp_path, text, needle):
             "also belongs to tenant 'a'",
         ),
         ("tenants: [{name: t, band: default, quotas: {rpm: 0}}]", "quotas.rpm = 0"),
+        (
+            "tenants: [{name: t, band: default, cache_isolation: user}]",
+            "tenants[0] ('t'): cache_isolation = 'user' must be one of none, tenant, key",
+        ),
         ("admission: {anonymous_tenant: dev}", "anonymous_tenant = 'dev'"),
         ("admission: {kv_threshold: 1.5}", "admission.kv_threshold"),
         ("admission: {capacity_relearn_seconds: -1}", "admission.capacity_relearn_seconds"),

@@ -292,3 +292,32 @@ def test_a_scale_up_lets_queued_requests_flow_without_waiting_for_the_next_admis
     bigger = (ep, Ep("e2", max_running=2))
     c.endpoints_changed(lambda model: bigger if model == "m" else ())
     assert queued.state == GRANTED and order == ["bronze"]
+
+
+def test_a_stored_response_call_counts_requests_and_concurrency_but_no_tokens():
+    clock = Clock()
+    c, ep, metrics = make(clock, tenants=[tenant("a", "bronze", rpm=3, concurrency=2, tpm=100)])
+    a = c.directory.by_name["a"]
+    a.quotas.tokens.add(clock(), 500)  # far over tpm: a call that costs no tokens still flows
+    first, second = c.admit_stored(a), c.admit_stored(a)
+    assert first.state == second.state == GRANTED and first.pool is None
+    with pytest.raises(AdmissionRejected) as busy:
+        c.admit_stored(a)
+    assert busy.value.reason == "rate_limit_concurrency"
+    first.release(None)
+    second.release(None)
+    assert a.quotas.in_flight == 0 and first.state == DONE
+    c.admit_stored(a).release(None)
+    with pytest.raises(AdmissionRejected) as rpm:
+        c.admit_stored(a)
+    assert rpm.value.reason == "rate_limit_rpm"
+    assert c.saturation("m") == 0.0  # it held no pool capacity
+
+
+def test_a_stored_response_call_of_a_tenant_removed_meanwhile_is_refused():
+    c, _, _ = make(Clock())
+    gone = c.directory.by_name["a"]
+    c.set_tenants([tenant("b", "bronze")])
+    with pytest.raises(AdmissionRejected) as err:
+        c.admit_stored(gone)
+    assert err.value.reason == "invalid_api_key"

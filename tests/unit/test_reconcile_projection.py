@@ -122,3 +122,11 @@ def test_a_tenant_named_like_the_bands_key_gets_its_own_record():
     [(target, record)] = kv.plan(log.state, {("tenant", "bands")})
     assert target == (projection.TENANTS_BUCKET, projection.tenant_key("bands"))
     assert isinstance(record, c.TenantRecord) and record.name == "bands"
+
+
+def test_a_tenants_record_carries_its_cache_isolation():
+    log = Log().append(
+        c.BandsDeclared(bands=[c.Band(name="gold")]),
+        c.TenantDeclared(name="acme", band="gold", cache_isolation="key"),
+    )
+    assert p.tenant_record(log.state, "acme").cache_isolation == "key"

@@ -50,6 +50,16 @@ def test_good_catalog_parses_into_contract_types():
     assert llama.profile.gpus_per_shard == 2 and llama.profile.selector == {"fabric": "ib"}
     assert cat.models[1].deadlines.idle == 5.0 and cat.models[1].event().replicas == 1
     assert cat.tenants[0].event().quotas.rpm == 600
+    assert cat.tenants[0].event().cache_isolation == "none"
+
+
+def test_a_tenants_cache_isolation_is_carried_and_checked():
+    tenant = "{name: t, band: b, cache_isolation: %s}"
+    cat = catalog.parse(yaml.safe_load(f"bands: [{{name: b}}]\ntenants: [{tenant % 'key'}]"))
+    assert cat.tenants[0].event().cache_isolation == "key"
+    assert problems(f"bands: [{{name: b}}]\ntenants: [{tenant % 'user'}]") == [
+        "tenants[0] (name=t): cache_isolation: unknown value 'user' (known: none, tenant, key)"
+    ]
 
 
 def test_type_errors_name_the_entry_and_the_field():

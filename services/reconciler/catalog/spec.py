@@ -5,7 +5,7 @@ A catalog file is the WHOLE desired catalog:
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
     models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
               upstream, owned_by, api_kinds}]
-    tenants: [{name, band, key_hashes, quotas}]
+    tenants: [{name, band, key_hashes, quotas, cache_isolation}]
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
 DeadlineSpec, Quotas, Band), so the file and the events cannot drift apart.
@@ -59,6 +59,7 @@ class CatalogTenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)
     quotas: c.Quotas = msgspec.field(default_factory=c.Quotas)
+    cache_isolation: str = "none"
 
     def event(self) -> c.TenantDeclared:
         return msgspec.convert(msgspec.to_builtins(self), c.TenantDeclared)
@@ -368,6 +369,11 @@ def _check(
             value = getattr(t.quotas, q)
             if value is not None and value <= 0:
                 problems.append(f"{label}: quotas.{q}: must be positive (omit it for no limit)")
+        if t.cache_isolation not in c.CACHE_ISOLATION:
+            problems.append(
+                f"{label}: cache_isolation: unknown value {t.cache_isolation!r} "
+                f"(known: {', '.join(c.CACHE_ISOLATION)})"
+            )
     return problems
 
 

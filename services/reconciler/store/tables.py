@@ -135,6 +135,7 @@ class Tenant(Base):
     quotas: Mapped[Json]
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
+    cache_isolation: Mapped[str] = mapped_column(Text, server_default="none")
 
 
 class BandRow(Base):

@@ -50,6 +50,8 @@ class TenantConfig(config.ConfigStruct, kw_only=True):
     band: str
     key_hashes: list[str] = msgspec.field(default_factory=list)
     quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
+    # Whose prefix cache its requests may share: none (everyone's), tenant, key.
+    cache_isolation: str = "none"
 
 
 # With no bands configured there is nothing to prioritise: one band that is never held
@@ -136,8 +138,14 @@ def check(
 
 
 def tenant_problems(where: str, tenant: TenantConfig | contracts.TenantRecord) -> list[str]:
-    """What is wrong with one tenant on its own (its key hashes and quotas)."""
+    """What is wrong with one tenant on its own (its key hashes, quotas and cache
+    isolation)."""
     problems = []
+    if tenant.cache_isolation not in contracts.CACHE_ISOLATION:
+        problems.append(
+            f"{where}: cache_isolation = {tenant.cache_isolation!r} must be one of "
+            f"{', '.join(contracts.CACHE_ISOLATION)}"
+        )
     for j, digest in enumerate(tenant.key_hashes):
         if not keys.is_key_hash(digest):
             # Never echo the value: a pasted key instead of its hash is a secret.

@@ -75,12 +75,12 @@ class Ticket:
     )
 
     def __init__(
-        self, controller: Controller, tenant: Tenant, pool: Pool, tokens: int, now: float
+        self, controller: Controller, tenant: Tenant, pool: Pool | None, tokens: int, now: float
     ) -> None:
         self.controller = controller
         self.tenant = tenant
         self.tenant_name = tenant.name
-        self.pool = pool
+        self.pool = pool  # None: a stored response's call, which holds no pool capacity
         self.band = tenant.band
         self.tokens = tokens  # estimate counted against tpm until the actual usage is known
         self.quota_sec = 0
@@ -221,24 +221,11 @@ class Controller:
         `cold`: the model is scaled to zero and a replica is on its way; the request
         queues (up to its band's TTL) until an endpoint is ready.
         """
-        current = self.directory.by_name.get(tenant.name)
-        if current is not tenant:
-            # The tenants were replaced while the body arrived: use the tenant as it is
-            # declared now (band, quotas), or refuse one that is no longer declared.
-            if current is None:
-                self.metrics.rejected("", "", "invalid_api_key")
-                raise AdmissionRejected(
-                    "invalid_api_key", "The API key was revoked while the request arrived."
-                )
-            tenant = current
+        tenant = self._current(tenant)
         now = self.clock()
         band = tenant.band
         band_name = self._band_names[band]
-        try:
-            quota_sec = tenant.quotas.acquire(now, tokens)
-        except AdmissionRejected as exc:
-            self.metrics.rejected(band_name, tenant.name, exc.reason)
-            raise
+        quota_sec = self._acquire(tenant, band_name, now, tokens)
         pool = self.detector.pool(model)
         pool.endpoints = endpoints
         ticket = Ticket(self, tenant, pool, tokens, now)
@@ -273,6 +260,36 @@ class Controller:
         self.queued += 1
         return ticket
 
+    def admit_stored(self, tenant: Tenant) -> Ticket:
+        """A call about a stored response: it names no model and costs an engine no
+        tokens, so quotas only (requests per minute, concurrency); never queued."""
+        tenant = self._current(tenant)
+        now = self.clock()
+        band_name = self._band_names[tenant.band]
+        quota_sec = self._acquire(tenant, band_name, now, 0)
+        ticket = Ticket(self, tenant, None, 0, now)
+        ticket.quota_sec = quota_sec
+        self.metrics.admitted(band_name, tenant.name, None)
+        return ticket
+
+    def _current(self, tenant: Tenant) -> Tenant:
+        """The tenant as declared now: the tenants may have been replaced since
+        `authenticate` (while the body arrived); one no longer declared is refused."""
+        current = self.directory.by_name.get(tenant.name)
+        if current is None:
+            self.metrics.rejected("", "", "invalid_api_key")
+            raise AdmissionRejected(
+                "invalid_api_key", "The API key was revoked while the request arrived."
+            )
+        return current
+
+    def _acquire(self, tenant: Tenant, band_name: str, now: float, tokens: int) -> int:
+        try:
+            return tenant.quotas.acquire(now, tokens)
+        except AdmissionRejected as exc:
+            self.metrics.rejected(band_name, tenant.name, exc.reason)
+            raise
+
     def _may_flow(self, pool: Pool, queues: list[BandQueue], band: int, now: float) -> bool:
         # Never overtake a queued request of this band or a higher one.
         for q in queues[: band + 1]:
@@ -294,7 +311,7 @@ class Controller:
             return
         ticket.state = DONE
         self._release_quota(ticket, self.clock(), actual_tokens)
-        if self.enabled:
+        if self.enabled and ticket.pool is not None:
             ticket.pool.active -= 1
             self.pump(ticket.pool.name)
 

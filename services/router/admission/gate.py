@@ -112,6 +112,10 @@ class AdmissionGate:
             await self.wait(ticket)
         return ticket
 
+    async def admit_stored(self, tenant: Tenant) -> Ticket:
+        """A call about a stored response: quotas only (Controller.admit_stored)."""
+        return self.controller.admit_stored(tenant)
+
     async def wait(self, ticket: Ticket) -> None:
         """Until a queued ticket is granted; raises its 504 if it expires first."""
         self._arm()

@@ -101,7 +101,8 @@ class TenantQuotas:
                     f"Please try again in {wait}s.",
                     retry_after=wait,
                 )
-        if self.tpm is not None:
+        # A call that costs no tokens (about a stored response) is not held back by tpm.
+        if self.tpm is not None and tokens > 0:
             if tokens > self.tpm:
                 raise AdmissionRejected(
                     "request_too_large",

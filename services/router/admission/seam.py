@@ -11,7 +11,13 @@ rejects by raising `RouterError` (401, 429, 503, 504 ...), and may wait (queue)
 before returning. If the client disconnects while it waits, the waiting task is
 cancelled: a gate must leave its queue on `CancelledError`. The returned grant
 is released exactly once, with the engine's usage when known, however the
-request ended; its `headers()` go on the answer.
+request ended; its `headers()` go on the answer. A call about a stored
+response names no model: `admit_stored` counts it against the caller's quotas
+and nothing else.
+
+What `authenticate` returns is a `Caller` (or None when there are no tenants):
+the request path binds stored responses to its `owner` and salts its prefix
+cache by its `cache_scope`, and sees nothing else of tenants.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ if TYPE_CHECKING:
     from llmgw.router.request.body import Parsed, Usage
 
 
+class Caller(Protocol):
+    # Whom the stored responses it creates belong to; None: no tenants, nothing is bound.
+    owner: str | None
+
+    def cache_scope(self, headers: dict[bytes, bytes]) -> bytes | None:
+        """What its cache salt is derived from (its tenant, or tenant and key); None:
+        its prefix cache is shared."""
+        ...
+
+
 class Grant(Protocol):
     def release(self, usage: Usage | None) -> None: ...
 
@@ -32,6 +48,8 @@ class Grant(Protocol):
 
 
 class Gate(Protocol):
-    def authenticate(self, headers: dict[bytes, bytes]) -> Any: ...
+    def authenticate(self, headers: dict[bytes, bytes]) -> Caller | None: ...
 
     async def admit(self, request: Parsed, route: ModelRoute, who: Any) -> Grant: ...
+
+    async def admit_stored(self, who: Any) -> Grant: ...

@@ -4,6 +4,9 @@ Keys are never stored: a presented key is hashed (SHA-256, about a microsecond)
 and looked up by its hash, then the stored hash is compared with
 hmac.compare_digest so the comparison itself leaks no timing. Keys and hashes
 are never logged or echoed back.
+
+A tenant is also the request path's `Caller` (seam.py): the owner of the stored
+responses it creates and, with `cache_isolation`, the scope of its cache salt.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ ANONYMOUS = "anonymous"
 
 
 class Tenant:
-    __slots__ = ("name", "band", "declared", "quotas", "key_hashes")
+    __slots__ = ("name", "band", "declared", "quotas", "key_hashes", "owner", "cache_isolation")
 
     def __init__(
         self,
@@ -31,12 +34,29 @@ class Tenant:
         declared: contracts.Quotas,
         quotas: TenantQuotas,
         key_hashes: Sequence[str],
+        cache_isolation: str = "none",
+        owner: str | None = None,
     ):
         self.name = name
         self.band = band  # index into the band list, 0 = highest priority
         self.declared = declared  # global limits, before dividing among routers
         self.quotas = quotas
         self.key_hashes = tuple(key_hashes)
+        self.cache_isolation = cache_isolation  # contracts.CACHE_ISOLATION
+        self.owner = owner  # its name when declared; None for the tenant of no tenants
+
+    def cache_scope(self, headers: dict[bytes, bytes]) -> bytes | None:
+        """What its requests' cache salt is derived from: its name, and with `key`
+        isolation also the hash of the key presented; None when its cache is shared."""
+        isolation = self.cache_isolation
+        if isolation == "none":
+            return None
+        scope = self.name.encode()
+        if isolation == "key":
+            auth = headers.get(b"authorization")
+            digest = None if auth is None else key_digest(auth.decode("latin-1"))
+            scope += b"\0" + (digest or "").encode()
+        return scope
 
     def __repr__(self) -> str:  # never show key hashes
         return f"Tenant({self.name!r}, band={self.band})"
@@ -49,6 +69,17 @@ class TenantSpec(Protocol):
     band: str
     key_hashes: list[str]
     quotas: contracts.Quotas
+    cache_isolation: str
+
+
+def key_digest(authorization: str) -> str | None:
+    """The stored form of the key in an Authorization header value (`Bearer <key>`),
+    or None when it holds none."""
+    scheme, _, key = authorization.strip().partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    return keys.HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
 
 
 class Directory:
@@ -81,7 +112,15 @@ class Directory:
             if band is None:
                 band = lowest
                 self.unknown_band.append(spec.name)
-            tenant = Tenant(spec.name, band, spec.quotas, quotas, spec.key_hashes)
+            tenant = Tenant(
+                spec.name,
+                band,
+                spec.quotas,
+                quotas,
+                spec.key_hashes,
+                spec.cache_isolation,
+                owner=spec.name,
+            )
             self.by_name[spec.name] = tenant
             for digest in spec.key_hashes:
                 self._by_hash[digest] = tenant
@@ -112,14 +151,12 @@ class Directory:
                 "missing_api_key",
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
             )
-        scheme, _, key = authorization.strip().partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        digest = key_digest(authorization)
+        if digest is None:
             raise AdmissionRejected(
                 "invalid_api_key",
                 "The Authorization header must be 'Bearer <key>'.",
             )
-        digest = keys.HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
         tenant = self._by_hash.get(digest)
         if tenant is None or not any(hmac.compare_digest(h, digest) for h in tenant.key_hashes):
             raise AdmissionRejected("invalid_api_key", "Incorrect API key provided.")

@@ -45,8 +45,9 @@ class Upstream:
         self.clock = clock
         self.session: aiohttp.ClientSession | None = None
         self._connect_timeouts: dict[float, aiohttp.ClientTimeout] = {}
-        # Called with (response id, endpoint id) when a Responses API answer names its id.
-        self.on_response_id: Callable[[bytes, str], None] | None = None
+        # Called with (response id, endpoint id, exchange) when a Responses API answer
+        # names its id.
+        self.on_response_id: Callable[[bytes, str, Exchange], None] | None = None
 
     def connect_timeout(self, seconds: float) -> aiohttp.ClientTimeout:
         t = self._connect_timeouts.get(seconds)
@@ -164,7 +165,7 @@ class Upstream:
         if status == 200:
             if req.api is RESPONSES:
                 ex.usage = rq.response_usage_of(data)
-                self._remember(data, ep)
+                self._remember(data, ep, ex)
             else:
                 ex.usage = rq.usage_of(data)
         await ex.answer(status, resp.headers.get("Content-Type", "").encode(), data, ep.id)
@@ -211,7 +212,7 @@ class Upstream:
                 ep.circuit.success()
                 metrics.ttft.observe(key, now - ex.t0)
                 if responses:
-                    self._remember(out, ep)
+                    self._remember(out, ep, ex)
                 await ex.start_stream(resp.headers.get("Content-Type", "").encode(), ep.id)
             else:
                 metrics.itl.observe(key, now - last)
@@ -257,11 +258,11 @@ class Upstream:
         verdict.healthy = False
         return None
 
-    def _remember(self, data: bytes, ep: EndpointRuntime) -> None:
+    def _remember(self, data: bytes, ep: EndpointRuntime, ex: Exchange) -> None:
         if self.on_response_id is not None:
             rid = response_id(data)
             if rid is not None:
-                self.on_response_id(rid, ep.id)
+                self.on_response_id(rid, ep.id, ex)
 
     async def end_stream(
         self,

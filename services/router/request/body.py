@@ -109,14 +109,18 @@ def _allowance(text: bytes) -> int | None:
     return max(0, int(value)) if math.isfinite(value) else None
 
 
+def string_of(raw: bytes) -> str | None:
+    """The string a raw JSON value holds, or None if it holds none."""
+    try:
+        return _decode_str(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
 def _salt(raw: bytes) -> str | None:
     """The cache salt if `raw` is a non-empty JSON string; anything else is the engine's
     to refuse, and hashes as no salt."""
-    try:
-        salt = _decode_str(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    return salt or None
+    return string_of(raw) or None
 
 
 def parse(kind: str, body: bytes, content_type: bytes | None = None) -> Parsed:
@@ -208,8 +212,19 @@ def with_model(req: Parsed, model: str) -> bytes:
     if req.model_span is not None:
         start, end = req.model_span
         return body[:start] + model.encode() + body[end:]
-    top = _decode_top(body)
-    top["model"] = msgspec.Raw(_encode(model))
+    return with_keys(top_keys(body), model=model)
+
+
+def top_keys(body: bytes) -> dict[str, msgspec.Raw]:
+    """A JSON body's top-level keys, every value kept as its raw bytes (a repeated key:
+    the last, as engines read it)."""
+    return _decode_top(body)
+
+
+def with_keys(top: dict[str, msgspec.Raw], **values: object) -> bytes:
+    """The body of `top` with `values` set (encoded as JSON), every other value as it was."""
+    for key, value in values.items():
+        top[key] = msgspec.Raw(_encode(value))
     return _encode(top)
 
 

@@ -43,6 +43,7 @@ class Exchange:
         "usage",
         "extra",
         "model",
+        "owner",
     )
 
     def __init__(
@@ -66,6 +67,7 @@ class Exchange:
         self.usage: Usage | None = None
         self.extra: list[tuple[bytes, bytes]] = []  # headers for every answer (rate limits)
         self.model = ""
+        self.owner: str | None = None  # the tenant its stored responses belong to
 
     def upstream_headers(self, base: dict[str, str]) -> dict[str, str]:
         """`base` plus the W3C trace context the client sent, for the engine."""

@@ -4,8 +4,10 @@ Per request: authenticate (headers only, so a request without a valid key
 gets 401 whatever its body), read and parse the body, resolve the model, pass
 the admission gate, then walk the endpoints and fallbacks (relay/walk.py, pure)
 with one upstream attempt each (relay/upstream.py) until one answers or nothing
-is left; the client side of all this is one `Exchange` (exchange.py). Calls
-about a stored Responses API answer go their own way (stored.py).
+is left; the client side of all this is one `Exchange` (exchange.py). A declared tenant's
+request is rewritten for it before it goes upstream (tenancy.py: its stored
+responses' ids, its cache salt). Calls about a stored Responses API answer go
+their own way (stored.py).
 
 Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
@@ -38,7 +40,7 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.relay.upstream import Upstream
 from llmgw.router.relay.walk import TIMEOUT_STATUS, Walk
 from llmgw.router.request import body as rq
-from llmgw.router.request import kinds
+from llmgw.router.request import kinds, tenancy
 from llmgw.router.request.exchange import Exchange, request_id
 from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
 from llmgw.router.request.stored import StoredResponses
@@ -83,6 +85,9 @@ class _OpenGate:
         return None
 
     async def admit(self, request, route, who) -> _OpenGrant:
+        return self._grant
+
+    async def admit_stored(self, who) -> _OpenGrant:
         return self._grant
 
 
@@ -191,6 +196,9 @@ class Proxy:
                     route = self.view.route(route.name) or route
                 try:
                     ex.extra = grant.headers()
+                    if who is not None and who.owner is not None:
+                        ex.owner = who.owner
+                        tenancy.bind(req, who, ex.headers, self.stored.owns)
                     await self._dispatch(ex, req, route, scope["path"])
                 finally:
                     grant.release(ex.usage)

@@ -68,12 +68,13 @@ class ApiKind:
     stream: StreamRule | None  # None: never streams
     prompt_key: str = ""  # the raw field prefix affinity hashes
     multipart: bool = False  # the model is a form field, not a JSON key
+    salted: bool = False  # vLLM keys its prefix cache by the body's `cache_salt`
 
 
-CHAT = ApiKind("chat", ("/v1/chat/completions",), DONE_RULE, "messages")
-COMPLETIONS = ApiKind("completions", ("/v1/completions",), DONE_RULE, "prompt")
+CHAT = ApiKind("chat", ("/v1/chat/completions",), DONE_RULE, "messages", salted=True)
+COMPLETIONS = ApiKind("completions", ("/v1/completions",), DONE_RULE, "prompt", salted=True)
 EMBEDDINGS = ApiKind("embeddings", ("/v1/embeddings",), None)
-RESPONSES = ApiKind("responses", ("/v1/responses",), RESPONSES_RULE, "input")
+RESPONSES = ApiKind("responses", ("/v1/responses",), RESPONSES_RULE, "input", salted=True)
 TRANSCRIPTIONS = ApiKind(
     "transcriptions",
     ("/v1/audio/transcriptions", "/v1/audio/translations"),

@@ -4,8 +4,14 @@ An engine keeps the responses it made (`store: true`), so a later call about
 one must reach that engine. This router process remembers the endpoint of
 every Responses API answer it relayed (the relay reports each id it sees);
 an id made elsewhere (another router, another worker) is looked for by asking
-the ready endpoints in turn until one does not answer 404. Only
-authentication applies: these calls cost an engine nothing worth a quota.
+the ready endpoints in turn until one does not answer 404.
+
+With tenants declared, a stored response is its tenant's alone: a call from
+another tenant gets the 404 an unknown id gets, before any engine is asked.
+The router tells the owner from the id (ownership.py: the router chose it), or,
+for an engine that chose its own id, from what this process remembers of the
+answer; an id neither vouches for is nobody's. Each call counts against the
+caller's quotas (requests per minute, concurrency) like any other request.
 """
 
 from __future__ import annotations
@@ -19,16 +25,17 @@ from starlette.types import Receive, Scope, Send
 
 from llmgw.router.http.errors import RouterError
 from llmgw.router.relay.walk import TIMEOUT_STATUS
-from llmgw.router.request import kinds
+from llmgw.router.request import kinds, ownership
 from llmgw.router.request.exchange import Exchange
 from llmgw.router.request.guard import ClientGone, DeadlinePassed
+from llmgw.router.request.tenancy import not_found
 
 if TYPE_CHECKING:
     from llmgw.router.request.handler import Proxy
 
 log = logging.getLogger(__name__)
 
-# Stored Responses API answers this router process remembers the endpoint of.
+# Stored Responses API answers this router process remembers the endpoint and owner of.
 RESPONSE_IDS_KEPT = 100_000
 STORED_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=2)
 
@@ -40,13 +47,21 @@ class StoredResponses:
 
     def __init__(self, proxy: Proxy):
         self.proxy = proxy
-        self.endpoints: OrderedDict[bytes, str] = OrderedDict()  # response id -> endpoint id
+        # response id -> (endpoint id, owning tenant or None when there are no tenants)
+        self.endpoints: OrderedDict[bytes, tuple[str, str | None]] = OrderedDict()
 
-    def remember(self, response_id: bytes, endpoint_id: str) -> None:
+    def remember(self, response_id: bytes, endpoint_id: str, ex: Exchange) -> None:
         kept = self.endpoints
-        kept[response_id] = endpoint_id
+        kept[response_id] = (endpoint_id, ex.owner)
         if len(kept) > RESPONSE_IDS_KEPT:
             kept.popitem(last=False)
+
+    def owns(self, response_id: bytes, owner: str) -> bool:
+        """Whether the stored response `response_id` is tenant `owner`'s."""
+        if ownership.minted_for(owner, response_id):
+            return True
+        known = self.endpoints.get(response_id)
+        return known is not None and known[1] == owner
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET / DELETE / cancel of a stored response: to the endpoint that made it."""
@@ -54,35 +69,23 @@ class StoredResponses:
         ex = proxy.exchange(scope, receive, send)
         path = scope["path"]
         query = scope.get("query_string", b"")
+        gate = proxy.gate
         try:
             with ex.guard:
-                proxy.gate.authenticate(ex.headers)
+                who = gate.authenticate(ex.headers)
                 body = await ex.read_body(
                     proxy.settings.max_body_bytes, proxy.settings.body_read_seconds
                 )
                 if body is None:
                     ex.status = 499
                     return
-                response_id = path[len(kinds.RESPONSES_PREFIX) :].split("/", 1)[0].encode()
-                known = self.endpoints.get(response_id)
-                candidates = list(proxy.view.endpoints.values())
-                candidates.sort(key=lambda ep: ep.id != known)
-                answered = None
-                for ep in candidates:
-                    got = await self._ask(ex, ep, scope["method"], path, query, body)
-                    if got is not None:
-                        answered = (ep, got)
-                        if got[0] != 404:
-                            break
-                if answered is not None:
-                    ep, (status, ctype, data) = answered
-                    await ex.answer(status, ctype, data, ep.id)
-                    return
-                if candidates:
-                    raise RouterError(502, "upstream_broken", "no engine answered")
-                raise RouterError(
-                    404, "response_not_found", "no stored response with that id", param="id"
-                )
+                grant = await gate.admit_stored(who)
+                try:
+                    ex.extra = grant.headers()
+                    owner = None if who is None else who.owner
+                    await self._relay(ex, owner, scope["method"], path, query, body)
+                finally:
+                    grant.release(None)
         except RouterError as err:
             await ex.fail(err)
         except ClientGone:
@@ -92,6 +95,32 @@ class StoredResponses:
         finally:
             ex.guard.close()
             proxy.record(ex)
+
+    async def _relay(
+        self, ex: Exchange, owner: str | None, method: str, path: str, query: bytes, body: bytes
+    ) -> None:
+        """Answer with the engine that has the response, if the caller may see it."""
+        response_id = path[len(kinds.RESPONSES_PREFIX) :].split("/", 1)[0].encode()
+        if owner is not None and not self.owns(response_id, owner):
+            raise not_found()
+        known = self.endpoints.get(response_id)
+        made_by = None if known is None else known[0]
+        candidates = list(self.proxy.view.endpoints.values())
+        candidates.sort(key=lambda ep: ep.id != made_by)
+        answered = None
+        for ep in candidates:
+            got = await self._ask(ex, ep, method, path, query, body)
+            if got is not None:
+                answered = (ep, got)
+                if got[0] != 404:
+                    break
+        if answered is not None:
+            ep, (status, ctype, data) = answered
+            await ex.answer(status, ctype, data, ep.id)
+            return
+        if candidates:
+            raise RouterError(502, "upstream_broken", "no engine answered")
+        raise not_found()
 
     async def _ask(
         self, ex: Exchange, ep, method: str, path: str, query: bytes, body: bytes

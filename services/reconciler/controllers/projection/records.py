@@ -98,7 +98,12 @@ def _unplaceable(state: ClusterState, model: str) -> str:
 def tenant_record(state: ClusterState, name: str) -> c.TenantRecord:
     t = state.tenants[name]
     return c.TenantRecord(
-        name=name, band=t.band, key_hashes=list(t.key_hashes), quotas=t.quotas, term=state.term
+        name=name,
+        band=t.band,
+        key_hashes=list(t.key_hashes),
+        quotas=t.quotas,
+        cache_isolation=t.cache_isolation,
+        term=state.term,
     )
 
 
