@@ -44,7 +44,9 @@ def public_app(
         try:
             service.proxy.gate.authenticate(dict(request.scope["headers"]))
         except RouterError as err:
-            return _error(err.status, err.reason, err.message, request, err.headers)
+            # The error's own body: an admission refusal carries OpenAI's type and code
+            # (a bad key is invalid_request_error / invalid_api_key, as on chat).
+            return _error_response(err.status, err.reason, err.body(), err.headers)
         return None
 
     async def list_models(request: Request) -> Response:
@@ -210,15 +212,16 @@ def _error(
     request: Request,
     extra: list[tuple[bytes, bytes]] | None = None,
 ) -> Response:
+    return _error_response(status, reason, error_body(status, reason, message), extra)
+
+
+def _error_response(
+    status: int, reason: str, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> Response:
     headers = {"x-llmgw-reason": reason}
     for name, value in extra or ():
         headers[name.decode()] = value.decode("latin-1")
-    return Response(
-        error_body(status, reason, message),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 # Objects allocated between two young-generation collections. Python's default
