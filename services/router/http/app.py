@@ -1,5 +1,6 @@
 """The public ASGI app of a router process: the proxy's paths, /v1/models, the OpenAPI
-document and the error answers, for a `service.RouterService` that it starts and stops.
+document, vLLM's probes and the error answers, for a `service.RouterService` that it
+starts and stops.
 
 `HotPaths` answers the proxy's paths before Starlette's middleware (see its docstring);
 the rest goes through Starlette.
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from llmgw.router.http import openapi
+from llmgw.router.http import openapi, probes
 from llmgw.router.http.cors import Cors
 from llmgw.router.http.errors import RouterError, error_body
 from llmgw.router.request import body as rq
@@ -36,8 +37,8 @@ def public_app(
     snapshot_dir: Path | None = None,
     tune_gc: bool = False,
 ) -> HotPaths:
-    """The public app of a router process: the proxy's paths, /v1/models and the
-    OpenAPI document, with the service started and stopped by its lifespan."""
+    """The public app of a router process: the proxy's paths, /v1/models, the
+    OpenAPI document and vLLM's probes (probes.py), with the service started and stopped by its lifespan."""
     engine_models = service.engine_models
 
     def authenticate(request: Request) -> Response | None:
@@ -87,6 +88,7 @@ def public_app(
     routes.append(Route("/v1/models", list_models, methods=["GET"]))
     routes.append(Route("/v1/models/{model:path}", get_model, methods=["GET"]))
     routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
+    routes.extend(probes.routes(service.readiness))
     app = Starlette(
         routes=routes,
         lifespan=run if lifespan else None,
