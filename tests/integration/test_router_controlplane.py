@@ -380,3 +380,80 @@ async def test_a_router_under_mtls_takes_its_id_from_its_certificate_and_speaks_
     finally:
         server.stop()
     assert "permissions violation" not in caplog.text.lower()
+
+
+# ------------------------------------------- fallbacks whose record has not arrived yet
+
+NOT_DECLARED = "fallback 'small' is not a declared model or alias"
+
+
+def with_fallback(sim, model: str, *fallbacks: str) -> c.ModelEndpoints:
+    return msgspec.structs.replace(record(sim, model=model), fallbacks=list(fallbacks))
+
+
+@pytest.mark.parametrize("order", ["snapshot", "fallback first", "model first"])
+async def test_a_fallback_whose_record_arrives_after_its_model_is_not_warned_about(
+    nats, sims, caplog, order
+):
+    # The reconciler writes one record per model, one at a time (`llmgw dev` logged
+    # this on every start): until the fallback's own record arrives it is pending.
+    caplog.set_level(logging.DEBUG, logger="llmgw.router.endpoints")
+    js = nats.jetstream()
+    await bus.provision(js)
+    chat, small = with_fallback(sims[0], "chat", "small"), record(sims[1], model="small")
+    first, second = (small, chat) if order == "fallback first" else (chat, small)
+    if order == "snapshot":
+        await put_model(js, first)
+        await put_model(js, second)
+    async with running_router(config(nats.connected_url.geturl(), "r1")) as r:
+        view = r.service.view
+        if order != "snapshot":
+            await wait_for(_async(lambda: view.version > 0), what="the first snapshot")
+            await put_model(js, first)
+            await wait_for(_async(lambda: view.resolve(first.model)), what="the first record")
+            await put_model(js, second)
+
+        def chained():
+            route = view.resolve("chat")
+            return route is not None and route.fallbacks == ("small",)
+
+        await wait_for(_async(chained), what="chat falling back to small")
+    warnings = [m for m in caplog.records if m.levelno >= logging.WARNING]
+    assert not [m for m in warnings if NOT_DECLARED in m.getMessage()]
+
+
+async def test_a_fallback_that_is_never_declared_is_warned_about_once(
+    nats, sims, caplog, monkeypatch
+):
+    from llmgw.router.endpoints import problemlog
+
+    caplog.set_level(logging.DEBUG, logger="llmgw.router.endpoints")
+    monkeypatch.setattr(problemlog, "GRACE_SECONDS", 0.2)
+    js = nats.jetstream()
+    await bus.provision(js)
+    await put_model(js, with_fallback(sims[0], "chat", "small"))
+    async with running_router(config(nats.connected_url.geturl(), "r1")) as r:
+        view = r.service.view
+
+        def warned():
+            return [
+                m
+                for m in caplog.records
+                if m.levelno == logging.WARNING and NOT_DECLARED in m.getMessage()
+            ]
+
+        await wait_for(_async(warned), what="the warning")
+        # Later changes of the view do not repeat it, nor start another wait.
+        await put_model(js, record(sims[1], model="other"))
+        await wait_for(_async(lambda: view.resolve("other")), what="other")
+        await put_model(js, with_fallback(sims[0], "chat", "small", "other"))
+        await wait_for(_async(lambda: view.resolve("chat").fallbacks == ("other",)), what="chat")
+        assert not view.problems.pending
+        assert len(warned()) == 1
+
+
+def _async(predicate):
+    async def check():
+        return bool(predicate())
+
+    return check
