@@ -222,6 +222,40 @@ async def test_two_live_routers_halve_a_tenants_quota(nats, sims):
         assert resp.status_code == 200
 
 
+async def test_behind_two_routers_the_rate_limit_headers_state_the_tenants_limit(nats, sims):
+    # rpm 6,000 behind two routers: each enforces 3,000, the client's limit is 6,000.
+    js = nats.jetstream()
+    await bus.provision(js)
+    acme = c.TenantRecord(
+        name="acme",
+        band="gold",
+        key_hashes=[keys.hash_key(KEY)],
+        quotas=c.Quotas(rpm=6000, tpm=1_000_000),
+    )
+    await put_tenants(js, acme)
+    await put_model(js, record(sims[0]))
+    url = nats.connected_url.geturl()
+    async with (
+        running_router(config(url, "r1")) as r1,
+        running_router(config(url, "r2")) as r2,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+
+        async def both_see_two():
+            return all(
+                r.service.admission.controller.routers == 2 for r in (r1, r2)
+            ) and await ready(http, r1.admin_url)
+
+        await wait_for(both_see_two, what="two live routers")
+        sdk = openai.AsyncOpenAI(base_url=r1.url + "/v1", api_key=KEY, max_retries=0)
+        raw = await sdk.chat.completions.with_raw_response.create(**chat())
+        headers = raw.headers
+        assert headers["x-ratelimit-limit-requests"] == "6000"
+        # This router's share left (2,999 of 3,000), for the two routers.
+        assert headers["x-ratelimit-remaining-requests"] == "5998"
+        assert headers["x-ratelimit-limit-tokens"] == "1000000"
+
+
 async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp_path, sims):
     server = localservers.NatsServer(tmp_path / "nats").start()
     router = None
