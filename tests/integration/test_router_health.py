@@ -236,6 +236,10 @@ async def test_the_public_port_answers_vllms_probes_without_a_key(client):
                 assert resp.status == 200 and await resp.json() == {"version": __version__}
             async with client.get(r.url + "/v1/models") as resp:
                 assert resp.status == 401  # the API itself still wants a key
+            async with client.get(r.url + "/openapi.json") as resp:
+                paths = (await resp.json())["paths"]
+            assert paths["/health"]["get"]["security"] == []
+            assert set(paths["/ping"]) == {"get", "post"} and "/version" in paths
 
 
 async def test_the_public_probes_say_503_while_the_router_cannot_route(client):
