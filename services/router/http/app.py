@@ -37,8 +37,9 @@ def public_app(
     snapshot_dir: Path | None = None,
     tune_gc: bool = False,
 ) -> HotPaths:
-    """The public app of a router process: the proxy's paths, /v1/models, the
-    OpenAPI document and vLLM's probes (probes.py), with the service started and stopped by its lifespan."""
+    """The public app of a router process: the proxy's paths, /v1/models, the OpenAPI
+    document and vLLM's probes (probes.py), with the service started and stopped by
+    its lifespan."""
     engine_models = service.engine_models
 
     def authenticate(request: Request) -> Response | None:
@@ -212,9 +213,8 @@ def _error(
     reason: str,
     message: str,
     request: Request,
-    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> Response:
-    return _error_response(status, reason, error_body(status, reason, message), extra)
+    return _error_response(status, reason, error_body(status, reason, message))
 
 
 def _error_response(
