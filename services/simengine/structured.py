@@ -214,15 +214,21 @@ class _Builder:
             return self._integer(schema, where, depth)
         low, high = _bounds(schema)
         open_low, open_high = _open_low(schema), _open_high(schema)
-        if low > high or low == high and (open_low or open_high):
-            raise Unsatisfiable(f"{where}: no number satisfies the bounds")
-        if low == -math.inf and high == math.inf:
+
+        def inside(x: float) -> bool:
+            above = low < x or x == low and not open_low
+            return above and (x < high or x == high and not open_high)
+
+        if inside(1.5):
             return 1.5
-        if low == -math.inf:
-            return high - 1 if open_high else high
-        if high == math.inf:
-            return low + 1 if open_low else low
-        return (low + high) / 2 if open_low or open_high else low
+        near, other = (low, high) if 1.5 < low else (high, low)
+        if inside(near):
+            return near
+        # An open bound: step inside it.
+        value = (near + other) / 2 if math.isfinite(other) else near + (1 if near == low else -1)
+        if not inside(value):
+            raise Unsatisfiable(f"{where}: no number satisfies the bounds")
+        return value
 
     def _boolean(self, schema: dict[str, Any], where: str, depth: int) -> bool:
         return True

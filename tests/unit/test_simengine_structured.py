@@ -107,3 +107,15 @@ def test_a_schema_it_cannot_answer_is_refused_saying_why(schema, why):
     with pytest.raises(structured.Unsatisfiable) as err:
         structured.answer("json_schema", schema)
     assert why in str(err.value)
+
+
+def test_numbers_are_near_one_and_a_half_inside_their_bounds():
+    def number(**bounds):
+        return json.loads(structured.answer("json_schema", {"type": "number", **bounds}))
+
+    assert number() == 1.5
+    assert number(minimum=0, maximum=100) == 1.5
+    assert number(minimum=10, maximum=20) == 10
+    assert number(exclusiveMinimum=10, maximum=20) == 15
+    assert number(exclusiveMaximum=-4) == -5
+    assert number(minimum=-1, maximum=1) == 1
