@@ -16,7 +16,7 @@ import msgspec
 
 from llmgw import config
 from llmgw.chatprompt import message_text
-from llmgw.simengine import tokens, tools
+from llmgw.simengine import structured, tokens, tools
 
 _encode = msgspec.json.encode
 _MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
@@ -105,6 +105,7 @@ class ChatRequest(_Common, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -112,6 +113,7 @@ class CompletionRequest(_Common, kw_only=True):
     # OpenAI's and vLLM's default for completions; an explicit null means "as many as fit".
     max_tokens: int | None = 16
     logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
@@ -210,7 +212,8 @@ class RequestParser:
                 "when using `top_logprobs`, `logprobs` must be set to true.",
                 param="top_logprobs",
             )
-        job = self.build("chat", req, prompt, "messages", echo, max_tokens, param, tool)
+        shaped = json_answer(req.response_format)
+        job = self.build("chat", req, prompt, "messages", echo, max_tokens, param, tool, shaped)
         job.logprobs = logprobs
         return job
 
@@ -220,7 +223,10 @@ class RequestParser:
         prompt, echo = _completion_prompt(req.prompt)
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        job = self.build("completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens")
+        shaped = json_answer(req.response_format)
+        job = self.build(
+            "completion", req, prompt, "prompt", echo, req.max_tokens, "max_tokens", None, shaped
+        )
         if req.logprobs is not None:
             job.logprobs = _non_negative(req.logprobs, "logprobs")
         return job
@@ -253,7 +259,9 @@ class RequestParser:
         max_tokens: int | None,
         max_tokens_param: str,
         tool: tools.ToolCall | None = None,
+        shaped: str | None = None,
     ) -> Job:
+        """`shaped`: the JSON text a response_format asks for (json_answer), else None."""
         lim = self.limits
         n_prompt = tokens.count_tokens(prompt)
         room = lim.max_model_len - n_prompt
@@ -285,7 +293,8 @@ class RequestParser:
         cap = max_tokens if max_tokens is not None else room
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         outputs = [
-            self._output(i, req.seed, echo, max_tokens, cap, stops, tool) for i in range(req.n or 1)
+            self._output(i, req.seed, echo, max_tokens, cap, stops, tool, shaped)
+            for i in range(req.n or 1)
         ]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Job(
@@ -308,6 +317,7 @@ class RequestParser:
         cap: int,
         stops: list[str],
         tool: tools.ToolCall | None,
+        shaped: str | None = None,
     ) -> Output:
         lim = self.limits
         if tool is not None:
@@ -316,7 +326,13 @@ class RequestParser:
             pieces = tokens.echo_pieces(tool.arguments)
             reason = "length" if len(pieces) > cap else "stop"
             return Output(pieces[:cap], reason, tool, tools.call_id())
-        if lim.mode == "echo":
+        if shaped is not None:
+            # Guided decoding: the JSON ends the answer (end of sequence) unless
+            # max_tokens cuts it first, truncated, as vLLM's is.
+            pieces = tokens.echo_pieces(shaped)
+            reason = "length" if len(pieces) > cap else "stop"
+            pieces = pieces[:cap]
+        elif lim.mode == "echo":
             pieces = tokens.echo_pieces(echo)
             reason = "length" if len(pieces) > cap else "stop"
             pieces = pieces[:cap]
@@ -335,6 +351,46 @@ class RequestParser:
             if cut is not None:
                 pieces, reason = cut, "stop"
         return Output(pieces, reason)
+
+
+# The response_format types vLLM's chat and completions take that the simulator answers.
+_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def json_answer(
+    fmt: dict[str, Any] | None, param: str = "response_format", nested: bool = True
+) -> str | None:
+    """The JSON text a chat or completions `response_format` asks for (or the Responses
+    API's `text.format`: `nested` False, its schema is not under `json_schema`); None for
+    text. A 400 for a format or a schema the simulator cannot answer."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind not in _FORMAT_TYPES:
+        raise ApiError(
+            400,
+            f"{param}.type {kind!r} is not supported by the simulator: one of "
+            f"{', '.join(_FORMAT_TYPES)}",
+            param=f"{param}.type",
+        )
+    if kind == "text":
+        return None
+    schema = None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema") if nested else fmt
+        if not isinstance(spec, dict):
+            raise ApiError(
+                400,
+                f"{param}.json_schema is required when {param}.type is 'json_schema'",
+                param=f"{param}.json_schema",
+            )
+        schema = spec.get("schema")
+    try:
+        return structured.answer(kind, schema)
+    except structured.Unsatisfiable as exc:
+        raise ApiError(
+            400, f"{param}: the JSON schema cannot be answered: {exc}", param=param
+        ) from None
 
 
 def _non_negative(value: int, param: str) -> int:

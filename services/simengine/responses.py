@@ -5,7 +5,9 @@ A request becomes the same `Job` a chat request does: `instructions` is a system
 (a string, or a list of message, function_call and function_call_output items) the rest of
 the conversation, `previous_response_id` prepends a stored response's conversation, and
 `max_output_tokens` caps the answer. Tools and `tool_choice` decide as for chat (tools are
-the Responses API's flat `{"type": "function", "name", "parameters"}`).
+the Responses API's flat `{"type": "function", "name", "parameters"}`), and `text.format`
+(`json_object`, or `json_schema` with its schema flat in the format) shapes the text as a
+chat `response_format` does (structured.py).
 
 The stream is `event: TYPE\\ndata: JSON\\n\\n` per event, numbered by `sequence_number`, and
 ends with `response.completed` (also when the status is "incomplete", as vLLM does) and no
@@ -38,6 +40,7 @@ from llmgw.simengine.protocol import (
     Job,
     RequestParser,
     decode_body,
+    json_answer,
 )
 
 _encode = msgspec.json.encode
@@ -166,8 +169,18 @@ def parse(body: bytes, parser: RequestParser, previous: ResponseStore) -> Parsed
         tool = tools.decide(req.tools or None, choice, rendered[-1][0])
     except tools.ToolChoiceError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
+    fmt = (req.text or {}).get("format")
+    shaped = json_answer(fmt, "text.format", nested=False)
     job = parser.build(
-        "responses", shim, prompt, "input", echo, req.max_output_tokens, "max_output_tokens", tool
+        "responses",
+        shim,
+        prompt,
+        "input",
+        echo,
+        req.max_output_tokens,
+        "max_output_tokens",
+        tool,
+        shaped,
     )
     if req.include and "message.output_text.logprobs" in req.include:
         if req.top_logprobs is not None and req.top_logprobs < 0:

@@ -143,6 +143,29 @@ def test_keys_and_quotas_reach_the_openai_sdk_as_its_own_errors(cluster):
     assert router.metric("llmgw_admission_rejected_total", tenant="limited") == 1
 
 
+def test_a_bad_key_is_the_same_authentication_error_on_every_public_path(cluster):
+    # OpenAI answers a bad key with type invalid_request_error, code invalid_api_key,
+    # whatever the path; a client handling one must not meet a server_error on another.
+    router, _ = cluster
+    wrong = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-nope", max_retries=0)
+    errors = []
+    for call in (
+        wrong.models.list,
+        lambda: wrong.models.retrieve(MODEL),
+        lambda: wrong.chat.completions.create(**body(2)),
+        lambda: wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2),
+    ):
+        with pytest.raises(openai.AuthenticationError) as err:
+            call()
+        errors.append(err.value)
+    assert {(e.type, e.code) for e in errors} == {("invalid_request_error", "invalid_api_key")}
+    assert all(e.response.headers["www-authenticate"] == "Bearer" for e in errors)
+
+    missing = httpx.get(f"{router.url}/v1/models", timeout=5)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_the_openai_sdk_retries_after_the_retry_after_it_is_given(cluster):
     router, _ = cluster
     # Retries to spare: each waits the 1 s Retry-After, and on a loaded box the first

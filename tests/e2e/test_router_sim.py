@@ -95,6 +95,28 @@ def test_openai_sdk_streaming_and_not_chat_and_completions(router):
         client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "x"}])
 
 
+def test_structured_output_through_the_router_parses_into_a_pydantic_model(router):
+    # The simulator answers response_format as vLLM's guided decoding does, so a
+    # structured-output client can be tested through the router.
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        city: str
+        days: list[int] = pydantic.Field(min_length=2)
+
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "weather?"}]
+    parsed = client.beta.chat.completions.parse(
+        model="m", messages=messages, response_format=Answer
+    )
+    assert len(parsed.choices[0].message.parsed.days) >= 2
+    with client.beta.chat.completions.stream(
+        model="m", messages=messages, response_format=Answer
+    ) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Answer)
+
+
 def test_a_client_leaving_mid_stream_frees_kv_blocks_on_the_engine(router, sims):
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     streams = [

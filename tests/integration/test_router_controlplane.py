@@ -252,6 +252,40 @@ async def test_two_live_routers_halve_a_tenants_quota(nats, sims):
         assert resp.status_code == 200
 
 
+async def test_behind_two_routers_the_rate_limit_headers_state_the_tenants_limit(nats, sims):
+    # rpm 6,000 behind two routers: each enforces 3,000, the client's limit is 6,000.
+    js = nats.jetstream()
+    await bus.provision(js)
+    acme = c.TenantRecord(
+        name="acme",
+        band="gold",
+        key_hashes=[keys.hash_key(KEY)],
+        quotas=c.Quotas(rpm=6000, tpm=1_000_000),
+    )
+    await put_tenants(js, acme)
+    await put_model(js, record(sims[0]))
+    url = nats.connected_url.geturl()
+    async with (
+        running_router(config(url, "r1")) as r1,
+        running_router(config(url, "r2")) as r2,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
+
+        async def both_see_two():
+            return all(
+                r.service.admission.controller.routers == 2 for r in (r1, r2)
+            ) and await ready(http, r1.admin_url)
+
+        await wait_for(both_see_two, what="two live routers")
+        sdk = openai.AsyncOpenAI(base_url=r1.url + "/v1", api_key=KEY, max_retries=0)
+        raw = await sdk.chat.completions.with_raw_response.create(**chat())
+        headers = raw.headers
+        assert headers["x-ratelimit-limit-requests"] == "6000"
+        # This router's share left (2,999 of 3,000), for the two routers.
+        assert headers["x-ratelimit-remaining-requests"] == "5998"
+        assert headers["x-ratelimit-limit-tokens"] == "1000000"
+
+
 async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp_path, sims):
     server = localservers.NatsServer(tmp_path / "nats").start()
     router = None
@@ -410,3 +444,80 @@ async def test_a_router_under_mtls_takes_its_id_from_its_certificate_and_speaks_
     finally:
         server.stop()
     assert "permissions violation" not in caplog.text.lower()
+
+
+# ------------------------------------------- fallbacks whose record has not arrived yet
+
+NOT_DECLARED = "fallback 'small' is not a declared model or alias"
+
+
+def with_fallback(sim, model: str, *fallbacks: str) -> c.ModelEndpoints:
+    return msgspec.structs.replace(record(sim, model=model), fallbacks=list(fallbacks))
+
+
+@pytest.mark.parametrize("order", ["snapshot", "fallback first", "model first"])
+async def test_a_fallback_whose_record_arrives_after_its_model_is_not_warned_about(
+    nats, sims, caplog, order
+):
+    # The reconciler writes one record per model, one at a time (`llmgw dev` logged
+    # this on every start): until the fallback's own record arrives it is pending.
+    caplog.set_level(logging.DEBUG, logger="llmgw.router.endpoints")
+    js = nats.jetstream()
+    await bus.provision(js)
+    chat, small = with_fallback(sims[0], "chat", "small"), record(sims[1], model="small")
+    first, second = (small, chat) if order == "fallback first" else (chat, small)
+    if order == "snapshot":
+        await put_model(js, first)
+        await put_model(js, second)
+    async with running_router(config(nats.connected_url.geturl(), "r1")) as r:
+        view = r.service.view
+        if order != "snapshot":
+            await wait_for(_async(lambda: view.version > 0), what="the first snapshot")
+            await put_model(js, first)
+            await wait_for(_async(lambda: view.resolve(first.model)), what="the first record")
+            await put_model(js, second)
+
+        def chained():
+            route = view.resolve("chat")
+            return route is not None and route.fallbacks == ("small",)
+
+        await wait_for(_async(chained), what="chat falling back to small")
+    warnings = [m for m in caplog.records if m.levelno >= logging.WARNING]
+    assert not [m for m in warnings if NOT_DECLARED in m.getMessage()]
+
+
+async def test_a_fallback_that_is_never_declared_is_warned_about_once(
+    nats, sims, caplog, monkeypatch
+):
+    from llmgw.router.endpoints import problemlog
+
+    caplog.set_level(logging.DEBUG, logger="llmgw.router.endpoints")
+    monkeypatch.setattr(problemlog, "GRACE_SECONDS", 0.2)
+    js = nats.jetstream()
+    await bus.provision(js)
+    await put_model(js, with_fallback(sims[0], "chat", "small"))
+    async with running_router(config(nats.connected_url.geturl(), "r1")) as r:
+        view = r.service.view
+
+        def warned():
+            return [
+                m
+                for m in caplog.records
+                if m.levelno == logging.WARNING and NOT_DECLARED in m.getMessage()
+            ]
+
+        await wait_for(_async(warned), what="the warning")
+        # Later changes of the view do not repeat it, nor start another wait.
+        await put_model(js, record(sims[1], model="other"))
+        await wait_for(_async(lambda: view.resolve("other")), what="other")
+        await put_model(js, with_fallback(sims[0], "chat", "small", "other"))
+        await wait_for(_async(lambda: view.resolve("chat").fallbacks == ("other",)), what="chat")
+        assert not view.problems.pending
+        assert len(warned()) == 1
+
+
+def _async(predicate):
+    async def check():
+        return bool(predicate())
+
+    return check

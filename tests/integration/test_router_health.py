@@ -208,3 +208,51 @@ async def test_readiness_waits_for_an_endpoint():
         async with s.get(r.admin_url + "/readyz") as resp:
             assert resp.status == 503
             assert (await resp.json())["detail"] == "no ready endpoint known"
+
+
+# ------------------------------------------------- vLLM's probes on the public port
+
+
+async def test_the_public_port_answers_vllms_probes_without_a_key(client):
+    # Clients built for vLLM (guidellm) probe /health on the API port before sending
+    # load; keys are configured here, and the probes reveal nothing, so none is asked.
+    from llmgw import __version__, contracts, keys
+    from llmgw.router.admission.config import AdmissionSettings, TenantConfig
+
+    async with fake_engines("a") as (a,):
+        cfg = config_for(
+            [a],
+            admission=AdmissionSettings(),
+            tenants=[TenantConfig(name="acme", band="default", key_hashes=[keys.hash_key("sk-x")])],
+            bands=[contracts.Band(name="default")],
+        )
+        async with running_router(cfg) as r:
+            async with client.get(r.url + "/health") as resp:
+                assert resp.status == 200 and await resp.read() == b""
+            for method in ("GET", "POST"):
+                async with client.request(method, r.url + "/ping") as resp:
+                    assert resp.status == 200
+            async with client.get(r.url + "/version") as resp:
+                assert resp.status == 200 and await resp.json() == {"version": __version__}
+            async with client.get(r.url + "/v1/models") as resp:
+                assert resp.status == 401  # the API itself still wants a key
+            async with client.get(r.url + "/openapi.json") as resp:
+                paths = (await resp.json())["paths"]
+            assert paths["/health"]["get"]["security"] == []
+            assert set(paths["/ping"]) == {"get", "post"} and "/version" in paths
+
+
+async def test_the_public_probes_say_503_while_the_router_cannot_route(client):
+    # As vLLM answers 503 when its engine is dead: no ready endpoint, nothing to route to.
+    from llmgw import __version__
+
+    async with running_router(config_for([])) as r:
+        async with client.get(r.admin_url + "/readyz") as resp:
+            assert resp.status == 503
+        async with client.get(r.url + "/health") as resp:
+            assert resp.status == 503 and await resp.read() == b""
+        for method in ("GET", "POST"):
+            async with client.request(method, r.url + "/ping") as resp:
+                assert resp.status == 503
+        async with client.get(r.url + "/version") as resp:
+            assert resp.status == 200 and await resp.json() == {"version": __version__}

@@ -131,3 +131,37 @@ def test_rate_limit_headers_say_the_limit_what_is_left_and_when_it_resets():
     # Back to its initial state once the request of second 130 leaves the window, at 190.
     assert h[b"x-ratelimit-reset-requests"] == b"59s"
     assert TenantQuotas(contracts.Quotas(concurrency=2)).headers(1.0) == []
+
+
+def test_rate_limit_headers_state_the_tenants_limit_behind_several_routers():
+    # rpm 6,000 behind two routers: each enforces 3,000, but the client's limit is 6,000,
+    # and what it has left is this router's remaining share times the router count
+    # (load balancing spreads its requests evenly), so 0 exactly when this router refuses.
+    from llmgw import contracts
+    from llmgw.router.admission.quotas import TenantQuotas
+
+    q = TenantQuotas(contracts.Quotas(rpm=6000, tpm=1_000_000), routers=2)
+    h = dict(q.headers(100.0))
+    assert h[b"x-ratelimit-limit-requests"] == b"6000"
+    assert h[b"x-ratelimit-remaining-requests"] == b"6000"
+    assert h[b"x-ratelimit-limit-tokens"] == b"1000000"
+    for _ in range(1000):
+        q.acquire(100.5, 100)
+    h = dict(q.headers(101.0))
+    assert h[b"x-ratelimit-remaining-requests"] == b"4000"
+    assert h[b"x-ratelimit-remaining-tokens"] == b"800000"
+    for _ in range(2000):
+        q.acquire(101.5, 1)
+    assert dict(q.headers(102.0))[b"x-ratelimit-remaining-requests"] == b"0"
+    with pytest.raises(AdmissionRejected):
+        q.acquire(102.0, 1)
+
+    # A share rounded up to 1 never claims more than the tenant's limit.
+    tiny = TenantQuotas(contracts.Quotas(rpm=1), routers=3)
+    h = dict(tiny.headers(1.0))
+    assert h[b"x-ratelimit-limit-requests"] == b"1"
+    assert h[b"x-ratelimit-remaining-requests"] == b"1"
+
+    # The live router count changes: the headers follow it.
+    q.set_limits(contracts.Quotas(rpm=6000, tpm=1_000_000), 3)
+    assert dict(q.headers(102.0))[b"x-ratelimit-limit-requests"] == b"6000"

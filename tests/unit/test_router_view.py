@@ -130,3 +130,29 @@ def test_a_view_whose_only_record_is_unservable_serves_nothing_and_is_not_ready(
     problems = view.replace([rec("bad", "e1", scheduling=UNKNOWN)])
     assert len(problems) == 2
     assert view.resolve("bad") is None and view.endpoints == {} and not view.ready()
+
+
+def test_a_missing_fallback_is_pending_for_the_grace_then_warned_about_once(caplog):
+    from llmgw.router.endpoints import problemlog
+
+    now = [0.0]
+    plog = problemlog.ProblemLog(clock=lambda: now[0])
+    missing = "model 'chat': fallback 'small' is not a declared model or alias"
+    other = "model 'x': alias 'y' shadows model 'y'"
+    with caplog.at_level("DEBUG", logger=problemlog.__name__):
+        assert plog.report([missing, other], {missing}) == problemlog.GRACE_SECONDS
+        assert plog.report([missing, other], {missing}) == problemlog.GRACE_SECONDS
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warned == [f"endpoint view: skipped: {other}"]
+        now[0] = 4.0
+        assert plog.report([missing], {missing}) == problemlog.GRACE_SECONDS - 4.0
+        now[0] = problemlog.GRACE_SECONDS
+        assert plog.judge() is None
+        assert plog.report([missing], {missing}) is None
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 2 and missing in warned[1]
+        # Its record arrived in time: nothing is said, nothing waits.
+        late = "model 'b': fallback 'c' is not a declared model or alias"
+        plog.report([late], {late})
+        assert plog.report([], set()) is None and not plog.pending
+        assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2

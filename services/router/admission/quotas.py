@@ -6,7 +6,8 @@ the window expires. Token use is recorded at admission as an estimate (prompt
 plus max_tokens) and corrected once the engine reports actual usage.
 
 Each router enforces limit // routers (at least 1), where `routers` is how many
-routers share the global quota, as the presence bucket counts them (presence.py).
+routers share the global quota, as the presence bucket counts them (presence.py);
+the x-ratelimit headers still state the tenant's own limit (`TenantQuotas.headers`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,16 @@ def share(limit: int | None, routers: int) -> int | None:
 class TenantQuotas:
     """One tenant's usage against its quotas, on this router."""
 
-    __slots__ = ("rpm", "tpm", "concurrency", "requests", "tokens", "in_flight")
+    __slots__ = (
+        "rpm",
+        "tpm",
+        "concurrency",
+        "requests",
+        "tokens",
+        "in_flight",
+        "declared",
+        "routers",
+    )
 
     def __init__(self, quotas: contracts.Quotas, routers: int = 1) -> None:
         self.requests = MinuteWindow()
@@ -85,6 +95,8 @@ class TenantQuotas:
         self.set_limits(quotas, routers)
 
     def set_limits(self, quotas: contracts.Quotas, routers: int) -> None:
+        self.declared = quotas  # the tenant's own limits, which the headers state
+        self.routers = routers
         self.rpm = share(quotas.rpm, routers)
         self.tpm = share(quotas.tpm, routers)
         self.concurrency = share(quotas.concurrency, routers)
@@ -135,19 +147,27 @@ class TenantQuotas:
     def headers(self, now: float) -> list[tuple[bytes, bytes]]:
         """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits this
         tenant has, as OpenAI sends them (reset: when the window has room for the
-        full limit again, e.g. "12s")."""
+        full limit again, e.g. "12s").
+
+        A client reads its own limit there, so `limit` is the tenant's, not this
+        router's share. `remaining` is this router's share left, times the router
+        count: the load balancer spreads a client's requests evenly, so the other
+        routers have about as much left, and it reaches 0 exactly when this router
+        starts refusing. Capped at the limit, which a share rounded up to 1 exceeds.
+        """
         out: list[tuple[bytes, bytes]] = []
-        for unit, limit, window in (
-            (b"requests", self.rpm, self.requests),
-            (b"tokens", self.tpm, self.tokens),
+        for unit, limit, enforced, window in (
+            (b"requests", self.declared.rpm, self.rpm, self.requests),
+            (b"tokens", self.declared.tpm, self.tpm, self.tokens),
         ):
-            if limit is None:
+            if limit is None or enforced is None:
                 continue
             window.advance(now)
             used = window.total
             reset = 0 if used <= 0 else window.seconds_until(now, 0)
+            remaining = min(limit, max(0, enforced - used) * self.routers)
             out.append((b"x-ratelimit-limit-" + unit, str(limit).encode()))
-            out.append((b"x-ratelimit-remaining-" + unit, str(max(0, limit - used)).encode()))
+            out.append((b"x-ratelimit-remaining-" + unit, str(remaining).encode()))
             out.append((b"x-ratelimit-reset-" + unit, f"{reset}s".encode()))
         return out
 

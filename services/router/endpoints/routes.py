@@ -28,6 +28,9 @@ class RouteTable:
     records: dict[str, ModelEndpoints]  # by canonical model name
     names: dict[str, str]  # model name or alias -> canonical model name
     chains: dict[str, tuple[str, ...]]  # model, then its fallbacks (transitively) in order
+    # The problems that name a fallback with no record: one that has not arrived yet
+    # (the control plane writes a record per model) reads the same (problemlog.py).
+    missing: frozenset[str] = frozenset()
 
 
 def _unknown_plugins(where: str, sched: SchedulingSpec) -> list[str]:
@@ -98,11 +101,12 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
     problems: list[str] = []
     by_name = _servable(records, problems)
     names = _names(by_name, problems)
-    fallbacks = _fallbacks(by_name, names, problems)
+    missing: list[str] = []
+    fallbacks = _fallbacks(by_name, names, problems, missing)
     cut = _cut_cycles(fallbacks, problems)
     chains = {model: _chain(model, fallbacks, cut) for model in by_name}
     problems += _url_clashes(by_name)
-    return RouteTable(by_name, names, chains), problems
+    return RouteTable(by_name, names, chains, frozenset(missing)), problems
 
 
 def _servable(records: Iterable[ModelEndpoints], problems: list[str]) -> dict[str, ModelEndpoints]:
@@ -140,19 +144,22 @@ def _names(by_name: dict[str, ModelEndpoints], problems: list[str]) -> dict[str,
 
 
 def _fallbacks(
-    by_name: dict[str, ModelEndpoints], names: dict[str, str], problems: list[str]
+    by_name: dict[str, ModelEndpoints],
+    names: dict[str, str],
+    problems: list[str],
+    missing: list[str],
 ) -> dict[str, list[str]]:
     """Each model's fallbacks as models: they may name a model or an alias; those that
-    resolve to nothing or to the model itself are dropped."""
+    resolve to nothing (also listed in `missing`) or to the model itself are dropped."""
     fallbacks: dict[str, list[str]] = {}
     for rec in by_name.values():
         resolved = []
         for fb in rec.fallbacks:
             target = names.get(fb)
             if target is None:
-                problems.append(
-                    f"model {rec.model!r}: fallback {fb!r} is not a declared model or alias"
-                )
+                problem = f"model {rec.model!r}: fallback {fb!r} is not a declared model or alias"
+                problems.append(problem)
+                missing.append(problem)
             elif target == rec.model:
                 problems.append(f"model {rec.model!r}: fallback {fb!r} is the model itself")
             else:

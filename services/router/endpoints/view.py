@@ -12,6 +12,7 @@ snapshot it resolved, and per-endpoint state survives updates by endpoint id.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -30,6 +31,7 @@ from llmgw.contracts import (
 )
 from llmgw.router.endpoints import routes
 from llmgw.router.endpoints.load import Load
+from llmgw.router.endpoints.problemlog import ProblemLog
 from llmgw.router.relay.circuit import Circuit
 from llmgw.router.request.body import PATHS
 from llmgw.router.scheduling import pipeline as scheduling
@@ -185,6 +187,8 @@ class EndpointView:
         self._by_url: dict[str, EndpointRuntime] = {}
         self._listeners: list[Callable[[], None]] = []
         self._load_listeners: list[Callable[[EndpointRuntime], None]] = []
+        self.problems = ProblemLog()
+        self._judging: asyncio.TimerHandle | None = None
 
     # ----------------------------------------------------------- hot path reads
 
@@ -257,8 +261,7 @@ class EndpointView:
         table, problems = routes.build(self._records.values())
         pipelines = self._pipelines(table.records, problems)
         records = {name: rec for name, rec in table.records.items() if name in pipelines}
-        for p in problems:
-            log.warning("endpoint view: skipped: %s", p)
+        self._judge_in(self.problems.report(problems, table.missing))
 
         old_endpoints = self.endpoints
         endpoints: dict[str, EndpointRuntime] = {}
@@ -311,6 +314,20 @@ class EndpointView:
         for listener in self._listeners:
             listener()
         return problems
+
+    def _judge_in(self, delay: float | None) -> None:
+        """Have the problem log judge its pending fallbacks in `delay` seconds. Without
+        a running loop (a synchronous caller) they stay pending, logged at debug."""
+        if self._judging is not None:
+            self._judging.cancel()
+            self._judging = None
+        if delay is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._judging = loop.call_later(delay, lambda: self._judge_in(self.problems.judge()))
 
     def _pipelines(
         self, records: dict[str, ModelEndpoints], problems: list[str]

@@ -1,5 +1,6 @@
 """The public ASGI app of a router process: the proxy's paths, /v1/models, the OpenAPI
-document and the error answers, for a `service.RouterService` that it starts and stops.
+document, vLLM's probes and the error answers, for a `service.RouterService` that it
+starts and stops.
 
 `HotPaths` answers the proxy's paths before Starlette's middleware (see its docstring);
 the rest goes through Starlette.
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from llmgw.router.http import openapi
+from llmgw.router.http import openapi, probes
 from llmgw.router.http.cors import Cors
 from llmgw.router.http.errors import RouterError, error_body
 from llmgw.router.request import body as rq
@@ -36,15 +37,18 @@ def public_app(
     snapshot_dir: Path | None = None,
     tune_gc: bool = False,
 ) -> HotPaths:
-    """The public app of a router process: the proxy's paths, /v1/models and the
-    OpenAPI document, with the service started and stopped by its lifespan."""
+    """The public app of a router process: the proxy's paths, /v1/models, the OpenAPI
+    document and vLLM's probes (probes.py), with the service started and stopped by
+    its lifespan."""
     engine_models = service.engine_models
 
     def authenticate(request: Request) -> Response | None:
         try:
             service.proxy.gate.authenticate(dict(request.scope["headers"]))
         except RouterError as err:
-            return _error(err.status, err.reason, err.message, request, err.headers)
+            # The error's own body: an admission refusal carries OpenAI's type and code
+            # (a bad key is invalid_request_error / invalid_api_key, as on chat).
+            return _error_response(err.status, err.reason, err.body(), err.headers)
         return None
 
     async def list_models(request: Request) -> Response:
@@ -85,6 +89,7 @@ def public_app(
     routes.append(Route("/v1/models", list_models, methods=["GET"]))
     routes.append(Route("/v1/models/{model:path}", get_model, methods=["GET"]))
     routes.append(Route("/openapi.json", openapi.endpoint, methods=["GET"]))
+    routes.extend(probes.routes(service.readiness))
     app = Starlette(
         routes=routes,
         lifespan=run if lifespan else None,
@@ -208,17 +213,17 @@ def _error(
     reason: str,
     message: str,
     request: Request,
-    extra: list[tuple[bytes, bytes]] | None = None,
+) -> Response:
+    return _error_response(status, reason, error_body(status, reason, message))
+
+
+def _error_response(
+    status: int, reason: str, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
 ) -> Response:
     headers = {"x-llmgw-reason": reason}
     for name, value in extra or ():
         headers[name.decode()] = value.decode("latin-1")
-    return Response(
-        error_body(status, reason, message),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 # Objects allocated between two young-generation collections. Python's default

@@ -15,6 +15,8 @@ _encode = msgspec.json.Encoder().encode
 # status -> OpenAI error type
 _TYPES = {
     400: "invalid_request_error",
+    # OpenAI's type for a missing or wrong key; the SDK's AuthenticationError keys on 401.
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "timeout",

@@ -192,6 +192,7 @@ def document() -> dict[str, Any]:
             },
         }
     }
+    paths.update(_probes())
     return {
         "openapi": "3.1.0",
         "info": {
@@ -205,6 +206,43 @@ def document() -> dict[str, Any]:
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"apiKey": []}, {}],
+    }
+
+
+def _probes() -> dict[str, Any]:
+    """vLLM's probes (probes.py): no key asked."""
+    ready = {
+        "200": {"description": "The router can route (empty body)"},
+        "503": {"description": "The router cannot route now (empty body)"},
+    }
+    health = {"summary": "Whether the router can route, as vLLM's /health", "security": []}
+    return {
+        "/health": {"get": {**health, "operationId": "health", "responses": ready}},
+        "/ping": {
+            method: {**health, "operationId": f"{method}Ping", "responses": ready}
+            for method in ("get", "post")
+        },
+        "/version": {
+            "get": {
+                "summary": "llmgw's version, as vLLM's /version",
+                "operationId": "version",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "The version",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["version"],
+                                    "properties": {"version": {"type": "string"}},
+                                }
+                            }
+                        },
+                    }
+                },
+            }
+        },
     }
 
 
