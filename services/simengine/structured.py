@@ -81,7 +81,12 @@ def answer(kind: str, schema: Any = None) -> str:
         return json.dumps(JSON_OBJECT)
     if not isinstance(schema, dict):
         raise Unsatisfiable("the schema must be a JSON object")
-    return json.dumps(_Builder(schema).value(schema, "#", 0), ensure_ascii=False)
+    try:
+        value = _Builder(schema).value(schema, "#", 0)
+    except (TypeError, ValueError) as exc:  # a keyword of the wrong type: "minimum": "5"
+        raise Unsatisfiable(f"the schema is malformed: {exc}") from None
+    # allow_nan=False: a value outside JSON (inf from an open bound) is a bug, not output.
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 class _Builder:
@@ -221,7 +226,7 @@ class _Builder:
 
         if inside(1.5):
             return 1.5
-        near, other = (low, high) if 1.5 < low else (high, low)
+        near, other = (low, high) if 1.5 <= low else (high, low)
         if inside(near):
             return near
         # An open bound: step inside it.

@@ -11,6 +11,8 @@ its own repeated prompt still hits.
 
 from __future__ import annotations
 
+import http.client
+
 import httpx
 import pytest
 
@@ -29,6 +31,7 @@ TENANTS = {
     "dave": ("{}", "none"),
     "erin": ("{rpm: 3}", "none"),
     "frank": ("{}", "key"),
+    "gina": ("{rpm: 2}", "none"),
 }
 # A system prompt of many blocks, which every tenant sends.
 SYSTEM = "You are a careful assistant for the accounts team. " * 20
@@ -111,6 +114,40 @@ def test_another_tenant_gets_404_for_a_stored_response_through_any_router(router
     assert client(r1, "alice").get(f"/v1/responses/{rid}").status_code == 404
 
 
+def raw_request(router, method: str, path: str, tenant: str) -> int:
+    """A request whose path goes out byte for byte (httpx would remove `..` segments)."""
+    host, port = router.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, headers={"Authorization": f"Bearer {key(tenant)}"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def test_a_path_that_climbs_out_of_ones_own_response_reaches_nothing(routers):
+    # Bob owns one response; paths that start with its id but climb to Alice's (or to
+    # any other engine path) must not pass the owner check on the first segment.
+    r1, _ = routers
+    alices = create(client(r1, "alice")).json()["id"]
+    bobs = create(client(r1, "bob")).json()["id"]
+    for method, path in [
+        ("GET", f"/v1/responses/{bobs}/../{alices}"),
+        ("DELETE", f"/v1/responses/{bobs}/../{alices}"),
+        ("POST", f"/v1/responses/{bobs}/../{alices}/cancel"),
+        ("GET", f"/v1/responses/{bobs}%2F..%2F{alices}"),
+        ("GET", f"/v1/responses/{bobs}/%2E%2E/{alices}"),
+        ("GET", f"/v1/responses/{bobs}/../../../v1/models"),
+        ("GET", f"/v1/responses/{bobs}/extra/segments"),
+    ]:
+        assert raw_request(r1, method, path, "bob") == 404, (method, path)
+    # Alice's response is untouched, and Bob still reaches his own.
+    assert client(r1, "alice").get(f"/v1/responses/{alices}").json()["id"] == alices
+    assert client(r1, "bob").get(f"/v1/responses/{bobs}").json()["id"] == bobs
+
+
 def test_a_background_response_is_cancelled_only_by_its_tenant(routers):
     r1, r2 = routers
     made = create(client(r1, "alice"), background=True, max_output_tokens=2000)
@@ -179,3 +216,16 @@ def test_key_isolation_keeps_each_key_apart(routers):
     assert cached(client(r1, "frank", 0), "a") == 0
     assert cached(client(r1, "frank", 0), "b") > 0
     assert cached(client(r1, "frank", 1), "a") == 0
+
+
+def test_a_request_the_tenant_binding_refuses_costs_no_quota(routers):
+    # Refused before admission: neither queued nor counted against the tenant's rpm.
+    r1, _ = routers
+    gina = client(r1, "gina")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for _ in range(3):
+        refused = gina.post("/v1/chat/completions", json={**chat, "cache_salt": "llmgw-x"})
+        assert refused.status_code == 400, refused.text
+        stranger = create(gina, previous_response_id="resp_nobody_has_this")
+        assert stranger.status_code == 404, stranger.text
+    assert gina.post("/v1/chat/completions", json=chat).status_code == 200

@@ -119,3 +119,27 @@ def test_numbers_are_near_one_and_a_half_inside_their_bounds():
     assert number(exclusiveMinimum=10, maximum=20) == 15
     assert number(exclusiveMaximum=-4) == -5
     assert number(minimum=-1, maximum=1) == 1
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "exclusiveMinimum": 1.5},
+        {"type": "number", "minimum": 1.5, "exclusiveMinimum": 1.5},
+    ],
+)
+def test_an_open_bound_at_one_and_a_half_still_answers_a_json_number(schema):
+    text = structured.answer("json_schema", schema)
+
+    def not_json(constant: str):  # Python reads Infinity and NaN; JSON has neither
+        raise AssertionError(f"{constant} is not JSON")
+
+    jsonschema.validate(json.loads(text, parse_constant=not_json), schema)
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "number", "minimum": "5"}, {"type": "string", "maxLength": None}]
+)
+def test_a_keyword_of_the_wrong_type_is_refused_not_a_crash(schema):
+    with pytest.raises(structured.Unsatisfiable, match="malformed"):
+        structured.answer("json_schema", schema)

@@ -187,6 +187,12 @@ class Proxy:
                         param="model",
                     )
                 ex.model = route.name
+                if who is not None and who.owner is not None:
+                    # Before admission: a request the tenant binding refuses (another
+                    # tenant's previous_response_id, a salt in the router's namespace)
+                    # must neither wait in a queue nor spend the tenant's quota.
+                    ex.owner = who.owner
+                    tenancy.bind(req, who, ex.headers, self.stored.owns)
                 version = self.view.version
                 grant = await gate.admit(req, route, who)
                 if self.view.version != version:
@@ -196,9 +202,6 @@ class Proxy:
                     route = self.view.route(route.name) or route
                 try:
                     ex.extra = grant.headers()
-                    if who is not None and who.owner is not None:
-                        ex.owner = who.owner
-                        tenancy.bind(req, who, ex.headers, self.stored.owns)
                     await self._dispatch(ex, req, route, scope["path"])
                 finally:
                     grant.release(ex.usage)

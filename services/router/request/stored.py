@@ -17,6 +17,7 @@ caller's quotas (requests per minute, concurrency) like any other request.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
     from llmgw.router.request.handler import Proxy
 
 log = logging.getLogger(__name__)
+
+# The only paths about a stored response: its id (GET, DELETE), then `/cancel` or
+# `/input_items`. Anything else (`..` segments, more segments, a `%2F` that the server
+# decoded into `/`) is refused before it can name another engine path, or another
+# tenant's response, than the one checked.
+STORED_PATH = re.compile(
+    re.escape(kinds.RESPONSES_PREFIX) + r"([A-Za-z0-9_-]{1,256})(/cancel|/input_items)?"
+)
 
 # Stored Responses API answers this router process remembers the endpoint and owner of.
 RESPONSE_IDS_KEPT = 100_000
@@ -100,7 +109,10 @@ class StoredResponses:
         self, ex: Exchange, owner: str | None, method: str, path: str, query: bytes, body: bytes
     ) -> None:
         """Answer with the engine that has the response, if the caller may see it."""
-        response_id = path[len(kinds.RESPONSES_PREFIX) :].split("/", 1)[0].encode()
+        stored = STORED_PATH.fullmatch(path)
+        if stored is None:
+            raise not_found()
+        response_id = stored.group(1).encode()
         if owner is not None and not self.owns(response_id, owner):
             raise not_found()
         known = self.endpoints.get(response_id)
