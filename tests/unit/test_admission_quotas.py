@@ -165,3 +165,17 @@ def test_rate_limit_headers_state_the_tenants_limit_behind_several_routers():
     # The live router count changes: the headers follow it.
     q.set_limits(contracts.Quotas(rpm=6000, tpm=1_000_000), 3)
     assert dict(q.headers(102.0))[b"x-ratelimit-limit-requests"] == b"6000"
+
+
+def test_a_refusal_states_the_tenants_limit_and_this_routers_share():
+    # The x-ratelimit headers state the tenant's own limit; the 429 must not contradict
+    # them with one router's share alone.
+    two = q(routers=2, rpm=6000)
+    for _ in range(3000):
+        two.acquire(0.0, 1)
+    rpm = rejected(two, 0.0)
+    assert "limit 6000, 3000 of it on this router of 2" in str(rpm)
+    alone = q(rpm=2)
+    alone.acquire(0.0, 1)
+    alone.acquire(0.0, 1)
+    assert "(RPM): limit 2." in str(rejected(alone, 0.0))

@@ -101,6 +101,13 @@ class TenantQuotas:
         self.tpm = share(quotas.tpm, routers)
         self.concurrency = share(quotas.concurrency, routers)
 
+    def _limit(self, declared: int | None, enforced: int) -> str:
+        """A limit as the client knows it (the tenant's, as the headers state it), and
+        this router's share when the routers split it."""
+        if self.routers <= 1 or declared is None or declared == enforced:
+            return f"limit {enforced}"
+        return f"limit {declared}, {enforced} of it on this router of {self.routers}"
+
     def acquire(self, now: float, tokens: int) -> int:
         """Count one request of ~`tokens` or raise 429; returns the second to correct later."""
         if self.rpm is not None:
@@ -109,7 +116,8 @@ class TenantQuotas:
                 wait = self.requests.seconds_until(now, self.rpm - 1)
                 raise AdmissionRejected(
                     "rate_limit_rpm",
-                    f"Rate limit reached on requests per minute (RPM): limit {self.rpm}. "
+                    f"Rate limit reached on requests per minute (RPM): "
+                    f"{self._limit(self.declared.rpm, self.rpm)}. "
                     f"Please try again in {wait}s.",
                     retry_after=wait,
                 )
@@ -118,7 +126,8 @@ class TenantQuotas:
             if tokens > self.tpm:
                 raise AdmissionRejected(
                     "request_too_large",
-                    f"Request too large for tokens per minute (TPM): limit {self.tpm}, "
+                    f"Request too large for tokens per minute (TPM): "
+                    f"{self._limit(self.declared.tpm, self.tpm)}, "
                     f"requested {tokens} (prompt estimate plus max_tokens). "
                     "Reduce the prompt or max_tokens.",
                 )
@@ -127,7 +136,8 @@ class TenantQuotas:
                 wait = self.tokens.seconds_until(now, self.tpm - tokens)
                 raise AdmissionRejected(
                     "rate_limit_tpm",
-                    f"Rate limit reached on tokens per minute (TPM): limit {self.tpm}, "
+                    f"Rate limit reached on tokens per minute (TPM): "
+                    f"{self._limit(self.declared.tpm, self.tpm)}, "
                     f"used {self.tokens.total}, requested {tokens}. "
                     f"Please try again in {wait}s.",
                     retry_after=wait,
@@ -136,7 +146,8 @@ class TenantQuotas:
             # When a request will finish is unknowable; one second is a polite retry pace.
             raise AdmissionRejected(
                 "rate_limit_concurrency",
-                f"Rate limit reached on concurrent requests: limit {self.concurrency}. "
+                f"Rate limit reached on concurrent requests: "
+                f"{self._limit(self.declared.concurrency, self.concurrency)}. "
                 "Please try again in 1s.",
                 retry_after=1,
             )
