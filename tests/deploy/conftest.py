@@ -102,7 +102,17 @@ class Compose:
         # for the long-running services' health, then for the jobs' exit codes.
         jobs = ("migrate", "apply")
         services = [s for s in self("config", "--services").split() if s not in jobs]
-        self("up", "-d", "--wait", "--no-build", "--pull", "never", *services, timeout=300)
+        self(
+            "up",
+            "-d",
+            "--wait",
+            "--no-deps",
+            "--no-build",
+            "--pull",
+            "never",
+            *services,
+            timeout=300,
+        )
         deadline = time.monotonic() + 180
         while (
             codes := self(
