@@ -31,9 +31,9 @@ if [ "${1:-}" = compose-env ]; then
     exit 0
 fi
 
-# The legacy builder, with the host's network for apt and pip during the build
-# only: the engine here has no BuildKit, and containers at run time need nothing
-# beyond the compose network.
+# The legacy builder (BuildKit needs the buildx plugin, which no package here
+# ships), with the host's network for apt during the build only: containers at
+# run time need nothing beyond the compose network.
 export DOCKER_BUILDKIT=0
 LOG="$(mktemp)"
 quiet() { # run a step with its output in $LOG, shown only if it fails
