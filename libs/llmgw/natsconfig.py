@@ -34,7 +34,14 @@ from typing import Any
 import yaml
 
 from llmgw import subjects as s
-from llmgw.certs import CA_NAME, SERVER_NAME, CertError, Identity, read_identities
+from llmgw.certs import (
+    CA_NAME,
+    SERVER_NAME,
+    CertError,
+    Identity,
+    identity_from_name,
+    read_identities,
+)
 
 API = "$JS.API"
 INBOX_ROOT = "_INBOX"
@@ -249,6 +256,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(e.g. a mounted secret in a container)",
     )
     parser.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a router identity whose certificate is issued elsewhere, one per pod (e.g. "
+        "router-llmgw-router-0 from cert-manager's csi-driver): its user, with no file in "
+        "--certs; repeat for each",
+    )
+    parser.add_argument(
         "--format",
         choices=["conf", "helm-values"],
         default="conf",
@@ -260,6 +276,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         found = read_identities(args.certs)
+        for name in args.router:
+            ident = identity_from_name(name)
+            if ident.role != "router":
+                raise CertError(f"--router {name}: not a router identity (router-<id>)")
+            if ident not in found:
+                found.append(ident)
     except CertError as exc:
         print(f"llmgw nats-config: {exc}", file=sys.stderr)
         return 1

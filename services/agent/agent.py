@@ -235,6 +235,7 @@ class Agent:
         records = self.state_dir.load_all()
         for rec in self.state_dir.prune(records):
             records.remove(rec)
+        loopback_kv = self.state_dir.loopback_kv_ports()
         for rec in records:
             shard = self._new_shard(rec)
             if rec.terminal:
@@ -248,6 +249,17 @@ class Agent:
                 )
                 continue
             log.info("re-adopted shard %s (pid %s, %s)", rec.shard_id, rec.pid, rec.state.value)
+            if rec.shard_id in loopback_kv:
+                events_port, replay_port = loopback_kv[rec.shard_id]
+                log.warning(
+                    "shard %s was launched by an older agent with its KV event sockets on "
+                    "loopback TCP (events 127.0.0.1:%s, replay 127.0.0.1:%s): any local user "
+                    "can reach them, and no KV events are relayed for it; drain and relaunch "
+                    "it (docs/agent.md, 'Agent restarts', says how)",
+                    rec.shard_id,
+                    events_port,
+                    replay_port,
+                )
             if rec.kv_events_endpoint:
                 # The engine's sockets stay where it bound them; the relay connects.
                 relay = self.kv_relays.open(

@@ -96,8 +96,18 @@ def file_name(shard_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", shard_id).lstrip(".") or "_"
 
 
+class _LoopbackKvPorts(msgspec.Struct):
+    """What a record written by an agent from before ipc KV sockets says that today's
+    ShardRecord has no field for (decoding it as a ShardRecord drops these silently)."""
+
+    shard_id: str
+    kv_events_port: int = 0  # the agent's relay for the engine, on loopback TCP
+    kv_replay_port: int = 0  # the engine's replay socket, on loopback TCP
+
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(ShardRecord)
+_loopback_decoder = msgspec.json.Decoder(_LoopbackKvPorts)
 
 
 class StateDir:
@@ -148,6 +158,20 @@ class StateDir:
                 out.append(_decoder.decode(path.read_bytes()))
             except (OSError, msgspec.DecodeError) as exc:
                 log.warning("ignoring unreadable shard record %s: %s", path, exc)
+        return out
+
+    def loopback_kv_ports(self) -> dict[str, tuple[int, int]]:
+        """Shards whose engine an older agent launched with its KV sockets on loopback TCP:
+        shard id -> (event port, replay port). Any local user can reach those ports until
+        the engine is relaunched; the new agent relays nothing for it."""
+        out = {}
+        for path in sorted(self.shards.glob("*.json")):
+            try:
+                old = _loopback_decoder.decode(path.read_bytes())
+            except (OSError, msgspec.DecodeError):
+                continue  # load_all says so
+            if old.kv_events_port or old.kv_replay_port:
+                out[old.shard_id] = (old.kv_events_port, old.kv_replay_port)
         return out
 
     def prune(self, records: list[ShardRecord], keep: int = KEEP_FINISHED) -> list[ShardRecord]:

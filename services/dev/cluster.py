@@ -170,6 +170,22 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def prepare_data_dir(data_dir: Path) -> None:
+    """The data dir, made (or narrowed to) 0700: it holds the admin token and keys."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # an existing dir keeps the mode mkdir gave it before
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read. Created 0600 by open itself, so there is
+    no moment when another user could read the secret in it; an existing file (as an
+    earlier run left it) is narrowed before it is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fd, 0o600)
+        fh.write(text)
+
+
 def _demo_keys(data_dir: Path) -> dict[str, str]:
     path = data_dir / "demo-keys.json"
     if path.exists():
@@ -178,8 +194,7 @@ def _demo_keys(data_dir: Path) -> dict[str, str]:
         "demo": f"sk-llmgw-demo-{secrets.token_urlsafe(18)}",
         "batch": f"sk-llmgw-batch-{secrets.token_urlsafe(18)}",
     }
-    path.write_text(json.dumps(out, indent=2))
-    path.chmod(0o600)
+    write_private(path, json.dumps(out, indent=2))
     return out
 
 
@@ -189,8 +204,7 @@ def _api_token(data_dir: Path) -> str:
     if path.exists():
         return json.loads(path.read_text())["token"]
     token = keys.new_key()
-    path.write_text(json.dumps({"name": DEV_TOKEN_NAME, "role": "admin", "token": token}))
-    path.chmod(0o600)
+    write_private(path, json.dumps({"name": DEV_TOKEN_NAME, "role": "admin", "token": token}))
     return token
 
 
@@ -297,7 +311,7 @@ class DevCluster:
         spec = self.spec
         if spec.fresh and self.data_dir.exists():
             shutil.rmtree(self.data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        prepare_data_dir(self.data_dir)
         routers = [f"router-{i}" for i in range(1, spec.routers + 1)]
         agents = [f"agent-{i}" for i in range(1, spec.agents + 1)]
         nats_names = ["nats"] + [f"nats-{i}" for i in range(2, self.nats_nodes + 1)]
@@ -351,7 +365,8 @@ class DevCluster:
             self.info["nats_tls"] = self._tls_paths("operator")
             self.info["api_tls"] = self._tls_paths("operator")
             self.info["certs_dir"] = str(self.certs_dir)
-        (self.data_dir / "cluster.json").write_text(json.dumps(self.info, indent=2))
+        # It holds the admin token: only this user may read it.
+        write_private(self.data_dir / "cluster.json", json.dumps(self.info, indent=2))
         self._wait_models_ready(self._ready_timeout())
         self._print_status()
         return self.info

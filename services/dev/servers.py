@@ -381,12 +381,12 @@ def _as_unprivileged() -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
-def _open_path_for(path: Path) -> None:
-    """Let other users traverse the folders above `path` and read the binaries."""
+def _open_path_for(path: Path, bits: int = 0o055) -> None:
+    """Let other users traverse the folders above `path` (and, by default, list them)."""
     for parent in list(path.parents)[::-1] + [path]:
         with contextlib.suppress(OSError):
             mode = parent.stat().st_mode
-            parent.chmod(mode | 0o055)
+            parent.chmod(mode | bits)
 
 
 class PostgresServer:
@@ -418,7 +418,8 @@ class PostgresServer:
             for p in bin_dir.parent.rglob("*"):
                 with contextlib.suppress(OSError):
                     p.chmod(p.stat().st_mode | (0o055 if p.is_dir() else 0o044))
-            _open_path_for(self.data_dir.parent)
+            # Traversal only: `llmgw dev`'s data dir above it holds credentials (0700).
+            _open_path_for(self.data_dir.parent, 0o011)
             os.chown(self.data_dir, run_as["user"], run_as["group"])
             self.data_dir.chmod(0o700)
         if not (self.data_dir / "PG_VERSION").exists():

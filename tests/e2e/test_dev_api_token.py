@@ -47,5 +47,12 @@ def test_the_dev_cluster_makes_prints_and_uses_an_admin_token(tmp_path, capsys):
             capture_output=True, text=True, env=env, timeout=60,
         )  # fmt: skip
         assert res.returncode == 1 and "HTTP 401" in res.stderr
+
+        # The token and the demo keys are the user's alone (no other local user reads them).
+        for name in ("cluster.json", "api-token.json", "demo-keys.json"):
+            assert (data_dir / name).stat().st_mode & 0o777 == 0o600, name
+        # Run as root, the dev Postgres runs as another user, which must traverse the dir
+        # to its own; no one else may list or write it either way.
+        assert data_dir.stat().st_mode & 0o066 == 0, oct(data_dir.stat().st_mode)
     finally:
         cluster.stop()

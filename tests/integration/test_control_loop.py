@@ -500,7 +500,14 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
 
             common = dict(from_seq=0, to_seq=None, explain=None, strict=True, verbose=False)
             code, text = await asyncio.to_thread(
-                cli, replay_cli, database_url=None, api=api, nats=None, **common
+                cli,
+                replay_cli,
+                database_url=None,
+                api=api,
+                nats=None,
+                token=None,
+                **NO_TLS,
+                **common,
             )
             assert code == 0 and "decisions checked, 0 differ" in text
             code, text = await asyncio.to_thread(
@@ -525,7 +532,14 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
             )
             seq = json.loads(text)["decisions"][0]["seq"]
             code, text = await asyncio.to_thread(
-                cli, replay_cli, database_url=None, api=api, nats=None, **{**common, "explain": seq}
+                cli,
+                replay_cli,
+                database_url=None,
+                api=api,
+                nats=None,
+                token=None,
+                **NO_TLS,
+                **{**common, "explain": seq},
             )
             assert code == 0 and f"seq {seq}: failure to place for big-r1 of big" in text
             assert "  node-a: alive since" in text and "2/2 GPUs free" in text

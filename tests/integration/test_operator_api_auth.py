@@ -146,3 +146,40 @@ async def test_with_no_token_configured_the_api_refuses_and_says_how_to_configur
     error = refused.json()["error"]
     assert error["code"] == "no_tokens_configured"
     assert "api_tokens" in error["message"] and "llmgw keys new" in error["message"]
+
+
+async def test_apply_and_audit_replay_send_their_token_where_they_read_the_api(
+    nats, api, nats_url, tmp_path, monkeypatch
+):  # nats first: it deletes every stream, and the reconciler then provisions its own
+    from llmgw import subjects
+
+    monkeypatch.delenv("LLMGW_API_TOKEN", raising=False)
+    monkeypatch.delenv("LLMGW_API_URL", raising=False)
+    env = {**os.environ, "LLMGW_DATA_DIR": str(tmp_path / "no-cluster")}
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text("bands: [{name: gold}]\n")
+
+    def apply(*args: str) -> subprocess.CompletedProcess:
+        return cli("apply", "-f", str(catalog), "--nats", nats_url, "--api", api, *args, env=env)
+
+    assert apply().returncode == 0
+    folded = lambda: get(api + "/api/catalog", ADMIN_TOKEN).json()["bands"]  # noqa: E731
+    assert procs.wait_until(lambda: bool(folded()), 30)
+    # As retention would: the stream no longer starts at seq 1, so apply reads the API.
+    await nats.jetstream().purge_stream(subjects.EVENTS_STREAM)
+
+    without = apply()
+    assert without.returncode == 1
+    assert "HTTP 401" in without.stderr and "--token" in without.stderr
+    too_low = apply("--token", READ_TOKEN)
+    assert too_low.returncode == 1
+    assert "HTTP 403" in too_low.stderr and "llmgw apply needs an admin token" in too_low.stderr
+    allowed = apply("--token", ADMIN_TOKEN)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "no changes" in allowed.stdout
+
+    replay = cli("audit", "replay", "--api", api, "--token", READ_TOKEN, env=env)
+    assert replay.returncode in (0, 1), replay.stderr  # read, whatever the verdict
+    assert f"log read from the operator API at {api}" in replay.stdout
+    refused = cli("audit", "replay", "--api", api, env=env)
+    assert refused.returncode == 3 and "HTTP 401" in refused.stderr

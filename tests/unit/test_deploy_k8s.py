@@ -165,6 +165,37 @@ def test_each_router_pod_joins_the_bus_with_a_certificate_of_its_own():
     assert tls["secret"]["secretName"] == "llmgw-nats-routers"
 
 
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_every_secret_volume_is_readable_by_its_pod_and_no_one_else(workload):
+    # A key the process cannot read fails only at start, on a real cluster: runAsUser
+    # 10001 with root-owned 0400 files is exactly that. As the kubelet writes a Secret
+    # volume: files owned by root, mode defaultMode (0644 unset); with the pod's
+    # fsGroup they belong to that group, which is among every container's groups.
+    pod = WORKLOADS[workload]["spec"]["template"]["spec"]
+    pod_ctx = pod.get("securityContext", {})
+    fs_group = pod_ctx.get("fsGroup")
+    owner_groups = {fs_group} if fs_group is not None else {0}
+    for volume in pod.get("volumes", []):
+        if "secret" not in volume:
+            continue
+        mode = volume["secret"].get("defaultMode", 0o644)
+        assert mode & 0o007 == 0, f"{workload}: {volume['name']} is readable by others"
+        for container in _containers(WORKLOADS[workload]):
+            if not any(m["name"] == volume["name"] for m in container.get("volumeMounts", [])):
+                continue
+            ctx = {**pod_ctx, **container.get("securityContext", {})}
+            uid = ctx.get("runAsUser")
+            groups = {ctx.get("runAsGroup", 0), *ctx.get("supplementalGroups", [])}
+            if fs_group is not None:
+                groups.add(fs_group)
+            readable = (uid == 0 and mode & 0o400) or (groups & owner_groups and mode & 0o040)
+            assert readable, (
+                f"{workload}/{container['name']}: {volume['name']} (mode {mode:04o}, owned by "
+                f"root, group {sorted(owner_groups)}) is not readable by uid {uid}, "
+                f"groups {sorted(groups)}"
+            )
+
+
 def test_reconciler_runs_two_replicas_with_the_dsn_from_a_secret():
     rec = _one("Deployment", "llmgw-reconciler")
     assert rec["spec"]["replicas"] == 2

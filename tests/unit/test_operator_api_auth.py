@@ -32,7 +32,7 @@ def test_each_problem_names_its_field():
             api_tokens=[
                 token(),
                 token(role="root", hash=TOKEN),  # the token itself, not its hash
-                token(name=" "),
+                token(name=" ", hash=keys.hash_key("another")),
             ]
         )
     )
@@ -44,6 +44,17 @@ def test_each_problem_names_its_field():
         "api_tokens[2].name: must not be empty",
     ]
     assert validate(ReconcilerConfig(api_auth="open"))[0].startswith("api_auth = 'open'")
+
+
+def test_one_token_listed_twice_is_refused_whatever_its_roles():
+    # Looked up by hash, the last entry would win: a read token listed again as admin is admin.
+    problems = validate(
+        ReconcilerConfig(api_tokens=[token(name="grafana", role="read"), token(name="ops")])
+    )
+    assert problems == ["api_tokens[1].hash: same as api_tokens[0]"]
+    assert validate(ReconcilerConfig(api_tokens=[token(), token(name="again")])) == [
+        "api_tokens[1].hash: same as api_tokens[0]"
+    ]
 
 
 def test_no_authentication_only_on_loopback_and_never_beside_tokens():

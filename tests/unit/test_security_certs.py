@@ -159,6 +159,25 @@ def test_a_router_identity_speaks_only_for_its_own_router_id():
     assert s.demand("router-1") not in r2 and s.router_presence("router-1") not in r2
 
 
+def test_nats_config_adds_routers_whose_certificates_are_issued_elsewhere(tmp_path, capsys):
+    # cert-manager's csi-driver issues each router pod its own certificate, named from the
+    # pod (CN router-${POD_NAME}): no file for it lies in --certs, yet it needs its user.
+    certs.init(tmp_path, ["n1"], routers=0)
+    out = tmp_path / "values.yaml"
+    argv = ["nats-config", "--certs", str(tmp_path), "--format", "helm-values", "--out", str(out)]
+    pods = ["--router", "router-llmgw-router-0", "--router", "router-llmgw-router-1"]
+    assert cli.main([*argv, *pods]) == 0
+    helm = yaml.safe_load(out.read_text())
+    users = {u["user"]: u["permissions"] for u in helm["config"]["merge"]["authorization"]["users"]}
+    r0 = users["CN=router-llmgw-router-0,O=llmgw"]["publish"]["allow"]
+    assert s.demand("router-llmgw-router-0") in r0
+    assert s.demand("router-llmgw-router-1") not in r0
+    assert "CN=router-llmgw-router-1,O=llmgw" in users
+    capsys.readouterr()
+    assert cli.main([*argv, "--router", "operator"]) == 1
+    assert "--router operator: not a router identity" in capsys.readouterr().err
+
+
 def test_operator_publishes_catalog_events_only():
     op = certs.identity_from_name("operator")
     assert _can(op, "publish", s.catalog_event("tenant", "t"))

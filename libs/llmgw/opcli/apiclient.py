@@ -30,6 +30,10 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 class ApiError(RuntimeError):
     """The API could not be found, reached, or answered with an error: a message for humans."""
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status the API answered, None when it did not answer
+
 
 @dataclass(frozen=True)
 class ApiTLS:
@@ -254,7 +258,8 @@ def get_json(
             message = resp.text.strip()[:200]
         if resp.status_code == 401 and token is None:
             message = f"{message} (pass --token or set LLMGW_API_TOKEN)"
-        raise ApiError(f"{url}: HTTP {resp.status_code}: {' '.join(str(message).split())}")
+        message = " ".join(str(message).split())
+        raise ApiError(f"{url}: HTTP {resp.status_code}: {message}", resp.status_code)
     try:
         return resp.json()
     except ValueError:

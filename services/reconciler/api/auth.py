@@ -65,6 +65,7 @@ def config_problems(mode: str, tokens: list[ApiToken], listen_host: str) -> list
     elif mode == AUTH_NONE and tokens:
         problems.append("api_auth = none: api_tokens would be ignored; remove one or the other")
     seen: set[str] = set()
+    index_of_hash: dict[str, int] = {}
     for i, token in enumerate(tokens):
         key = f"api_tokens[{i}]"
         if not token.name.strip():
@@ -79,6 +80,11 @@ def config_problems(mode: str, tokens: list[ApiToken], listen_host: str) -> list
                 f"{key}.hash: must be 'sha256:' and 64 lowercase hex digits "
                 "(`llmgw keys new` or `llmgw keys hash` prints one), not the token itself"
             )
+        elif token.hash in index_of_hash:
+            # Tokens are looked up by hash, so the last entry would win: a `read` token
+            # listed again under `admin` would be an admin token.
+            problems.append(f"{key}.hash: same as api_tokens[{index_of_hash[token.hash]}]")
+        index_of_hash.setdefault(token.hash, i)
     return problems
 
 

@@ -51,6 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--database-url", help="read the event archive from PostgreSQL")
     where.add_argument("--api", metavar="URL", help="read the archive through the operator API")
     where.add_argument("--nats", metavar="URL", help="read the LLMGW_EVENTS stream")
+    apiclient.add_token_argument(parser)  # /api/events needs a `read` token
+    apiclient.add_api_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,12 +98,12 @@ def choose_source(args: argparse.Namespace) -> tuple[str, Reader]:
     if args.database_url:
         return "the event archive (PostgreSQL)", _db_reader(args.database_url)
     if args.api:
-        return f"the operator API at {args.api}", _api_reader(args.api.rstrip("/"))
+        return f"the operator API at {args.api}", _api_reader(args.api.rstrip("/"), args)
     if args.nats:
         return f"the {s.EVENTS_STREAM} stream", _nats_reader(args.nats)
     try:
         api = apiclient.find_api_url(None)
-        return f"the operator API at {api}", _api_reader(api)
+        return f"the operator API at {api}", _api_reader(api, args)
     except apiclient.ApiError:
         pass
     if os.environ.get("LLMGW_DATABASE_URL"):
@@ -127,7 +129,9 @@ def _collect(rows, skipped: list[int]) -> Events:
     return out
 
 
-def _api_reader(base: str) -> Reader:
+def _api_reader(base: str, args: argparse.Namespace) -> Reader:
+    token, tls = args.token, apiclient.api_tls_flags(args)
+
     async def read(to_seq: int | None, bar: Progress | None) -> Events:
         out: Events = []
         skipped: list[int] = []
@@ -136,7 +140,9 @@ def _api_reader(base: str) -> Reader:
             params = {"from_seq": seq, "limit": PAGE}
             if to_seq is not None:
                 params["to_seq"] = to_seq
-            page = await asyncio.to_thread(apiclient.get_json, base, "/api/events", params)
+            page = await asyncio.to_thread(
+                apiclient.get_json, base, "/api/events", params, token, tls
+            )
             if not page:
                 break
             rows = [(item["seq"], msgspec.json.encode(item["event"])) for item in page]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -45,6 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", required=True, metavar="FILE", help="catalog YAML file")
     apiclient.add_nats_argument(parser)
     apiclient.add_api_argument(parser)
+    # Only read when retention trimmed the stream; /api/catalog needs an admin token.
+    apiclient.add_token_argument(parser)
+    apiclient.add_api_tls_arguments(parser)
     parser.add_argument(
         "--dry-run", action="store_true", help="show what would change, publish nothing"
     )
@@ -62,9 +66,19 @@ def load_file(path: str) -> catalog.Catalog:
     return catalog.parse(data)
 
 
-async def read_current(js, api: str | None = None) -> catalog.Current:
+@dataclass(frozen=True)
+class ApiAccess:
+    """How apply reaches the operator API when it must: URL, token and TLS files from
+    the flags; each one not given is found as `apiclient` finds it."""
+
+    url: str | None = None
+    token: str | None = None
+    tls: apiclient.ApiTLS | None = None
+
+
+async def read_current(js, api: ApiAccess | None = None) -> catalog.Current:
     """The catalog as the log has it now; where the log's history is trimmed, completed
-    from the folded catalog that the operator API (`api`, found as usual) serves."""
+    from the folded catalog that the operator API serves."""
     try:
         info = await js.stream_info(subjects.EVENTS_STREAM, subjects_filter=CATALOG_SUBJECTS)
     except NotFoundError:
@@ -88,17 +102,23 @@ async def read_current(js, api: str | None = None) -> catalog.Current:
             "events expired): reading the folded catalog from the operator API too",
             file=sys.stderr,
         )
-        add_folded(current, await asyncio.to_thread(_folded_catalog, api))
+        add_folded(current, await asyncio.to_thread(_folded_catalog, api or ApiAccess()))
     return current
 
 
-def _folded_catalog(api: str | None) -> dict:
+def _folded_catalog(api: ApiAccess) -> dict:
     try:
-        return apiclient.get_json(apiclient.find_api_url(api), "/api/catalog")
+        base = apiclient.find_api_url(api.url)
+        return apiclient.get_json(base, "/api/catalog", token=api.token, tls=api.tls)
     except apiclient.ApiError as exc:
+        hint = (
+            " (llmgw apply needs an admin token: --token or LLMGW_API_TOKEN)"
+            if exc.status == 403
+            else ""
+        )
         raise ApplyError(
             f"the event log no longer holds every catalog declaration (retention), and the "
-            f"folded catalog cannot be read: {exc}"
+            f"folded catalog cannot be read: {exc}{hint}"
         ) from None
 
 
@@ -114,7 +134,14 @@ def add_folded(current: catalog.Current, folded: dict) -> None:
             current.add(subject, 0, event)
 
 
-async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool, api: str | None = None) -> int:
+async def _apply(
+    cat: catalog.Catalog,
+    nats_url: str,
+    dry_run: bool,
+    api: str | None = None,
+    token: str | None = None,
+    tls: apiclient.ApiTLS | None = None,
+) -> int:
     try:
         options = apiclient.nats_options(nats_url)
     except apiclient.ApiError as exc:
@@ -127,7 +154,7 @@ async def _apply(cat: catalog.Catalog, nats_url: str, dry_run: bool, api: str | 
         raise ApplyError(f"cannot reach NATS at {nats_url}: {exc}") from None
     try:
         js = nc.jetstream()
-        current = await read_current(js, api)
+        current = await read_current(js, ApiAccess(api, token, tls))
         steps = catalog.plan(cat, current)
         if not steps:
             print("no changes")
@@ -168,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(
             _apply(
-                cat, apiclient.find_nats_url(args.nats), args.dry_run, getattr(args, "api", None)
+                cat,
+                apiclient.find_nats_url(args.nats),
+                args.dry_run,
+                args.api,
+                args.token,
+                apiclient.api_tls_flags(args),
             )
         )
     except ApplyError as exc:
