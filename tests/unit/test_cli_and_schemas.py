@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -60,3 +61,24 @@ def test_asyncapi_lists_every_channel_and_message(tmp_path):
     assert len(doc["components"]["messages"]) == len(schemas.c.ALL_MESSAGES)
     actions = {op["action"] for op in doc["operations"].values()}
     assert actions == {"send", "receive"}
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback(tmp_path):
+    # `llmgw nats-config ... | head -1` once head has exited: every write finds the pipe
+    # closed (its read end is closed here before the command starts).
+    assert run_cli("certs", "init", "--dir", str(tmp_path)).returncode == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", "nats-config", "--certs", str(tmp_path)]
+            + ["--out", "-"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141, res.stderr
+    assert "Traceback" not in res.stderr
