@@ -460,7 +460,9 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
         try:
             for a in agents:
                 await a.start()
-            await bus.publish(js, c.ModelDeclared(name="m", profile=c.ServingProfile()))
+            await bus.publish(
+                js, c.ModelDeclared(name="m", aliases=["chat"], profile=c.ServingProfile())
+            )
             await bus.publish(
                 js,
                 c.ModelDeclared(name="big", profile=c.ServingProfile(gpus_per_shard=4)),
@@ -497,6 +499,11 @@ async def test_through_the_real_reconciler_explain_and_replay_from_the_archive(n
                 cli, explain, model="nope", output="table", all=False, api=api, token=None, **NO_TLS
             )
             assert code == 1
+            # An alias, as clients name the model, explains the model it names.
+            code, text = await asyncio.to_thread(
+                cli, explain, model="chat", output="table", all=False, api=api, token=None, **NO_TLS
+            )
+            assert code == 0 and "chat is an alias of m" in text and "m-r1" in text, text
 
             common = dict(from_seq=0, to_seq=None, explain=None, strict=True, verbose=False)
             code, text = await asyncio.to_thread(

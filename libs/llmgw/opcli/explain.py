@@ -106,7 +106,7 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
 def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     model = data["model"]
     replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
-    lines = []
+    lines = [f"{data['asked_as']} is an alias of {model}"] if data.get("asked_as") else []
     if data.get("declared"):
         p = data.get("profile") or {}
         lines.append(

@@ -287,9 +287,22 @@ async def dead_letters(conn: AsyncConnection, limit: int = 100) -> list[dict[str
     ]
 
 
+async def _model_of_alias(conn: AsyncConnection, alias: str) -> str | None:
+    """The declared model that `alias` names (the catalog keeps aliases unique)."""
+    for row in await _rows(conn, select(t.Model.name, t.Model.aliases)):
+        if alias in (row["aliases"] or []):
+            return row["name"]
+    return None
+
+
 async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
-    """The latest decision or failure per replica of `model`, with every node's verdict."""
+    """The latest decision or failure per replica of `model` (a name or an alias, as
+    clients send it), with every node's verdict."""
     declared = (await _rows(conn, select(t.Model.__table__).where(t.Model.name == model))) or None
+    if declared is None:
+        named = await _model_of_alias(conn, model)
+        if named is not None:
+            return {**(await explain(conn, named) or {}), "asked_as": model}
     latest = (
         select(func.max(t.PlacementDecision.seq))
         .where(t.PlacementDecision.model == model)
