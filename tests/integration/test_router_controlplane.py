@@ -241,7 +241,8 @@ async def test_two_live_routers_halve_a_tenants_quota(nats, sims):
                 for _ in range(3)
             ]
             assert [s.status_code for s in statuses] == [200, 200, 429]
-            assert "limit 2" in statuses[2].json()["error"]["message"]
+            # This router's half of the tenant's rpm 4, stated beside the tenant's limit.
+            assert "limit 4, 2 of it on this router of 2" in statuses[2].json()["error"]["message"]
 
         # r2 stopped and left the presence bucket: r1's share is the whole quota again.
         async def one_left():
