@@ -334,11 +334,12 @@ async def test_a_nats_outage_keeps_the_router_serving_and_updates_flow_after(tmp
         server.stop()
 
 
-async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
-    tmp_path, sims, caplog
-):
+@contextlib.contextmanager
+def secure_nats(tmp_path, nodes: list[str], routers: int):
+    """A nats-server with mutual TLS and the generated per-identity permissions; yields
+    the certificates' folder and the server."""
     cert_dir = tmp_path / "certs"
-    certs.init(cert_dir, ["node-a"], routers=1)
+    certs.init(cert_dir, nodes, routers=routers)
     port = localservers.free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(
@@ -349,8 +350,17 @@ async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
     server = localservers.ConfiguredNatsServer(
         tmp_path / "server", port=port, config_file=conf
     ).start()
-    caplog.set_level(logging.WARNING, logger="llmgw.bus")
     try:
+        yield cert_dir, server
+    finally:
+        server.stop()
+
+
+async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
+    tmp_path, sims, caplog
+):
+    caplog.set_level(logging.WARNING, logger="llmgw.bus")
+    with secure_nats(tmp_path, ["node-a"], routers=1) as (cert_dir, server):
         opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler"))
         nc = await bus.connect(server.url, "reconciler", wait_for_server=False, **opts)
         js = nc.jetstream()
@@ -380,8 +390,6 @@ async def test_a_router_under_mtls_reads_the_projection_and_announces_itself(
 
             await wait_for(moved_there, what="the changed endpoint set")
         await bus.close_quietly(nc)
-    finally:
-        server.stop()
     assert "permissions violation" not in caplog.text.lower()
 
 
@@ -391,20 +399,8 @@ async def test_a_router_under_mtls_takes_its_id_from_its_certificate_and_speaks_
     """With no router_id configured, the router with router-2's certificate is router-2: it
     announces, publishes demand and leaves the bucket on stop under that id, which are the
     only presence key and demand subject NATS lets router-2's identity use."""
-    cert_dir = tmp_path / "certs"
-    certs.init(cert_dir, [], routers=2)
-    port = localservers.free_port()
-    conf = tmp_path / "nats.conf"
-    conf.write_text(
-        natsconfig.render(
-            certs.read_identities(cert_dir), str(cert_dir), port=port, store_dir=str(tmp_path)
-        )
-    )
-    server = localservers.ConfiguredNatsServer(
-        tmp_path / "server", port=port, config_file=conf
-    ).start()
     caplog.set_level(logging.WARNING, logger="llmgw.bus")
-    try:
+    with secure_nats(tmp_path, [], routers=2) as (cert_dir, server):
         opts = tlsconfig.nats_options(tlsconfig.from_certs_dir(cert_dir, "reconciler"))
         nc = await bus.connect(server.url, "reconciler", wait_for_server=False, **opts)
         await bus.provision(nc.jetstream())
@@ -442,8 +438,6 @@ async def test_a_router_under_mtls_takes_its_id_from_its_certificate_and_speaks_
 
         await wait_for(left, what="router-2 leaving the presence bucket on stop")
         await bus.close_quietly(nc)
-    finally:
-        server.stop()
     assert "permissions violation" not in caplog.text.lower()
 
 
