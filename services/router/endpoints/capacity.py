@@ -69,11 +69,19 @@ class BatchCapacities:
     def of(self, ep: Any) -> int:
         """The engine's batch capacity: the larger of the catalog's `max_running` hint
         and what was learned; 0 while neither is known."""
-        learned = self.entry(ep).value
-        hint = ep.spec.max_running
+        entry = self.learned.get(ep.id)
+        spec = ep.spec
+        # Read only: a new engine behind the id has learned nothing yet; `observed`
+        # starts its entry afresh with its first sample.
+        same = entry is not None and (
+            entry.spec is spec or (spec.url == entry.url and spec.replica_id == entry.replica)
+        )
+        learned = entry.value if same else 0
+        hint = spec.max_running
         return max(hint, learned) if hint else learned
 
     def entry(self, ep: Any) -> Learned:
+        """The endpoint's entry, made afresh for an endpoint not seen or a new engine."""
         entry = self.learned.get(ep.id)
         spec = ep.spec
         if entry is None or (entry.spec is not spec and not entry.same_engine(spec)):

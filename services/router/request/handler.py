@@ -249,8 +249,7 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, req: rq.Parsed, route: ModelRoute, path: str) -> None:
         ex.guard.total_at = self._ltime() + route.deadlines.total
-        ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body))
-        ctx.salt = req.cache_salt
+        ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body), salt=req.cache_salt)
         walk = Walk(
             route,
             self.view.route,
@@ -264,6 +263,8 @@ class Proxy:
         ltime = self._ltime
         total_at = ex.guard.total_at
         model = route.name
+        # The body names the model it goes to: rewritten once per model, not per attempt.
+        body = req.body if req.model == model else rq.with_model(req, model)
         while True:
             ctx.now = self._time()
             ep = walk.next(ctx, ltime() >= total_at)
@@ -275,7 +276,7 @@ class Proxy:
                 model = current.name
                 metrics.fallbacks.inc((route.name, model))
                 log.warning("falling back", extra={"model": route.name, "fallback": model})
-            body = req.body if req.model == model else rq.with_model(req, model)
+                body = req.body if req.model == model else rq.with_model(req, model)
             if walk.attempts > 1:
                 metrics.retries.inc((route.name,))
             failure = await attempt(ex, ep, current, req, body, path)

@@ -77,6 +77,7 @@ class Context:
         session: str | None = None,
         exclude: Sequence[str] = (),
         key: int = 0,
+        salt: str | None = None,
     ):
         self.now = now
         self.model = model
@@ -90,7 +91,7 @@ class Context:
         # engine held), kept for the request's retries.
         self.kv: PromptWork | None = None
         # The request's cache_salt: engines key its first block by it, so must kv_prefix.
-        self.salt: str | None = None
+        self.salt = salt
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
