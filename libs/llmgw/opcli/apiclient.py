@@ -51,12 +51,17 @@ def data_dir() -> Path:
     return Path(os.environ.get("LLMGW_DATA_DIR") or ".llmgw")
 
 
-def _cluster_file_value(key: str) -> str | None:
-    path = data_dir() / "cluster.json"
+def _cluster_info() -> dict[str, Any]:
+    """What a running `llmgw dev` wrote to its cluster.json; {} when there is none."""
     try:
-        value = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+        info = json.loads((data_dir() / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _cluster_file_value(key: str) -> str | None:
+    value = _cluster_info().get(key)
     return value if isinstance(value, str) and value else None
 
 
@@ -73,12 +78,7 @@ def find_api_url(explicit: str | None) -> str:
 def _saved_for(api_url: str, key: str) -> object:
     """`key` from the dev cluster's cluster.json if `api_url` is one of that cluster's
     APIs, else None: what the file holds for its cluster never goes to another API."""
-    try:
-        saved = json.loads((data_dir() / "cluster.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict):
-        return None
+    saved = _cluster_info()
     urls = [saved.get("api_url"), *(saved.get("api_urls") or [])]
     ours = api_url.rstrip("/") in {u.rstrip("/") for u in urls if isinstance(u, str)}
     return saved.get(key) if ours else None
@@ -141,11 +141,9 @@ def find_nats_tls(url: str):
     env = {k: os.environ.get(f"LLMGW_NATS_TLS__{k.upper()}", "") for k in keys}
     if any(env.values()):
         return NatsTLS(**env)
-    if url and url == _cluster_file_value("nats_url"):
-        try:
-            saved = json.loads((data_dir() / "cluster.json").read_text()).get("nats_tls")
-        except (OSError, ValueError, AttributeError):
-            saved = None
+    saved = _cluster_info()
+    if url and url == saved.get("nats_url"):
+        saved = saved.get("nats_tls")
         if isinstance(saved, dict):
             return NatsTLS(**{k: str(saved[k]) for k in keys if saved.get(k)})
     return NatsTLS()
