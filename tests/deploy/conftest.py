@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import keys
+from llmgw import keys, procs
 from llmgw.dev import servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,14 +113,15 @@ class Compose:
             *services,
             timeout=300,
         )
-        deadline = time.monotonic() + 180
-        while (
-            codes := self(
-                "ps", "--all", "--format", "{{.Service}} {{.State}} {{.ExitCode}}", *jobs
-            ).split("\n")
-        ) and not all(line.split()[1:] == ["exited", "0"] for line in codes if line):
-            assert time.monotonic() < deadline, f"one-shot jobs: {codes}"
-            time.sleep(1)
+
+        def states() -> list[str]:
+            form = "{{.Service}} {{.State}} {{.ExitCode}}"
+            return [s for s in self("ps", "--all", "--format", form, *jobs).split("\n") if s]
+
+        def jobs_done() -> bool:
+            return all(s.split()[1:] == ["exited", "0"] for s in states())
+
+        assert procs.wait_until(jobs_done, 180, 1), f"one-shot jobs: {states()}"
         return time.monotonic() - started
 
     def container(self, service: str) -> str:
