@@ -112,6 +112,9 @@ class ServingProfile(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None  # vLLM/SGLang share of GPU memory to use
+    # LoRA adapter slots per engine (vLLM --max-loras); 0: the replicas serve no adapter.
+    max_loras: int = 0
+    max_lora_rank: int = 16  # the largest adapter rank the engine accepts (--max-lora-rank)
 
 
 class ShardInfo(msgspec.Struct, kw_only=True):
@@ -179,6 +182,10 @@ class ShardStatus(Message, kw_only=True, tag="shard.status"):
     exit_code: int | None = None
     output_tail: list[str] = msgspec.field(default_factory=list)
     max_running: int | None = None  # capacity hint for routers
+    # The LoRA adapters the engine holds now (None: the agent does not report them, e.g.
+    # a profile without adapter slots), and the engine's answer to each failed load.
+    adapters: list[str] | None = None
+    adapter_errors: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- catalog events
@@ -325,6 +332,28 @@ class TenantRemoved(Message, kw_only=True, tag="catalog.tenant.removed"):
     name: str
 
 
+class AdapterDeclared(Message, kw_only=True, tag="catalog.adapter.declared"):
+    publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "adapter"
+    summary: ClassVar[str] = (
+        "A LoRA adapter is (re)declared on a base model; requests may name it as their model."
+    )
+
+    name: str  # what requests put in `model`; unique among models, aliases and adapters
+    base: str  # the base model's catalog name
+    source: str  # where its engines load it from (vLLM's lora_path, a path on the node)
+    tenants: list[str] = msgspec.field(default_factory=list)  # empty: every tenant
+    pinned: int = 0  # replicas that hold it whatever the demand
+
+
+class AdapterRemoved(Message, kw_only=True, tag="catalog.adapter.removed"):
+    publisher: ClassVar[str] = "operator"
+    subject_kind: ClassVar[str] = "adapter"
+    summary: ClassVar[str] = "An adapter left the catalog: engines unload it, requests get 404."
+
+    name: str
+
+
 class Band(msgspec.Struct, kw_only=True):
     """A priority band: flows while pool saturation is below its ceiling."""
 
@@ -423,6 +452,34 @@ class ReplicaRetired(Message, kw_only=True, tag="control.replica.retired"):
     reason: str = ""
     # The leader term that published it (0: before terms existed). The fold refuses a
     # control event of a term older than one it has already folded.
+    term: int = 0
+
+
+class AdapterChange(msgspec.Struct, kw_only=True):
+    """One step of an adapter placement: a replica loads or unloads an adapter, and why."""
+
+    adapter: str
+    replica_id: str
+    action: str  # load | unload
+    reason: str = ""
+
+
+class AdaptersPlaced(Message, kw_only=True, tag="control.adapters.placed"):
+    publisher: ClassVar[str] = "reconciler"
+    subject_kind: ClassVar[str] = "adapters"
+    summary: ClassVar[str] = (
+        "Which replicas of a base model hold which LoRA adapters, from the routers' demand "
+        "per adapter; the changes and the demand they were decided on are recorded."
+    )
+
+    model: str  # the base model
+    # Every replica of the model that holds adapter slots -> the adapters it holds after
+    # this decision (the whole set, not a diff: a replayed or missed event heals).
+    holdings: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    changes: list[AdapterChange] = msgspec.field(default_factory=list)
+    demand: dict[str, float] = msgspec.field(default_factory=dict)  # per adapter, as weighed
+    based_on_seq: int = 0
+    explanation: str = ""
     term: int = 0
 
 
@@ -585,6 +642,26 @@ class DrainShard(Message, kw_only=True, tag="cmd.shard.drain"):
     boot_id: str = ""
 
 
+class AdapterSource(msgspec.Struct, kw_only=True):
+    name: str
+    source: str  # the path the engine loads it from
+
+
+class SetShardAdapters(Message, kw_only=True, tag="cmd.shard.adapters"):
+    publisher: ClassVar[str] = "reconciler"
+    summary: ClassVar[str] = (
+        "The whole set of LoRA adapters a shard's engine should hold: the agent loads what "
+        "is missing and unloads the rest, then reports what the engine holds."
+    )
+
+    key: str
+    node: str
+    shard_id: str
+    adapters: list[AdapterSource] = msgspec.field(default_factory=list)
+    term: int = 0
+    boot_id: str = ""
+
+
 # ---------------------------------------------------------------- data plane
 
 
@@ -604,6 +681,9 @@ class LoadSample(Message, kw_only=True, tag="load.sample"):
     block_size: int = 0
     num_blocks: int = 0
     sampled_at: float = msgspec.field(default_factory=now)
+    # From vLLM's vllm:lora_requests_info: adapters of running and of waiting requests.
+    running_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class KvOp(str, enum.Enum):
@@ -678,6 +758,15 @@ class Endpoint(msgspec.Struct, kw_only=True):
     engine: str = "sim"
     max_running: int | None = None
     upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
+    max_loras: int = 0  # adapter slots; 0: serves no adapter
+    adapters: list[str] = msgspec.field(default_factory=list)  # held now, as its agent reports
+
+
+class AdapterRoute(msgspec.Struct, kw_only=True):
+    """A declared adapter of the model, as routers see it."""
+
+    name: str
+    tenants: list[str] = msgspec.field(default_factory=list)  # empty: every tenant
 
 
 class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
@@ -708,6 +797,7 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     # The leader term that wrote it: a router ignores a record of an older term (or of
     # the same term and an older based_on_seq) than the one it holds for the key.
     term: int = 0
+    adapters: list[AdapterRoute] = msgspec.field(default_factory=list)  # declared on this base
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):
@@ -739,6 +829,14 @@ class BandDemand(msgspec.Struct, kw_only=True):
     oldest_wait_seconds: float = 0.0
 
 
+class AdapterDemand(msgspec.Struct, kw_only=True):
+    """What one router sees of one adapter's demand."""
+
+    requests: int = 0  # arrived since the router's previous summary
+    in_flight: int = 0
+    waiting: int = 0  # held in admission because no replica holds the adapter
+
+
 class ModelDemand(msgspec.Struct, kw_only=True):
     """What one router sees of one model's demand right now."""
 
@@ -751,6 +849,7 @@ class ModelDemand(msgspec.Struct, kw_only=True):
     # only learned, the most the engine has run so far, which says nothing of what it could.
     capacity_declared: bool = True
     waiting: int = 0  # requests the engines' latest fresh load samples show waiting
+    adapters: dict[str, AdapterDemand] = msgspec.field(default_factory=dict)  # by adapter
 
 
 class DemandSummary(Message, kw_only=True, tag="demand.summary"):
@@ -783,19 +882,28 @@ class RouterPresence(Message, kw_only=True, tag="presence.router"):
 # message goes here (and its channel's address into llmgw.subjects), nowhere else.
 CHANNELS: dict[str, tuple[type[Message], ...]] = {
     "agentEvents": (NodeRegistered, ShardStatus),
-    "catalogEvents": (ModelDeclared, ModelRemoved, TenantDeclared, TenantRemoved, BandsDeclared),
+    "catalogEvents": (
+        ModelDeclared,
+        ModelRemoved,
+        TenantDeclared,
+        TenantRemoved,
+        BandsDeclared,
+        AdapterDeclared,
+        AdapterRemoved,
+    ),
     "controlEvents": (
         PlacementDecided,
         PlacementFailed,
         ReplicaRetired,
         ModelScaled,
+        AdaptersPlaced,
         NodeUnreachable,
         NodeLost,
         NodeRecovered,
         TermStarted,
     ),
     "heartbeats": (Heartbeat,),
-    "commands": (StartShard, StopShard, DrainShard),
+    "commands": (StartShard, StopShard, DrainShard, SetShardAdapters),
     "loadSamples": (LoadSample,),
     "kvEvents": (KvEvents,),
     "kvSnapshots": (KvSnapshotRequest, KvSnapshot),

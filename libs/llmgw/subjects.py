@@ -114,10 +114,10 @@ def node_of_subject(subject: str) -> str | None:
 
 def _control_event(msg: c.Message) -> str:
     kind = msg.subject_kind
-    # Node events per node, scaling decisions per model, terms by number, placement per replica.
+    # Node events per node, scaling and adapter decisions per model, terms by number, placement per replica.
     if kind == "term":
         return control_event(kind, str(msg.term))  # type: ignore[attr-defined]
-    field = {"node": "node", "scale": "model"}.get(kind, "replica_id")
+    field = {"node": "node", "scale": "model", "adapters": "model"}.get(kind, "replica_id")
     return control_event(kind, getattr(msg, field))
 
 
