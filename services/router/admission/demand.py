@@ -71,7 +71,9 @@ def adapter_demand(controller: Controller, adapter: str) -> c.AdapterDemand:
     if pool is None:
         return c.AdapterDemand()
     requests, pool.arrived = pool.arrived, 0
-    waiting = sum(queue.depth for queue in controller.queues.get(adapter, ()))
+    # Held because no replica holds it (queued behind busy holders is not that: the
+    # leader reads this as "load it somewhere now").
+    waiting = sum(q.depth for q in controller.queues.get(adapter, ())) if pool.cold else 0
     return c.AdapterDemand(requests=requests, in_flight=pool.active, waiting=waiting)
 
 
