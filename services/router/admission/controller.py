@@ -234,8 +234,9 @@ class Controller:
         quota_sec = self._acquire(tenant, band_name, now, tokens)
         pool = self.detector.pool(model)
         pool.endpoints = endpoints
-        pool.arrived += 1
         pool.adapter = adapter
+        if adapter:
+            pool.arrived += 1
         ticket = Ticket(self, tenant, pool, tokens, now)
         ticket.quota_sec = quota_sec
         if not self.enabled:

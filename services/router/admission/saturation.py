@@ -62,7 +62,8 @@ class Pool:
         self.cold = False
         # A LoRA adapter's pool (its endpoints hold the adapter): cold while none does.
         self.adapter = False
-        self.arrived = 0  # requests admitted or queued since the demand summary took them
+        # An adapter's requests that arrived since the demand summary took the count.
+        self.arrived = 0
 
 
 class Detector:
