@@ -193,8 +193,8 @@ class ShardStatus(Message, kw_only=True, tag="shard.status"):
 
 # The scheduling plugins a router has (llmgw.router.scheduling.pipeline FILTERS, SCORERS,
 # PICKERS), which a model's `scheduling` may name: the catalog refuses any other at apply.
-FILTER_NAMES = ("serves_model", "ready", "circuit")
-SCORER_NAMES = ("queue", "kv", "inflight", "prefix", "kv_prefix", "session")
+FILTER_NAMES = ("serves_model", "ready", "circuit", "adapter")
+SCORER_NAMES = ("queue", "kv", "inflight", "prefix", "kv_prefix", "session", "lora_affinity")
 PICKER_NAMES = ("max_score", "p2c", "weighted_random")
 
 

@@ -155,7 +155,10 @@ class RouterService:
             return route.endpoints if route is not None else ()
 
         self.admission.endpoints_changed(endpoints_of)
-        cold = any(r.scale_from_zero for m, _ in self.view.models() if (r := self.view.route(m)))
+        # A LoRA adapter's requests wait while no replica holds it: the same wait.
+        cold = bool(self.view.adapters()) or any(
+            r.scale_from_zero for m, _ in self.view.models() if (r := self.view.route(m))
+        )
         if cold != self.admission.scale_from_zero:
             self.admission.routes_changed(cold)
             self._install_gate()

@@ -48,7 +48,7 @@ async def test_apply_refuses_unknown_scheduling_plugins_and_publishes_nothing(
     assert res.returncode == 1, res
     assert res.stderr.splitlines() == [
         f"{path}: models[1] (name=bad): scheduling.scorers: unknown scorer 'kv_prefx' "
-        "(known: queue, kv, inflight, prefix, kv_prefix, session)",
+        "(known: queue, kv, inflight, prefix, kv_prefix, session, lora_affinity)",
         f"{path}: models[1] (name=bad): scheduling.picker: unknown picker 'max_scor' "
         "(known: max_score, p2c, weighted_random)",
     ]

@@ -230,9 +230,9 @@ models:
     )
     assert out == [
         "models[0] (name=m): scheduling.filters: unknown filter 'warm' "
-        "(known: serves_model, ready, circuit)",
+        "(known: serves_model, ready, circuit, adapter)",
         "models[0] (name=m): scheduling.scorers: unknown scorer 'kv_prefx' "
-        "(known: queue, kv, inflight, prefix, kv_prefix, session)",
+        "(known: queue, kv, inflight, prefix, kv_prefix, session, lora_affinity)",
         "models[0] (name=m): scheduling.scorers.kv: must be 0 or more, got -1.0",
         "models[0] (name=m): scheduling.picker: unknown picker 'max_scor' "
         "(known: max_score, p2c, weighted_random)",

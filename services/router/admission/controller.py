@@ -34,6 +34,10 @@ from .tenants import Directory, Tenant, TenantSpec
 
 QUEUED, GRANTED, DONE, REJECTED = "queued", "granted", "done", "rejected"
 
+# Seconds a client is told to wait when its adapter was not loaded within its queue TTL:
+# placement acts on the routers' next demand summaries, about a second apart.
+ADAPTER_RETRY_AFTER = 5
+
 
 def no_replica(model: str, why: str, retry_after: int) -> AdmissionRejected:
     return AdmissionRejected(
@@ -213,13 +217,15 @@ class Controller:
         tokens: int,
         *,
         cold: bool = False,
+        adapter: bool = False,
     ) -> Ticket:
         """Quotas, then flow or queue. Returns a GRANTED or QUEUED ticket, or raises.
 
         `tenant` is what `authenticate` returned when the request arrived, before its
         body was read; `endpoints` are the pool's endpoints as the router sees them now.
         `cold`: the model is scaled to zero and a replica is on its way; the request
-        queues (up to its band's TTL) until an endpoint is ready.
+        queues (up to its band's TTL) until an endpoint is ready. `adapter`: the pool is
+        a LoRA adapter's (cold: no replica holds it yet), whose TTL ends in a 503.
         """
         tenant = self._current(tenant)
         now = self.clock()
@@ -228,6 +234,9 @@ class Controller:
         quota_sec = self._acquire(tenant, band_name, now, tokens)
         pool = self.detector.pool(model)
         pool.endpoints = endpoints
+        pool.adapter = adapter
+        if adapter:
+            pool.arrived += 1
         ticket = Ticket(self, tenant, pool, tokens, now)
         ticket.quota_sec = quota_sec
         if not self.enabled:
@@ -416,12 +425,21 @@ class Controller:
         ticket.state = REJECTED
         self._release_quota(ticket, now, 0)
         name = self._band_names[band]
-        self.metrics.rejected(name, ticket.tenant_name, "queue_timeout")
-        ticket.error = AdmissionRejected(
-            "queue_timeout",
-            f"The request waited {now - ticket.created:.1f}s in the {name!r} queue "
-            f"(limit {self.bands[band].queue_ttl_seconds:g}s) without capacity freeing up.",
-        )
+        waited = f"The request waited {now - ticket.created:.1f}s in the {name!r} queue "
+        waited += f"(limit {self.bands[band].queue_ttl_seconds:g}s)"
+        pool = ticket.pool
+        if pool is not None and pool.adapter and pool.cold:
+            self.metrics.rejected(name, ticket.tenant_name, "adapter_not_loaded")
+            ticket.error = AdmissionRejected(
+                "adapter_not_loaded",
+                f"{waited} while adapter {pool.name!r} was not loaded on any replica yet.",
+                retry_after=ADAPTER_RETRY_AFTER,
+            )
+        else:
+            self.metrics.rejected(name, ticket.tenant_name, "queue_timeout")
+            ticket.error = AdmissionRejected(
+                "queue_timeout", f"{waited} without capacity freeing up."
+            )
         if ticket.wake is not None:
             ticket.wake(ticket)
 

@@ -13,7 +13,11 @@ about once a second on core NATS (presence.py). Per model:
   from load samples or declared (whole engines: the leader takes them once,
   not once per router), and whether every one was declared;
 - waiting: what the engines' fresh load samples show waiting in their own
-  queues (whole engines too).
+  queues (whole engines too);
+- adapters: per LoRA adapter declared on the model, the requests that arrived since
+  this router's previous summary (the summary takes the count), those admitted and
+  not finished, and those waiting in admission because no replica holds the adapter:
+  what the leader places adapters by.
 
 Each router sees only its share of the requests; the leader adds them up.
 """
@@ -61,8 +65,21 @@ def model_demand(controller: Controller, model: str, endpoints: Any, now: float)
     )
 
 
+def adapter_demand(controller: Controller, adapter: str) -> c.AdapterDemand:
+    """One adapter's demand from its admission pool; the arrivals counted are taken."""
+    pool = controller.detector.pools.get(adapter)
+    if pool is None:
+        return c.AdapterDemand()
+    requests, pool.arrived = pool.arrived, 0
+    # Held because no replica holds it (queued behind busy holders is not that: the
+    # leader reads this as "load it somewhere now").
+    waiting = sum(q.depth for q in controller.queues.get(adapter, ())) if pool.cold else 0
+    return c.AdapterDemand(requests=requests, in_flight=pool.active, waiting=waiting)
+
+
 def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummary:
-    """This router's demand for every model its view routes (aliases are not models)."""
+    """This router's demand for every model its view routes (aliases are not models;
+    adapters are counted under their model)."""
     now = controller.clock()
     models = {}
     for name, canonical in view.models():
@@ -71,4 +88,8 @@ def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummar
         route = view.route(name)
         if route is not None:
             models[name] = model_demand(controller, name, route.endpoints, now)
+    for route in view.adapters():
+        demand = models.get(route.adapter_of)
+        if demand is not None:
+            demand.adapters[route.name] = adapter_demand(controller, route.name)
     return c.DemandSummary(router_id=router_id, process=os.getpid(), models=models)

@@ -23,6 +23,8 @@ REASONS: dict[str, tuple[int, str, str | None]] = {
     "queue_timeout": (504, "server_error", "queue_timeout"),
     # Scaled to zero and the control plane cannot place a replica now.
     "no_replica": (503, "server_error", "no_replica"),
+    # A LoRA adapter no replica had loaded by the end of the request's queue TTL.
+    "adapter_not_loaded": (503, "server_error", "adapter_not_loaded"),
 }
 
 

@@ -107,7 +107,14 @@ class AdmissionGate:
             band = c.bands[min(tenant.band, len(c.bands) - 1)].name
             c.metrics.rejected(band, tenant.name, "no_replica")
             raise no_replica(route.name, route.unplaceable, UNPLACEABLE_RETRY_AFTER)
-        ticket = self.controller.admit(tenant, route.name, route.endpoints, tokens, cold=cold)
+        ticket = self.controller.admit(
+            tenant,
+            route.name,
+            route.endpoints,
+            tokens,
+            cold=cold,
+            adapter=bool(getattr(route, "adapter_of", "")),  # duck-typed routes (tests) lack it
+        )
         if ticket.state == QUEUED:
             await self.wait(ticket)
         return ticket

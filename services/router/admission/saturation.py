@@ -51,7 +51,7 @@ READY = EndpointState.READY
 
 
 class Pool:
-    __slots__ = ("name", "endpoints", "active", "cold")
+    __slots__ = ("name", "endpoints", "active", "cold", "adapter", "arrived")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -60,6 +60,10 @@ class Pool:
         # Scaled to zero with requests waiting for its first replica: nothing flows
         # until an endpoint is ready (saturation 0 would let them through to a 503).
         self.cold = False
+        # A LoRA adapter's pool (its endpoints hold the adapter): cold while none does.
+        self.adapter = False
+        # An adapter's requests that arrived since the demand summary took the count.
+        self.arrived = 0
 
 
 class Detector:

@@ -59,6 +59,8 @@ class SampleFeed:
                 kv_usage=min(max(sample.kv_usage, 0.0), 1.0),
                 at=now,
                 source=SOURCE,
+                running_adapters=frozenset(sample.running_adapters),
+                waiting_adapters=frozenset(sample.waiting_adapters),
             ),
         )
         return "applied"

@@ -18,6 +18,10 @@ class Load:
     kv_usage: float  # 0..1 of the KV cache in use
     at: float  # monotonic time the sample was taken (staleness is measured from it)
     source: str = "vllm"  # which metric family it came from
+    # The LoRA adapters of the engine's running and of its waiting requests (vLLM's
+    # vllm:lora_requests_info, as agents report it): what lora_affinity reads.
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
 
 
 def parse_metrics(text: bytes, at: float) -> Load | None:

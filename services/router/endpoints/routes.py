@@ -1,4 +1,5 @@
-"""The route table: model names and aliases to models, and each model's fallback chain.
+"""The route table: model names and aliases to models, each model's fallback chain,
+and the LoRA adapters declared on each model.
 
 Pure: built from the per-model records (`contracts.ModelEndpoints`) whether they
 come from the router's file or from the control plane. `check` lists every
@@ -6,6 +7,11 @@ problem by name (the config loader refuses to start on any); `build` drops
 what is wrong and keeps the rest, because a live update from the control plane
 must never take the router down: a faulty alias or fallback is dropped alone, a
 record naming a scheduling plugin this router does not have is dropped whole.
+
+An adapter's name is what its requests put in `model`, as vLLM serves it (the
+`lora_name` it was loaded under); SGLang's `<base>:<adapter>` form names it too. It
+must not be a model, an alias or another adapter, or requests would misroute silently:
+one that clashes is dropped and reported, as the catalog refuses it at apply.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from llmgw.contracts import ModelEndpoints, SchedulingSpec, UpstreamSpec
+from llmgw.contracts import AdapterRoute, ModelEndpoints, SchedulingSpec, UpstreamSpec
 from llmgw.router.request import kinds
 from llmgw.router.scheduling import pipeline as scheduling
 
@@ -31,6 +37,22 @@ class RouteTable:
     # The problems that name a fallback with no record: one that has not arrived yet
     # (the control plane writes a record per model) reads the same (problemlog.py).
     missing: frozenset[str] = frozenset()
+    # adapter name -> (its base model, the adapter as declared)
+    adapters: dict[str, tuple[str, AdapterRoute]] = field(default_factory=dict)
+
+    def adapter(self, name: str) -> str | None:
+        """The adapter a request's `model` names: its own name, or SGLang's
+        `<base>:<adapter>` (base a model or alias); None when it names none."""
+        if name in self.adapters:
+            return name
+        start = name.find(":")
+        while start > 0:
+            base, adapter = self.names.get(name[:start]), name[start + 1 :]
+            found = self.adapters.get(adapter)
+            if base is not None and found is not None and found[0] == base:
+                return adapter
+            start = name.find(":", start + 1)
+        return None
 
 
 def _unknown_plugins(where: str, sched: SchedulingSpec) -> list[str]:
@@ -106,7 +128,8 @@ def build(records: Iterable[ModelEndpoints]) -> tuple[RouteTable, list[str]]:
     cut = _cut_cycles(fallbacks, problems)
     chains = {model: _chain(model, fallbacks, cut) for model in by_name}
     problems += _url_clashes(by_name)
-    return RouteTable(by_name, names, chains, frozenset(missing)), problems
+    adapters = _adapters(by_name, names, problems)
+    return RouteTable(by_name, names, chains, frozenset(missing), adapters), problems
 
 
 def _servable(records: Iterable[ModelEndpoints], problems: list[str]) -> dict[str, ModelEndpoints]:
@@ -141,6 +164,28 @@ def _names(by_name: dict[str, ModelEndpoints], problems: list[str]) -> dict[str,
             else:
                 names[alias] = rec.model
     return names
+
+
+def _adapters(
+    by_name: dict[str, ModelEndpoints], names: dict[str, str], problems: list[str]
+) -> dict[str, tuple[str, AdapterRoute]]:
+    """Each adapter -> (its base model, itself); one whose name is already a model, an
+    alias or another adapter is dropped."""
+    adapters: dict[str, tuple[str, AdapterRoute]] = {}
+    for rec in by_name.values():
+        for adapter in rec.adapters:
+            name = adapter.name
+            if name in names:
+                what = "model" if names[name] == name else f"an alias of model {names[name]!r}"
+                problems.append(f"model {rec.model!r}: adapter {name!r} is {what}")
+            elif name in adapters:
+                problems.append(
+                    f"model {rec.model!r}: adapter {name!r} is already an adapter of "
+                    f"model {adapters[name][0]!r}"
+                )
+            else:
+                adapters[name] = (rec.model, adapter)
+    return adapters
 
 
 def _fallbacks(

@@ -8,6 +8,11 @@ JetStream KV that calls `replace`/`apply`/`remove` as records change
 (controlplane.ControlPlaneSource).
 Updates swap whole route objects, so a request in flight keeps the consistent
 snapshot it resolved, and per-endpoint state survives updates by endpoint id.
+
+A LoRA adapter declared on a model gets a route of its own, named for the adapter (what
+requests and engines call it): its endpoints are the model's that hold the adapter now,
+per their agents, and its requests wait in admission while there are none, as a model
+scaled to zero waits for a replica, since only the control plane's placement loads one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from yarl import URL
@@ -34,6 +39,7 @@ from llmgw.router.endpoints.load import Load
 from llmgw.router.endpoints.problemlog import ProblemLog
 from llmgw.router.relay.circuit import Circuit
 from llmgw.router.request.body import PATHS
+from llmgw.router.scheduling import lora
 from llmgw.router.scheduling import pipeline as scheduling
 from llmgw.router.scheduling.prefix import PrefixIndex
 
@@ -65,6 +71,7 @@ class EndpointRuntime:
         "pushed_at",
         "headers",
         "uncached_tokens",
+        "adapters",
     )
 
     def __init__(self, spec: Endpoint, settings: ViewSettings):
@@ -87,6 +94,7 @@ class EndpointRuntime:
         # Uncached prompt tokens per request this router sent here (moving average): what
         # each queued request will cost the engine's prefill (kv_prefix).
         self.uncached_tokens = 0.0
+        self.adapters = frozenset(spec.adapters)  # the LoRA adapters its engine holds now
 
     def target(self, path: str) -> URL:
         url = self.targets.get(path)
@@ -122,6 +130,7 @@ class EndpointRuntime:
             "stale": True,
             "scrape_error": self.scrape_error,
             "prefix_blocks": len(self.prefix_index),
+            "adapters": sorted(self.adapters),
         }
         if load is not None:
             out["load"] = {
@@ -166,6 +175,17 @@ class ModelRoute:
     # Autoscaled from zero: with no ready endpoint, requests wait in admission for one.
     scale_from_zero: bool = False
     unplaceable: str = ""  # why the next replica cannot be placed (the control plane's words)
+    # An adapter's route: the model it is declared on, and the tenants that may use it
+    # (empty: every tenant); "" for a model's own route.
+    adapter_of: str = ""
+    tenants: frozenset[str] = frozenset()
+
+    def allows(self, caller: Any) -> bool:
+        """Whether this caller (a `admission.seam.Caller`, None without tenants) may use
+        the route: an adapter limited to some tenants is theirs alone."""
+        if not self.tenants:
+            return True
+        return caller is not None and caller.owner in self.tenants
 
 
 class EndpointView:
@@ -180,6 +200,9 @@ class EndpointView:
         self._records: dict[str, ModelEndpoints] = {}
         self._names: dict[str, str] = {}
         self._routes: dict[str, ModelRoute] = {}
+        self._table = routes.RouteTable({}, {}, {})
+        self._adapters: dict[str, ModelRoute] = {}  # by adapter name
+        self._adapter_pipelines: dict[str, scheduling.Pipeline] = {}  # by model
         self.endpoints: dict[str, EndpointRuntime] = {}
         # The same endpoints by the id of the shard that serves each: load samples and
         # KV event batches name their shard.
@@ -193,12 +216,17 @@ class EndpointView:
     # ----------------------------------------------------------- hot path reads
 
     def resolve(self, name: str) -> ModelRoute | None:
-        """The route for a model name or alias."""
+        """The route for a model name or alias, or an adapter's (routes.RouteTable.adapter)."""
         canonical = self._names.get(name)
-        return None if canonical is None else self._routes.get(canonical)
+        if canonical is not None:
+            return self._routes.get(canonical)
+        adapter = self._table.adapter(name) if self._adapters else None
+        return None if adapter is None else self._adapters.get(adapter)
 
     def route(self, model: str) -> ModelRoute | None:
-        return self._routes.get(model)
+        """A model's route, or an adapter's by its name."""
+        route = self._routes.get(model)
+        return route if route is not None else self._adapters.get(model)
 
     def endpoint_of(self, shard_id: str, url: str) -> EndpointRuntime | None:
         """The endpoint a load sample or KV batch names: by its serving shard, else by
@@ -215,6 +243,10 @@ class EndpointView:
         out: list[tuple[str, str | None]] = [(m, None) for m in self._routes]
         out += [(n, m) for n, m in self._names.items() if n != m]
         return out
+
+    def adapters(self) -> list[ModelRoute]:
+        """The adapters' routes (each names its model in `adapter_of`)."""
+        return list(self._adapters.values())
 
     def ready(self) -> bool:
         """Some model has an endpoint that is ready and not draining."""
@@ -261,7 +293,6 @@ class EndpointView:
         table, problems = routes.build(self._records.values())
         pipelines = self._pipelines(table.records, problems)
         records = {name: rec for name, rec in table.records.items() if name in pipelines}
-        self._judge_in(self.problems.report(problems, table.missing))
 
         old_endpoints = self.endpoints
         endpoints: dict[str, EndpointRuntime] = {}
@@ -276,6 +307,7 @@ class EndpointView:
                         ep = EndpointRuntime(spec, self.settings)
                     ep.spec = spec
                     ep.headers = resolve_headers(spec.upstream)
+                    ep.adapters = frozenset(spec.adapters)
                     endpoints[spec.id] = ep
                 served.setdefault(spec.id, set()).add(rec.model)
                 if spec.state is not EndpointState.READY:
@@ -305,15 +337,65 @@ class EndpointView:
                 scale_from_zero=rec.scale_from_zero,
                 unplaceable=rec.unplaceable,
             )
+        self._adapters = self._adapter_routes(table, new_routes, problems)
         self.endpoints = endpoints
         self.by_shard = {projection.serving_shard(i): ep for i, ep in endpoints.items()}
         self._by_url = {ep.url: ep for ep in endpoints.values()}
         self._routes = new_routes
         self._names = table.names
+        self._table = table
+        self._judge_in(self.problems.report(problems, table.missing))
         self.version += 1
         for listener in self._listeners:
             listener()
         return problems
+
+    def _adapter_routes(
+        self, table: routes.RouteTable, models: dict[str, ModelRoute], problems: list[str]
+    ) -> dict[str, ModelRoute]:
+        """A route per adapter: its model's route narrowed to the endpoints holding it, run
+        by the model's adapter pipeline (lora.adapter_spec); each holder serves it."""
+        pipelines: dict[str, scheduling.Pipeline] = {}
+        out: dict[str, ModelRoute] = {}
+        for name, (model, adapter) in table.adapters.items():
+            base = models.get(model)
+            if base is None:
+                continue
+            pipeline = pipelines.get(model) or self._adapter_pipeline(base, problems)
+            if pipeline is None:
+                continue
+            pipelines[model] = pipeline
+            holders = tuple(ep for ep in base.endpoints if name in ep.adapters)
+            for ep in holders:
+                ep.models = ep.models | {name}
+            ready = any(ep.state is EndpointState.READY for ep in base.endpoints)
+            out[name] = replace(
+                base,
+                name=name,
+                endpoints=holders,
+                pipeline=pipeline,
+                fallbacks=(),  # another model would answer as itself, not as the adapter
+                scale_from_zero=True,  # no holder: wait while placement loads it somewhere
+                # Only a model with no replica at all waits for one that cannot be placed.
+                unplaceable="" if ready else base.unplaceable,
+                adapter_of=model,
+                tenants=frozenset(adapter.tenants),
+            )
+        self._adapter_pipelines = pipelines
+        return out
+
+    def _adapter_pipeline(
+        self, base: ModelRoute, problems: list[str]
+    ) -> scheduling.Pipeline | None:
+        spec = lora.adapter_spec(base.pipeline.spec)
+        old = self._adapter_pipelines.get(base.name)
+        if old is not None and old.spec == spec:
+            return old
+        try:
+            return scheduling.Pipeline(spec, self.settings.scheduling, observer=self.observer)
+        except Exception as exc:  # as in _pipelines: its adapters fail alone
+            problems.append(f"model {base.name!r}: adapters: cannot build their pipeline: {exc}")
+            return None
 
     def _judge_in(self, delay: float | None) -> None:
         """Have the problem log judge its pending fallbacks in `delay` seconds. Without

@@ -42,31 +42,32 @@ def public_app(
     its lifespan."""
     engine_models = service.engine_models
 
-    def authenticate(request: Request) -> Response | None:
+    def authenticate(request: Request) -> tuple[Any, Response | None]:
+        """The caller (None without tenants), or the refusal to answer."""
         try:
-            service.proxy.gate.authenticate(dict(request.scope["headers"]))
+            return service.proxy.gate.authenticate(dict(request.scope["headers"])), None
         except RouterError as err:
             # The error's own body: an admission refusal carries OpenAI's type and code
             # (a bad key is invalid_request_error / invalid_api_key, as on chat).
-            return _error_response(err.status, err.reason, err.body(), err.headers)
-        return None
+            return None, _error_response(err.status, err.reason, err.body(), err.headers)
 
     async def list_models(request: Request) -> Response:
-        refused = authenticate(request)
+        who, refused = authenticate(request)
         if refused is not None:
             return refused
-        data = await engine_models.describe(
-            service.proxy.session, service.view.models(), service.view.resolve
-        )
+        view = service.view
+        # Adapters too, but only those the caller may use: a name must not leak.
+        names = view.models() + [(a.name, None) for a in view.adapters() if a.allows(who)]
+        data = await engine_models.describe(service.proxy.session, names, view.resolve)
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
-        refused = authenticate(request)
+        who, refused = authenticate(request)
         if refused is not None:
             return refused
         name = request.path_params["model"]
         canonical = service.view.resolve(name)
-        if canonical is None:
+        if canonical is None or not canonical.allows(who):
             return _error(404, "model_not_found", f"The model '{name}' does not exist", request)
         root = canonical.name if canonical.name != name else None
         data = await engine_models.describe(

@@ -1,5 +1,8 @@
 """What GET /v1/models says of each model: OpenAI's fields, plus `max_model_len`.
 
+A LoRA adapter is listed as vLLM lists it, with `parent`, its base model (and that
+model's `max_model_len`: an adapter does not change the context length).
+
 `max_model_len` comes from the catalog's serving profile when it sets one,
 else from the engines themselves (vLLM lists it in its own /v1/models). An
 engine is asked at most once a minute and for at most a second; one that does
@@ -85,7 +88,9 @@ class EngineModels:
     ) -> list[dict[str, Any]]:
         """The OpenAI model objects for (name, canonical or None) pairs."""
         routes = {name: resolve(name) for name, _ in names}
-        canon = {r.name: r for r in routes.values() if r is not None}
+        # Whose max_model_len each route has: a model's own, an adapter's model's.
+        owner = {r.name: r.adapter_of or r.name for r in routes.values() if r is not None}
+        canon = {m: r for m in set(owner.values()) if (r := resolve(m)) is not None}
         lens = dict(
             zip(
                 canon,
@@ -108,7 +113,10 @@ class EngineModels:
             }
             if canonical:
                 item["root"] = canonical
-            if lens.get(route.name):
-                item["max_model_len"] = lens[route.name]
+            if route.adapter_of:
+                item["parent"] = route.adapter_of
+            length = lens.get(owner[route.name])
+            if length:
+                item["max_model_len"] = length
             out.append(item)
         return out

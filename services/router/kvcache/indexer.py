@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, salt_extra
+from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, root_for, salt_extra
 from llmgw.router.kvcache.tokens import tokens_for
 
 if TYPE_CHECKING:
@@ -24,11 +24,16 @@ if TYPE_CHECKING:
 
 
 class PromptWork:
-    """One prompt's tokens and block hashes, computed as candidates need them."""
+    """One prompt's tokens and block hashes, computed as candidates need them.
 
-    __slots__ = ("tokens", "hashes", "held")
+    A request for a LoRA adapter hashes its blocks from the adapter's root: the engine's
+    blocks computed under an adapter match no other adapter's and not the base model's,
+    and the agents' relays root them there (llmgw.kvblocks.root_for)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("tokens", "hashes", "held", "root")
+
+    def __init__(self, adapter: str | None = None) -> None:
+        self.root = root_for(adapter)
         # Token ids by engine kind (None: that kind's tokenizer is not available).
         self.tokens: dict[str, bytes | list[int] | None] = {}
         # Lazily computed block hashes by (engine kind, block size).
@@ -96,7 +101,7 @@ class Indexer:
             hashes = work.hashes.get(key)
             if hashes is None:
                 hashes = work.hashes[key] = LazyPromptHashes(
-                    tokens[key[0]], key[1], self.max_blocks, first_extra=salt_extra(salt)
+                    tokens[key[0]], key[1], self.max_blocks, work.root, salt_extra(salt)
                 )
             n = len(hashes)
             if not n:

@@ -178,7 +178,8 @@ class Proxy:
                     return
                 req = rq.parse(api.name, body, ex.headers.get(b"content-type"))
                 route = self.view.resolve(req.model)
-                if route is None or not route.serves(api.name):
+                # An adapter another tenant's alone reads as one that does not exist.
+                if route is None or not route.serves(api.name) or not route.allows(who):
                     raise RouterError(
                         404,
                         "model_not_found",
@@ -295,6 +296,7 @@ class Proxy:
         def prepare(ctx: Context, route: ModelRoute) -> None:
             pipeline = route.pipeline
             ctx.model = route.name
+            ctx.adapter = route.name if route.adapter_of else None
             if pipeline.needs_prompt_blocks and not ctx.prefix and req.prompt:
                 ctx.prefix = pipeline.prompt_blocks(req.prompt, req.cache_salt)
             session = headers.get(pipeline.session_header) if pipeline.needs_session else None

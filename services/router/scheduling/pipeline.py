@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from llmgw.contracts import SchedulingSpec
 from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
+from llmgw.router.scheduling.lora import HoldsAdapter, LoraAffinityScorer
 from llmgw.router.scheduling.pickers import MaxScore, PowerOfTwo, WeightedRandom
 from llmgw.router.scheduling.prefix import (
     NO_PROMPT,
@@ -67,7 +68,7 @@ class Settings:
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv", "salt")
+    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv", "salt", "adapter")
 
     def __init__(
         self,
@@ -92,6 +93,8 @@ class Context:
         self.kv: PromptWork | None = None
         # The request's cache_salt: engines key its first block by it, so must kv_prefix.
         self.salt = salt
+        # The LoRA adapter the request names (its route's name), None for a base model.
+        self.adapter: str | None = None
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
@@ -142,7 +145,7 @@ class Picker(Protocol):
 
 
 FILTERS: dict[str, Callable[[Settings], Filter]] = {
-    f.name: f for f in (ServesModel, Ready, CircuitClosed)
+    f.name: f for f in (ServesModel, Ready, CircuitClosed, HoldsAdapter)
 }
 SCORERS: dict[str, Callable[[Settings], Scorer]] = {
     s.name: s
@@ -153,6 +156,7 @@ SCORERS: dict[str, Callable[[Settings], Scorer]] = {
         PrefixScorer,
         CachedPrefixScorer,
         SessionScorer,
+        LoraAffinityScorer,
     )
 }
 PICKERS: dict[str, Callable[[], Picker]] = {
