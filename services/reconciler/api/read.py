@@ -230,9 +230,10 @@ async def tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
 
 
 async def catalog(conn: AsyncConnection) -> dict[str, Any]:
-    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band): what
-    `llmgw apply` diffs against where the stream no longer holds every declaration."""
-    tables = (t.Model.__table__, t.Tenant.__table__, rows.BANDS_TABLE)
+    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band,
+    AdapterDeclared): what `llmgw apply` diffs against where the stream no longer holds
+    every declaration."""
+    tables = (t.Model.__table__, t.Tenant.__table__, t.Adapter.__table__, rows.BANDS_TABLE)
     folded = rows.state_from_rows(
         {tbl.name: await _rows(conn, select(tbl)) for tbl in tables},
         await store.read_position(conn) or 0,
@@ -242,6 +243,7 @@ async def catalog(conn: AsyncConnection) -> dict[str, Any]:
         "models": [msgspec.to_builtins(m) for _, m in sorted(folded.models.items())],
         "tenants": [msgspec.to_builtins(x) for _, x in sorted(folded.tenants.items())],
         "bands": [msgspec.to_builtins(b) for b in folded.bands],
+        "adapters": [msgspec.to_builtins(a) for _, a in sorted(folded.adapters.items())],
     }
 
 
