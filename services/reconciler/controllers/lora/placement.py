@@ -272,3 +272,21 @@ def inputs_from(
 def held_now(holdings: dict[str, list[str]]) -> dict[str, list[str]]:
     """Holdings without the replicas that hold nothing: what "changed" is judged on."""
     return {rid: sorted(held) for rid, held in holdings.items() if held}
+
+
+def check(state: ClusterState, ev: c.AdaptersPlaced) -> list[str]:
+    """How a recorded decision differs from what this code decides on the same state (as
+    of its `based_on_seq`) and the demand it recorded; [] when they agree."""
+    if ev.model not in state.models:
+        return [f"model {ev.model} was not declared at seq {ev.based_on_seq}"]
+    derived = place(inputs_from(state, ev.model, ev.demand, ev.waiting, ev.ts))
+    recorded, now = held_now(ev.holdings), held_now(derived.holdings)
+    if recorded == now:
+        return []
+    return [f"holdings: recorded {_holdings_text(recorded)}, now {_holdings_text(now)}"]
+
+
+def _holdings_text(holdings: dict[str, list[str]]) -> str:
+    return (
+        "; ".join(f"{rid} [{', '.join(held)}]" for rid, held in sorted(holdings.items())) or "none"
+    )
