@@ -98,7 +98,17 @@ async def _replicas_with_shards(
         by_replica.setdefault(shard["replica_id"], []).append(
             {
                 k: shard[k]
-                for k in ("shard_id", "shard_index", "node", "state", "url", "gpus", "reason")
+                for k in (
+                    "shard_id",
+                    "shard_index",
+                    "node",
+                    "state",
+                    "url",
+                    "gpus",
+                    "reason",
+                    "adapters",
+                    "adapter_errors",
+                )
             }
         )
     out = []
@@ -297,14 +307,64 @@ async def _model_of_alias(conn: AsyncConnection, alias: str) -> str | None:
     return None
 
 
+async def _base_of_adapter(conn: AsyncConnection, name: str) -> str | None:
+    rows_ = await _rows(conn, select(t.Adapter.base).where(t.Adapter.name == name))
+    return rows_[0]["base"] if rows_ else None
+
+
+async def adapters_of(
+    conn: AsyncConnection, model: str, replicas_now: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The adapters declared on base `model`: where the leader placed each, where each
+    engine reports holding it (and what an engine answered to a failed load), and the
+    latest placement's explanation."""
+    declared = await _rows(
+        conn, select(t.Adapter.__table__).where(t.Adapter.base == model).order_by(t.Adapter.name)
+    )
+    placed_rows = await _rows(
+        conn, select(t.AdapterHolding.__table__).where(t.AdapterHolding.model == model)
+    )
+    placed = placed_rows[0] if placed_rows else None
+    holdings = placed["holdings"] if placed else {}
+    out = []
+    for a in declared:
+        held_on, errors = [], {}
+        for rep in replicas_now:
+            head = rep["shards"][0] if rep["shards"] else {}
+            if a["name"] in (head.get("adapters") or []):
+                held_on.append(rep["replica_id"])
+            if a["name"] in (head.get("adapter_errors") or {}):
+                errors[rep["replica_id"]] = head["adapter_errors"][a["name"]]
+        out.append(
+            {
+                "name": a["name"],
+                "source": a["source"],
+                "tenants": a["tenants"],
+                "pinned": a["pinned"],
+                "placed_on": sorted(r for r, held in holdings.items() if a["name"] in held),
+                "held_on": held_on,
+                "errors": errors,
+            }
+        )
+    return {
+        "declared": out,
+        "decided_seq": placed["decided_seq"] if placed else None,
+        "decided_at": placed["decided_at"] if placed else None,
+        "explanation": placed["explanation"] if placed else "",
+    }
+
+
 async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
-    """The latest decision or failure per replica of `model` (a name or an alias, as
-    clients send it), with every node's verdict."""
+    """The latest decision or failure per replica of `model` (a name, an alias or an
+    adapter, as clients send it), with every node's verdict, and its adapters."""
     declared = (await _rows(conn, select(t.Model.__table__).where(t.Model.name == model))) or None
     if declared is None:
         named = await _model_of_alias(conn, model)
         if named is not None:
             return {**(await explain(conn, named) or {}), "asked_as": model}
+        base = await _base_of_adapter(conn, model)
+        if base is not None:
+            return {**(await explain(conn, base) or {}), "asked_as": model, "asked_kind": "adapter"}
     latest = (
         select(func.max(t.PlacementDecision.seq))
         .where(t.PlacementDecision.model == model)
@@ -333,6 +393,7 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
+        "adapters": await adapters_of(conn, model, replicas_now),
     }
 
 
