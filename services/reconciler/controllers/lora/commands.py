@@ -12,17 +12,14 @@ replica's serving shard (index 0), which runs the engine's HTTP API.
 from __future__ import annotations
 
 from llmgw import contracts as c
-from llmgw.reconciler.controllers.lora.placement import serving_replicas
+from llmgw.reconciler.controllers.lora.placement import adapter_models, serving_replicas
 from llmgw.reconciler.state.ids import adapters_key
 from llmgw.reconciler.state.model import ClusterState
 
 
 def adapter_commands(state: ClusterState) -> list[c.SetShardAdapters]:
     out: list[c.SetShardAdapters] = []
-    for model in sorted(state.models):
-        decl = state.models[model]
-        if decl.profile.max_loras < 1 and model not in state.adapter_holdings:
-            continue
+    for model in adapter_models(state):
         placed = state.adapter_holdings.get(model)
         for rid in serving_replicas(state, model):
             replica = state.replicas[rid]

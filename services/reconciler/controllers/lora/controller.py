@@ -81,9 +81,7 @@ class LoraController(Controller):
         """The placements that change some replica's adapters, one per base model."""
         demand, waiting = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         out = []
-        for model in sorted(state.models):
-            if state.models[model].profile.max_loras < 1 and model not in state.adapter_holdings:
-                continue
+        for model in placement.adapter_models(state):
             inp = placement.inputs_from(
                 state, model, demand.get(model, {}), waiting.get(model, set()), wall
             )

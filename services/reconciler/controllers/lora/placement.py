@@ -233,6 +233,13 @@ def place(inp: Inputs, tuning: Tuning | None = None) -> Placement:
     return Placement(holdings, changes, unplaced)
 
 
+def adapter_models(state: ClusterState) -> list[str]:
+    """The declared models with adapters declared on them or placed on their replicas:
+    the only ones worth a decision (a fleet of models without adapters costs nothing)."""
+    named = {a.base for a in state.adapters.values()} | set(state.adapter_holdings)
+    return sorted(m for m in named if m in state.models)
+
+
 def serving_replicas(state: ClusterState, model: str) -> list[str]:
     """The replicas of `model` that can hold adapters now: active, every shard ready, on
     an alive node (an agent that cannot be reached cannot load anything)."""
