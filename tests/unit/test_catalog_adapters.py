@@ -3,11 +3,13 @@ the entry and the field, and diffed like models (declared, changed, removed)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import yaml
 
 from llmgw import contracts as c
 from llmgw.reconciler.catalog import spec as catalog
+from llmgw.reconciler.catalog.apply import add_folded
 
 BASE = """
 bands: [{name: b}]
@@ -106,3 +108,13 @@ def test_apply_declares_after_models_removes_before_and_changes_name_the_field()
     assert steps[0].event == c.AdapterRemoved(
         name="sql", id=steps[0].event.id, ts=steps[0].event.ts
     )
+
+
+def test_apply_takes_adapters_the_trimmed_log_lost_from_the_folded_catalog():
+    current = catalog.Current()
+    sql = c.AdapterDeclared(name="sql", base="llama", source="/lora/sql")
+    folded = {"models": [], "tenants": [], "bands": [], "adapters": [msgspec.to_builtins(sql)]}
+    add_folded(current, folded)
+    assert current.adapters["sql"].source == "/lora/sql"
+    # An operator API from before adapters answers without them.
+    add_folded(catalog.Current(), {"models": [], "tenants": [], "bands": []})
