@@ -5,18 +5,20 @@ demand summary (published as a router would, on its own subject) says requests f
 them wait in admission; the leader places it, records AdaptersPlaced, and sends the
 node's agent the whole set its engine should hold; the agent's report that the engine
 holds it lands in the routers' projection. `llmgw explain` shows it by the adapter's
-name, and `llmgw audit replay` re-derives the placement from the archive.
+name, `llmgw get adapters` lists where each is placed and held, and `llmgw audit replay`
+re-derives the placement from the archive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 from llmgw import bus
 from llmgw import contracts as c
 from llmgw import subjects as s
-from llmgw.opcli import explain
+from llmgw.opcli import explain, get
 from llmgw.reconciler.audit import replay_cli
 from llmgw.reconciler.catalog import apply
 from tests.integration.test_control_loop import (
@@ -136,6 +138,12 @@ async def test_demand_places_an_adapter_the_agent_loads_it_and_routers_see_it(
             assert code == 0 and "sql is an adapter of m" in text, text
             assert "sql   placed on m-r1; held on m-r1" in text, text
             assert "sql loaded on m-r1: requests waiting and held nowhere" in text, text
+            code, text = await asyncio.to_thread(
+                cli, get, kind="adapters", output="json", api=api, token=None, **NO_TLS
+            )
+            listed = {a["name"]: a for a in json.loads(text)}
+            assert (listed["sql"]["placed_on"], listed["sql"]["held_on"]) == (["m-r1"], ["m-r1"])
+            assert (listed["chat"]["placed_on"], listed["chat"]["held_on"]) == ([], [])
 
             code, text = await asyncio.to_thread(
                 cli,

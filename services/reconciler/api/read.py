@@ -312,42 +312,57 @@ async def _base_of_adapter(conn: AsyncConnection, name: str) -> str | None:
     return rows_[0]["base"] if rows_ else None
 
 
-async def adapters_of(
-    conn: AsyncConnection, model: str, replicas_now: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The adapters declared on base `model`: where the leader placed each, where each
-    engine reports holding it (and what an engine answered to a failed load), and the
-    latest placement's explanation."""
-    declared = await _rows(
-        conn, select(t.Adapter.__table__).where(t.Adapter.base == model).order_by(t.Adapter.name)
+async def _adapter_views(conn: AsyncConnection, base: str | None) -> list[dict[str, Any]]:
+    """Declared adapters (of one base model, or all): where the leader placed each, where
+    each serving engine reports holding it, and what an engine answered to a failed load."""
+    aq = select(t.Adapter.__table__).order_by(t.Adapter.name)
+    hq = select(t.AdapterHolding.model, t.AdapterHolding.holdings)
+    sq = select(t.Shard.__table__).where(
+        t.Shard.state.in_(["ready", "draining"]), t.Shard.shard_index == 0
     )
+    if base is not None:
+        aq = aq.where(t.Adapter.base == base)
+        hq = hq.where(t.AdapterHolding.model == base)
+        sq = sq.where(t.Shard.model == base)
+    holdings = {row["model"]: row["holdings"] for row in await _rows(conn, hq)}
+    shards = await _rows(conn, sq.order_by(t.Shard.replica_id))
+    out = []
+    for a in await _rows(conn, aq):
+        mine = [sh for sh in shards if sh["model"] == a["base"]]
+        out.append(
+            {
+                "name": a["name"],
+                "base": a["base"],
+                "source": a["source"],
+                "tenants": a["tenants"],
+                "pinned": a["pinned"],
+                "placed_on": sorted(
+                    rid for rid, held in holdings.get(a["base"], {}).items() if a["name"] in held
+                ),
+                "held_on": [sh["replica_id"] for sh in mine if a["name"] in (sh["adapters"] or [])],
+                "errors": {
+                    sh["replica_id"]: sh["adapter_errors"][a["name"]]
+                    for sh in mine
+                    if a["name"] in (sh["adapter_errors"] or {})
+                },
+            }
+        )
+    return out
+
+
+async def adapters(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Every declared adapter, placed where and held where (`llmgw get adapters`)."""
+    return await _adapter_views(conn, None)
+
+
+async def adapters_of(conn: AsyncConnection, model: str) -> dict[str, Any]:
+    """The adapters declared on base `model`, and the latest placement's explanation."""
     placed_rows = await _rows(
         conn, select(t.AdapterHolding.__table__).where(t.AdapterHolding.model == model)
     )
     placed = placed_rows[0] if placed_rows else None
-    holdings = placed["holdings"] if placed else {}
-    out = []
-    for a in declared:
-        held_on, errors = [], {}
-        for rep in replicas_now:
-            head = rep["shards"][0] if rep["shards"] else {}
-            if a["name"] in (head.get("adapters") or []):
-                held_on.append(rep["replica_id"])
-            if a["name"] in (head.get("adapter_errors") or {}):
-                errors[rep["replica_id"]] = head["adapter_errors"][a["name"]]
-        out.append(
-            {
-                "name": a["name"],
-                "source": a["source"],
-                "tenants": a["tenants"],
-                "pinned": a["pinned"],
-                "placed_on": sorted(r for r, held in holdings.items() if a["name"] in held),
-                "held_on": held_on,
-                "errors": errors,
-            }
-        )
     return {
-        "declared": out,
+        "declared": await _adapter_views(conn, model),
         "decided_seq": placed["decided_seq"] if placed else None,
         "decided_at": placed["decided_at"] if placed else None,
         "explanation": placed["explanation"] if placed else "",
@@ -393,7 +408,7 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
-        "adapters": await adapters_of(conn, model, replicas_now),
+        "adapters": await adapters_of(conn, model),
     }
 
 
