@@ -38,7 +38,7 @@ def decide(declared, current=None, demand=None, waiting=(), now=100.0, replicas=
             waiting=frozenset(waiting),
             now=now,
         ),
-        Tuning(margin=1.5, min_hold=30.0),
+        Tuning(margin=1.5, min_hold=30.0, waiting_hold=5.0),
     )
 
 
@@ -56,10 +56,17 @@ def test_a_waiting_adapter_takes_the_least_demanded_slot_past_its_hold_time():
     p = decide(adapters(*"abcde"), full, demand, waiting=["e"], now=100.0)
     assert p.holdings == {"m-r1": ["a", "e"], "m-r2": ["c", "d"]}
     assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("b", "unload")]
-    # Everything loaded a moment ago: the waiting adapter waits, and says why.
-    p = decide(adapters(*"abcde"), full, demand, waiting=["e"], now=10.0)
+    # Everything loaded a moment ago (under the 5 s hold for waiting): it waits, and says why.
+    p = decide(adapters(*"abcde"), full, demand, waiting=["e"], now=3.0)
     assert p.changes == [] and p.unplaced == ["e"]
     assert "e waits" in p.explanation()
+
+
+def test_a_waiting_adapter_never_evicts_a_busier_one():
+    # e waits with demand 0.5: only an incumbent with less demand per copy gives way.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    p = decide(adapters(*"abcde"), full, {"a": 5, "b": 2, "c": 3, "d": 1, "e": 0.5}, waiting=["e"])
+    assert p.changes == [] and p.unplaced == ["e"]
 
 
 def test_a_challenger_needs_the_margin_over_the_incumbent():
