@@ -67,3 +67,26 @@ async def test_waiting_demand_is_placed_once_then_commanded_once_folded():
     assert isinstance(cmd, c.SetShardAdapters) and cmd.shard_id == "m-r1-s0"
     assert (cmd.term, cmd.boot_id) == (3, log.state.nodes["a"].boot_id)
     assert [a.name for a in cmd.adapters] == ["sql"]
+
+
+async def test_a_summary_with_requests_waiting_for_an_unheld_adapter_wakes_it_at_once():
+    log = Log().append(node("a", 1), model("m", replicas=1, max_loras=2))
+    log.append(c.AdapterDeclared(name="sql", base="m", source="/l/sql"))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}))
+    ctx = RecordingContext(nc=None, js=None, term=1, gate=None, clock=lambda: 0.0, state=log.state)
+    ctl = LoraController(ctx, ActorConfig())
+    woken = []
+    ctl.wake_now = lambda: woken.append(True)
+    ctx.demand.listeners.append(ctl._heard)
+
+    def asking(adapter: str, waiting: int) -> Msg:
+        ad = c.AdapterDemand(requests=1, waiting=waiting)
+        return Msg(
+            c.DemandSummary(router_id="r1", models={"m": c.ModelDemand(adapters={adapter: ad})})
+        )
+
+    await ctx.demand.on_summary(asking("sql", 3))  # held already: its tick will do
+    await ctx.demand.on_summary(asking("chat", 0))  # nothing waiting
+    assert woken == []
+    await ctx.demand.on_summary(asking("chat", 1))
+    assert woken == [True]

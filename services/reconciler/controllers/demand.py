@@ -36,6 +36,9 @@ class DemandIntake:
         self.latest: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
         self._sub = None
         self._users = 0
+        # Called with each accepted summary, after it is kept (a controller that wants to
+        # act on some summaries at once, not on its next tick).
+        self.listeners: list[Callable[[c.DemandSummary], None]] = []
 
     async def attach(self, nc) -> None:
         """A controller starts reading: the first one subscribes."""
@@ -72,6 +75,8 @@ class DemandIntake:
             return
         SUMMARIES.labels("ok").inc()
         self.latest[(summary.router_id, summary.process)] = (self.monotonic(), summary)
+        for listener in list(self.listeners):
+            listener(summary)
 
     def fresh(self, now: float, ttl: float) -> list[c.DemandSummary]:
         """The summaries younger than `ttl` at monotonic `now` (older ones are forgotten),

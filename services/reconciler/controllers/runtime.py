@@ -133,6 +133,9 @@ class Controller:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        # Runs a pass soon, for news that does not come through the fold (a message it
+        # subscribed to); its runner sets it. Before that, news has nobody to wake.
+        self.wake_now: Callable[[], None] = lambda: None
 
     async def start(self) -> None:
         """Set up before the first reconcile (subscribe, read what is there)."""
@@ -152,6 +155,7 @@ class Runner:
         self.pending = ChangeSet()
         self.wake = asyncio.Event()
         self.wake.set()  # the first pass runs as soon as the cache is synced
+        controller.wake_now = self.wake.set
         self.failures = 0
         self.passes = 0
 

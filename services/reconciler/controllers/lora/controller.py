@@ -1,7 +1,8 @@
 """The LoRA controller: routers' demand per adapter in, AdaptersPlaced and SetShardAdapters out.
 
-Every `lora_tick` seconds (and when adapters, holdings, shards, replicas, models or
-nodes change) it reads the routers' fresh demand summaries (the intake it shares with
+Every `lora_tick` seconds, when adapters, holdings, shards, replicas, models or nodes
+change, and at once when a router's summary has requests waiting for an adapter held
+nowhere, it reads the routers' fresh demand summaries (the intake it shares with
 the autoscaler), smooths the demand per adapter (demand.py) and asks the pure
 `placement.place` for each base model with adapter slots. A decision that changes what
 some replica holds goes into the log as AdaptersPlaced, with the demand and the waiting
@@ -62,11 +63,25 @@ class LoraController(Controller):
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
 
     async def start(self) -> None:
+        self.demand.listeners.append(self._heard)
         await self.demand.attach(self.ctx.nc)
 
     async def stop(self) -> None:
         await self.demand.detach()
+        if self._heard in self.demand.listeners:
+            self.demand.listeners.remove(self._heard)
         self.commands.clear()
+
+    def _heard(self, summary: c.DemandSummary) -> None:
+        """Requests waiting for an adapter held nowhere: decide now, not on the next tick
+        (they wait in admission until an engine holds it)."""
+        holdings = self.ctx.state.adapter_holdings
+        for model, md in summary.models.items():
+            placed = holdings.get(model)
+            held = {a for hs in placed.holdings.values() for a in hs} if placed else set()
+            if any(ad.waiting > 0 and name not in held for name, ad in md.adapters.items()):
+                self.wake_now()
+                return
 
     def _waiting_for_fold(self, state: ClusterState, now: float) -> bool:
         if self._awaiting is None:
