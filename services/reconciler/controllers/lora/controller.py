@@ -92,9 +92,14 @@ class LoraController(Controller):
         self._awaiting = None
         return False
 
-    def decide(self, state: ClusterState, now: float, wall: float) -> list[c.AdaptersPlaced]:
+    def decide(
+        self,
+        state: ClusterState,
+        demand: dict[str, dict[str, float]],
+        waiting: dict[str, set[str]],
+        wall: float,
+    ) -> list[c.AdaptersPlaced]:
         """The placements that change some replica's adapters, one per base model."""
-        demand, waiting = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         out = []
         for model in placement.adapter_models(state):
             inp = placement.inputs_from(
@@ -120,8 +125,11 @@ class LoraController(Controller):
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
         now, wall = self.monotonic(), self.clock()
+        # Every pass counts the summaries, deciding or not: one left uncounted while the
+        # fold catches up would be replaced by the router's next and its requests lost.
+        demand, asking = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         waiting = self._waiting_for_fold(state, now)
-        events = [] if waiting else self.decide(state, now, wall)
+        events = [] if waiting else self.decide(state, demand, asking, wall)
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)
