@@ -140,3 +140,20 @@ def test_a_popular_adapter_is_held_on_a_share_of_the_replicas():
 def test_nothing_changes_when_nothing_is_asked():
     current = held({"m-r1": ["a"]})
     assert decide(adapters("a", "b"), current, {}).changes == []
+
+
+def test_a_replica_on_an_unreachable_node_keeps_what_it_holds_and_counts():
+    current = held({"m-r1": ["a"], "m-r2": ["b"]})
+    p = place(
+        Inputs(
+            adapters=adapters("a", "b"),
+            replicas=["m-r1"],
+            slots=2,
+            current=current,
+            demand={"a": 1.0, "b": 1.0},
+            waiting=frozenset(),
+            now=100.0,
+            unreachable=frozenset({"m-r2"}),
+        )
+    )
+    assert p.holdings == {"m-r1": ["a"], "m-r2": ["b"]} and p.changes == []

@@ -8,7 +8,9 @@ to thrash: Dynamo's LoRA placement cut load/unload churn from 35k to 98 operatio
 simulation against loading wherever a request lands. The rules, in order:
 
 1. what can no longer be held is dropped: an adapter removed from the catalog, a
-   replica that no longer serves, slots beyond a shrunk `max_loras`;
+   replica that no longer serves, slots beyond a shrunk `max_loras`. A replica on an
+   unreachable node keeps what it holds, untouched (its engine still serves, and
+   dropping it would unload everything there the moment the node came back);
 2. a pinned adapter is held on `pinned` replicas whatever the demand;
 3. an adapter with requests waiting in admission and held nowhere gets a slot at
    once: a free one, or the slot of the least-demanded unpinned adapter that has been
@@ -72,6 +74,9 @@ class Inputs:
     demand: dict[str, float]
     waiting: frozenset[str]
     now: float  # wall time of the decision
+    # Ready replicas on nodes that are unreachable: their engines still serve what they
+    # hold, but nobody can tell them to load or unload. Kept as they are, counted as copies.
+    unreachable: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -103,10 +108,13 @@ class _Plan:
         self.loaded_at = inp.current.loaded_at if inp.current is not None else {}
         self.before = {rid: list(held) for rid, held in before.items() if held}
         self.held: dict[str, list[str]] = {rid: [] for rid in inp.replicas}
+        self.kept = {rid: list(held) for rid, held in self.before.items() if rid in inp.unreachable}
         self.reasons: dict[tuple[str, str, str], str] = {}
         self.fresh: set[tuple[str, str]] = set()  # loaded in this decision
         for rid, held in self.before.items():
             for a in held:
+                if rid in self.kept:
+                    continue
                 if rid not in self.held:
                     self.reasons[(rid, a, "unload")] = f"{rid} no longer serves"
                 elif a not in self.declared:
@@ -118,7 +126,7 @@ class _Plan:
         return self.inp.demand.get(a, 0.0)
 
     def copies(self, a: str) -> int:
-        return sum(a in held for held in self.held.values())
+        return sum(a in held for held in [*self.held.values(), *self.kept.values()])
 
     def per_copy(self, a: str) -> float:
         return self.demand(a) / max(1, self.copies(a))
@@ -242,7 +250,7 @@ def place(inp: Inputs, tuning: Tuning | None = None) -> Placement:
     _place_pinned(plan)
     unplaced = _place_waiting(plan)
     _place_by_demand(plan)
-    holdings = {rid: sorted(held) for rid, held in plan.held.items()}
+    holdings = {rid: sorted(held) for rid, held in [*plan.held.items(), *plan.kept.items()]}
     changes = []
     for rid in sorted(set(plan.before) | set(holdings)):
         old, new = set(plan.before.get(rid, [])), set(holdings.get(rid, []))
@@ -262,17 +270,17 @@ def adapter_models(state: ClusterState) -> list[str]:
     return sorted(m for m in named if m in state.models)
 
 
-def serving_replicas(state: ClusterState, model: str) -> list[str]:
-    """The replicas of `model` that can hold adapters now: active, every shard ready, on
-    an alive node (an agent that cannot be reached cannot load anything)."""
+def serving_replicas(
+    state: ClusterState, model: str, liveness: Liveness = Liveness.ALIVE
+) -> list[str]:
+    """The replicas of `model` whose every shard is ready and whose nodes are all at
+    `liveness`: alive ones can be told to load and unload (an agent that cannot be
+    reached cannot load anything); unreachable ones keep serving what they hold."""
     out = []
     for replica in state.active_replicas(model):
-        nodes = {a.node for a in replica.assignments}
-        alive = all(
-            (n := state.nodes.get(node)) is not None and n.liveness == Liveness.ALIVE
-            for node in nodes
-        )
-        if alive and is_ready(state, replica):
+        nodes = [state.nodes.get(a.node) for a in replica.assignments]
+        at = all(n is not None and n.liveness == liveness for n in nodes)
+        if at and is_ready(state, replica):
             out.append(replica.replica_id)
     return sorted(out)
 
@@ -290,6 +298,7 @@ def inputs_from(
     return Inputs(
         adapters=state.adapters_of(model),
         replicas=serving_replicas(state, model),
+        unreachable=frozenset(serving_replicas(state, model, Liveness.UNREACHABLE)),
         slots=decl.profile.max_loras if decl is not None else 0,
         current=state.adapter_holdings.get(model),
         demand=dict(demand),
