@@ -481,6 +481,9 @@ class AdaptersPlaced(Message, kw_only=True, tag="control.adapters.placed"):
     based_on_seq: int = 0
     explanation: str = ""
     term: int = 0
+    # Adapters with requests held in admission when it was decided (they are placed at
+    # once): with `demand`, what replay re-derives the decision from.
+    waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):

@@ -70,8 +70,10 @@ def validate(cfg: ReconcilerConfig) -> list[str]:
             "least 3 x leader.check_interval_seconds, so a cut-off leader steps down before "
             "Postgres frees the lock for another"
         )
-    if not (math.isfinite(cfg.actor.autoscale_tick) and cfg.actor.autoscale_tick > 0):
-        problems.append(f"actor.autoscale_tick = {cfg.actor.autoscale_tick}: must be a number > 0")
+    for name in ("autoscale_tick", "lora_tick"):
+        tick = getattr(cfg.actor, name)
+        if not (math.isfinite(tick) and tick > 0):
+            problems.append(f"actor.{name} = {tick}: must be a number > 0")
     try:
         host, _ = config.host_port(cfg.admin_listen, 9300)
     except config.ConfigError as exc:

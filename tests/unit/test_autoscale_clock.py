@@ -43,7 +43,7 @@ class Clocks:
 
 
 class Msg:
-    """A summary as the controller's NATS subscription hands it over."""
+    """A summary as the leader's NATS subscription hands it over."""
 
     def __init__(self, summary: c.DemandSummary):
         self.subject = "llmgw.demand.r1"
@@ -91,7 +91,7 @@ class Leader:
             ready = self.state.desired_replicas("m")
             demand = c.ModelDemand(in_flight=in_flight, capacity=ready * SLOTS, ready=ready)
             summary = c.DemandSummary(router_id="r1", models={"m": demand})
-            await self.ctl.on_summary(Msg(summary))  # stamped by the controller's clock
+            await self.ctl.demand.on_summary(Msg(summary))  # stamped by the leader's clock
             await self.ctl.reconcile(self.state, ChangeSet())
 
 
@@ -156,8 +156,8 @@ async def test_a_summary_naming_another_router_than_its_subject_is_dropped():
     leader = Leader(Clocks())
     demand = c.ModelDemand(in_flight=1000, capacity=SLOTS, ready=1)
     forged = c.DemandSummary(router_id="r2", models={"m": demand})
-    await leader.ctl.on_summary(Msg(forged))
-    assert leader.ctl.summaries == {}
+    await leader.ctl.demand.on_summary(Msg(forged))
+    assert leader.ctl.demand.latest == {}
     honest = c.DemandSummary(router_id="r1", models={"m": demand})
-    await leader.ctl.on_summary(Msg(honest))
-    assert list(leader.ctl.summaries) == [("r1", 0)]
+    await leader.ctl.demand.on_summary(Msg(honest))
+    assert list(leader.ctl.demand.latest) == [("r1", 0)]

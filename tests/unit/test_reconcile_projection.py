@@ -130,3 +130,24 @@ def test_a_tenants_record_carries_its_cache_isolation():
         c.TenantDeclared(name="acme", band="gold", cache_isolation="key"),
     )
     assert p.tenant_record(log.state, "acme").cache_isolation == "key"
+
+
+def test_a_base_models_record_lists_its_adapters_and_what_each_endpoint_holds():
+    log = placed(Log().append(node("a", 2), model("m", replicas=2, max_loras=2)))
+    log.append(c.AdapterDeclared(name="sql", base="m", source="/l/sql", tenants=["acme"]))
+    log.append(c.AdapterDeclared(name="chat", base="m", source="/l/chat"))
+    log.append(c.AdapterDeclared(name="other", base="x", source="/l/o"))
+    log.append(status(log.state, "m-r1-s0", S.READY, url="http://a:8000"))
+    log.append(status(log.state, "m-r2-s0", S.READY, url="http://a:8001"))
+    log.append(status(log.state, "m-r2-s0", S.READY, adapters=["sql"]))
+    rec = p.model_record(log.state, "m")
+    assert [(a.name, a.tenants) for a in rec.adapters] == [("chat", []), ("sql", ["acme"])]
+    assert [(e.id, e.max_loras, e.adapters) for e in rec.endpoints] == [
+        ("m-r1-s0", 2, []),
+        ("m-r2-s0", 2, ["sql"]),
+    ]
+    # A declaration touches its base's record; a removal, whose base the state no longer
+    # knows, every model's (the writer writes only those that differ).
+    assert p.affected(log.state, [("adapter", "sql")]) == {Key.model("m")}
+    log.append(c.ModelDeclared(name="n"), c.AdapterRemoved(name="sql"))
+    assert p.affected(log.state, [("adapter", "sql")]) == {Key.model("m"), Key.model("n")}

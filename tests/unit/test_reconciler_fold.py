@@ -130,3 +130,58 @@ def test_copy_is_deep():
     other = st.copy()
     fold.apply(other, 2, c.NodeLost(node="a", last_seen=0))
     assert st.nodes["a"].liveness == Liveness.ALIVE and st == st.copy()
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+def ready(**kw) -> c.ShardStatus:
+    return c.ShardStatus(
+        node="a", shard_id="m-r1-s0", model="m", replica_id="m-r1", state=c.ShardState.READY, **kw
+    )
+
+
+def test_an_adapter_report_in_the_same_state_keeps_the_shards_lifecycle():
+    st = ClusterState()
+    fold.apply(st, 1, registered("a"))
+    fold.apply(st, 2, decided())
+    fold.apply(st, 3, ready(reason="healthy after 25 s", output_tail=["listening"]))
+    changes = fold.apply(st, 4, ready(adapters=["sql"], adapter_errors={"chat": "404 no such"}))
+    shard = st.shards["m-r1-s0"]
+    assert changes == {("shard", "m-r1-s0")}
+    assert (shard.adapters, shard.adapter_errors) == (["sql"], {"chat": "404 no such"})
+    assert (shard.state, shard.reason, shard.output_tail) == (
+        c.ShardState.READY,
+        "healthy after 25 s",
+        ["listening"],
+    )
+    # A status without a report leaves the adapters as they were, while the engine serves.
+    fold.apply(st, 5, ready())
+    assert shard.adapters == ["sql"]
+    # An engine that restarts holds nothing it loaded before.
+    loading = c.ShardStatus(
+        node="a", shard_id="m-r1-s0", model="m", replica_id="m-r1", state=c.ShardState.LOADING
+    )
+    fold.apply(st, 6, loading)
+    assert (shard.adapters, shard.adapter_errors) == (None, {})
+
+
+def test_adapters_declared_and_placed_are_folded_with_when_each_was_loaded():
+    st = ClusterState()
+    fold.apply(st, 1, c.ModelDeclared(name="m", profile=c.ServingProfile(max_loras=2)))
+    assert fold.apply(st, 2, c.AdapterDeclared(name="sql", base="m", source="/l/sql")) == {
+        ("adapter", "sql")
+    }
+    assert [a.name for a in st.adapters_of("m")] == ["sql"]
+    fold.apply(st, 3, c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}, ts=100.0))
+    fold.apply(st, 4, c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql", "b"]}, ts=160.0))
+    held = st.adapter_holdings["m"]
+    assert held.holdings == {"m-r1": ["b", "sql"]} and held.decided_seq == 4
+    assert held.loaded_at == {"m-r1": {"sql": 100.0, "b": 160.0}}  # sql kept its time
+    # A placement for a model no longer declared is void; the model's removal ends it.
+    fold.apply(st, 5, c.AdaptersPlaced(model="gone", holdings={"g-r1": ["x"]}))
+    assert "gone" not in st.adapter_holdings
+    assert ("holdings", "m") in fold.apply(st, 6, c.ModelRemoved(name="m"))
+    assert "m" not in st.adapter_holdings
+    fold.apply(st, 7, c.AdapterRemoved(name="sql"))
+    assert st.adapters == {}

@@ -7,7 +7,13 @@ import pytest
 
 from llmgw import contracts as c
 from llmgw.reconciler.state import fold, queries
-from llmgw.reconciler.state.model import ClusterState, NodeView, ReplicaView, ShardView
+from llmgw.reconciler.state.model import (
+    AdapterHoldings,
+    ClusterState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+)
 from llmgw.reconciler.store import rows
 
 
@@ -55,6 +61,22 @@ def events() -> list[c.Message]:
                 c.RouterInput(router_id="r2"),
             ],
             since_last_change_seconds=42.5,
+        ),
+        c.ModelDeclared(
+            name="base", replicas=1, profile=c.ServingProfile(max_loras=2, max_lora_rank=8)
+        ),
+        c.AdapterDeclared(name="sql", base="base", source="/lora/sql", tenants=["t"], pinned=1),
+        c.AdaptersPlaced(
+            model="base", holdings={"base-r1": ["sql"]}, demand={"sql": 1.5}, explanation="x"
+        ),
+        c.ShardStatus(
+            node="a",
+            shard_id="base-r1-s0",
+            model="base",
+            replica_id="base-r1",
+            state=c.ShardState.READY,
+            adapters=["sql"],
+            adapter_errors={"chat": "404 NotFoundError"},
         ),
     ]
 
@@ -127,8 +149,14 @@ def test_every_part_of_the_state_has_a_table_whose_columns_are_its_fields():
     """A field added to the state or a view without a projection column fails here first."""
     covered = {p.attr for p in rows.PROJECTIONS.values()} | {"bands", "last_seq", "term"}
     assert covered == set(ClusterState.__struct_fields__)
-    views = {"node": NodeView, "shard": ShardView, "replica": ReplicaView}
+    views = {
+        "node": NodeView,
+        "shard": ShardView,
+        "replica": ReplicaView,
+        "holdings": AdapterHoldings,
+    }
     messages = {
+        "adapter": c.AdapterDeclared,
         "model": c.ModelDeclared,
         "tenant": c.TenantDeclared,
         "failure": c.PlacementFailed,

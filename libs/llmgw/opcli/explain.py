@@ -2,7 +2,10 @@
 
 Reads GET /api/explain/{model} from the operator API: the latest placement
 decision or failure per replica, each with a verdict per node, as the
-reconciler recorded it in the log. `-o json` prints the API's answer as is.
+reconciler recorded it in the log, and the model's LoRA adapters: where the
+leader placed each, where each engine reports holding it, and why (the latest
+adapter placement's explanation). MODEL may be an alias or an adapter, as
+clients send it. `-o json` prints the API's answer as is.
 """
 
 from __future__ import annotations
@@ -103,10 +106,37 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _adapter_lines(data: dict[str, Any]) -> list[str]:
+    """A base model's adapters: placed where, held where (engines' reports), and why."""
+    info = data.get("adapters") or {}
+    declared = info.get("declared") or []
+    if not declared:
+        return []
+    slots = (data.get("profile") or {}).get("max_loras", 0)
+    lines = [f"adapters ({slots} slot(s) per replica):"]
+    width = max(len(a["name"]) for a in declared)
+    for a in declared:
+        placed = ", ".join(a.get("placed_on") or []) or "-"
+        held = ", ".join(a.get("held_on") or []) or "-"
+        pinned = f"pinned on {a['pinned']}; " if a.get("pinned") else ""
+        lines.append(f"  {a['name']:<{width}}  {pinned}placed on {placed}; held on {held}")
+        for rid, answer in sorted((a.get("errors") or {}).items()):
+            lines.append(f"  {'':<{width}}  ! {rid} failed to load it: {answer}")
+    if info.get("decided_seq") is not None:
+        why = info.get("explanation") or "no change explained"
+        lines.append(
+            f"  last placement seq {info['decided_seq']}, {_when(info.get('decided_at'))}: {why}"
+        )
+    else:
+        lines.append("  no adapter placement yet: adapters are placed when requests ask for them")
+    return lines
+
+
 def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     model = data["model"]
     replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
-    lines = [f"{data['asked_as']} is an alias of {model}"] if data.get("asked_as") else []
+    kind = "an adapter" if data.get("asked_kind") == "adapter" else "an alias"
+    lines = [f"{data['asked_as']} is {kind} of {model}"] if data.get("asked_as") else []
     if data.get("declared"):
         p = data.get("profile") or {}
         lines.append(
@@ -117,6 +147,7 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
         )
         lines.extend(_roll_line(replicas.values()))
         lines.extend(_scaling_lines(data))
+        lines.extend(_adapter_lines(data))
     else:
         lines.append(f"{model}: not in the catalog (removed); history follows")
     hidden = 0

@@ -1,4 +1,5 @@
-"""`llmgw get nodes|models|replicas|endpoints|tenants|bands`: what the control plane knows.
+"""`llmgw get nodes|models|replicas|endpoints|adapters|tenants|bands`: what the control
+plane knows.
 
 Reads the reconciler's operator API (leader or standby: both serve from
 Postgres). `-o json` prints the API's answer as is; the table is for people.
@@ -83,6 +84,24 @@ def _endpoints(items: list[dict[str, Any]]) -> Rows:
     return ["MODEL", "SHARD", "STATE", "NODE", "URL"], rows
 
 
+def _adapters(items: list[dict[str, Any]]) -> Rows:
+    rows = []
+    for a in items:
+        failed = output.csv(f"{rid}: {answer}" for rid, answer in sorted(a["errors"].items()))
+        rows.append(
+            [
+                a["name"],
+                a["base"],
+                a["pinned"] or "",
+                output.csv(a["placed_on"]),
+                output.csv(a["held_on"]),
+                output.csv(a["tenants"]),
+                failed,
+            ]
+        )
+    return ["NAME", "BASE", "PINNED", "PLACED", "HELD", "TENANTS", "FAILED LOADS"], rows
+
+
 def _tenants(items: list[dict[str, Any]]) -> Rows:
     rows = [
         [
@@ -108,6 +127,7 @@ KINDS: dict[str, Callable[[list[dict[str, Any]]], Rows]] = {
     "models": _models,
     "replicas": _replicas,
     "endpoints": _endpoints,
+    "adapters": _adapters,
     "tenants": _tenants,
     "bands": _bands,
 }

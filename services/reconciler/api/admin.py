@@ -164,6 +164,7 @@ def build_app(engine: AsyncEngine, role: Role, authorizer: auth.Authorizer) -> S
         Route("/api/models", needs(auth.READ, listing(readapi.models))),
         Route("/api/replicas", needs(auth.READ, listing(readapi.replicas))),
         Route("/api/endpoints", needs(auth.READ, listing(readapi.endpoints))),
+        Route("/api/adapters", needs(auth.READ, listing(readapi.adapters))),
         # Bands are the admission classes routers enforce (ceilings, queues): how the
         # cluster behaves, with no tenant or credential in them.
         Route("/api/bands", needs(auth.READ, listing(readapi.bands))),

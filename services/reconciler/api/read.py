@@ -98,7 +98,17 @@ async def _replicas_with_shards(
         by_replica.setdefault(shard["replica_id"], []).append(
             {
                 k: shard[k]
-                for k in ("shard_id", "shard_index", "node", "state", "url", "gpus", "reason")
+                for k in (
+                    "shard_id",
+                    "shard_index",
+                    "node",
+                    "state",
+                    "url",
+                    "gpus",
+                    "reason",
+                    "adapters",
+                    "adapter_errors",
+                )
             }
         )
     out = []
@@ -230,9 +240,10 @@ async def tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
 
 
 async def catalog(conn: AsyncConnection) -> dict[str, Any]:
-    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band): what
-    `llmgw apply` diffs against where the stream no longer holds every declaration."""
-    tables = (t.Model.__table__, t.Tenant.__table__, rows.BANDS_TABLE)
+    """The folded catalog as its declarations (ModelDeclared, TenantDeclared, Band,
+    AdapterDeclared): what `llmgw apply` diffs against where the stream no longer holds
+    every declaration."""
+    tables = (t.Model.__table__, t.Tenant.__table__, t.Adapter.__table__, rows.BANDS_TABLE)
     folded = rows.state_from_rows(
         {tbl.name: await _rows(conn, select(tbl)) for tbl in tables},
         await store.read_position(conn) or 0,
@@ -242,6 +253,7 @@ async def catalog(conn: AsyncConnection) -> dict[str, Any]:
         "models": [msgspec.to_builtins(m) for _, m in sorted(folded.models.items())],
         "tenants": [msgspec.to_builtins(x) for _, x in sorted(folded.tenants.items())],
         "bands": [msgspec.to_builtins(b) for b in folded.bands],
+        "adapters": [msgspec.to_builtins(a) for _, a in sorted(folded.adapters.items())],
     }
 
 
@@ -295,14 +307,79 @@ async def _model_of_alias(conn: AsyncConnection, alias: str) -> str | None:
     return None
 
 
+async def _base_of_adapter(conn: AsyncConnection, name: str) -> str | None:
+    rows_ = await _rows(conn, select(t.Adapter.base).where(t.Adapter.name == name))
+    return rows_[0]["base"] if rows_ else None
+
+
+async def _adapter_views(conn: AsyncConnection, base: str | None) -> list[dict[str, Any]]:
+    """Declared adapters (of one base model, or all): where the leader placed each, where
+    each serving engine reports holding it, and what an engine answered to a failed load."""
+    aq = select(t.Adapter.__table__).order_by(t.Adapter.name)
+    hq = select(t.AdapterHolding.model, t.AdapterHolding.holdings)
+    sq = select(t.Shard.__table__).where(
+        t.Shard.state.in_(["ready", "draining"]), t.Shard.shard_index == 0
+    )
+    if base is not None:
+        aq = aq.where(t.Adapter.base == base)
+        hq = hq.where(t.AdapterHolding.model == base)
+        sq = sq.where(t.Shard.model == base)
+    holdings = {row["model"]: row["holdings"] for row in await _rows(conn, hq)}
+    shards = await _rows(conn, sq.order_by(t.Shard.replica_id))
+    out = []
+    for a in await _rows(conn, aq):
+        mine = [sh for sh in shards if sh["model"] == a["base"]]
+        out.append(
+            {
+                "name": a["name"],
+                "base": a["base"],
+                "source": a["source"],
+                "tenants": a["tenants"],
+                "pinned": a["pinned"],
+                "placed_on": sorted(
+                    rid for rid, held in holdings.get(a["base"], {}).items() if a["name"] in held
+                ),
+                "held_on": [sh["replica_id"] for sh in mine if a["name"] in (sh["adapters"] or [])],
+                "errors": {
+                    sh["replica_id"]: sh["adapter_errors"][a["name"]]
+                    for sh in mine
+                    if a["name"] in (sh["adapter_errors"] or {})
+                },
+            }
+        )
+    return out
+
+
+async def adapters(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Every declared adapter, placed where and held where (`llmgw get adapters`)."""
+    return await _adapter_views(conn, None)
+
+
+async def adapters_of(conn: AsyncConnection, model: str) -> dict[str, Any]:
+    """The adapters declared on base `model`, and the latest placement's explanation."""
+    placed_rows = await _rows(
+        conn, select(t.AdapterHolding.__table__).where(t.AdapterHolding.model == model)
+    )
+    placed = placed_rows[0] if placed_rows else None
+    return {
+        "declared": await _adapter_views(conn, model),
+        "decided_seq": placed["decided_seq"] if placed else None,
+        "decided_at": placed["decided_at"] if placed else None,
+        "explanation": placed["explanation"] if placed else "",
+    }
+
+
 async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
-    """The latest decision or failure per replica of `model` (a name or an alias, as
-    clients send it), with every node's verdict."""
+    """The latest decision or failure per replica of `model` (a name, an alias or an
+    adapter, as clients send it), with every node's verdict, and its adapters."""
     declared = (await _rows(conn, select(t.Model.__table__).where(t.Model.name == model))) or None
     if declared is None:
         named = await _model_of_alias(conn, model)
         if named is not None:
             return {**(await explain(conn, named) or {}), "asked_as": model}
+        base = await _base_of_adapter(conn, model)
+        if base is not None:
+            return {**(await explain(conn, base) or {}), "asked_as": model, "asked_kind": "adapter"}
     latest = (
         select(func.max(t.PlacementDecision.seq))
         .where(t.PlacementDecision.model == model)
@@ -331,6 +408,7 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "profile_digest": _digest(declared[0]["profile"]) if declared else None,
         "decisions": decisions,
         "replicas": replicas_now,
+        "adapters": await adapters_of(conn, model),
     }
 
 

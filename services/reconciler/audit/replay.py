@@ -28,6 +28,11 @@ state just before it: the count it started from, the rule and count its
 recorded signals call for, how long the condition had held, and the cool-down
 since the model's previous decision (autoscale.check).
 
+Each adapter placement (AdaptersPlaced) is placed again on the state as it was at its
+`based_on_seq` (a snapshot of its own: another controller's events of the same base
+are not in it) with the demand and waiting adapters it recorded, at its own time, and
+the holdings compared (lora.placement.check).
+
 `inputs_at(events, seq)` returns the snapshot one decision was based on, for
 `llmgw audit replay --explain SEQ`.
 """
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
+from llmgw.reconciler.controllers.lora import placement as adapter_placement
 from llmgw.reconciler.controllers.replicas import placement, verdicts
 from llmgw.reconciler.state import fold, queries
 from llmgw.reconciler.state.model import ClusterState
@@ -78,15 +84,28 @@ class ScaleCheck:
 
 
 @dataclass
+class AdapterCheck:
+    """An adapter placement against the policy, on the state at its base sequence."""
+
+    seq: int
+    recorded: c.AdaptersPlaced
+    differences: list[str] = field(default_factory=list)
+
+    def differs(self, strict: bool = False) -> bool:
+        return bool(self.differences)
+
+
+@dataclass
 class ReplayResult:
     events: int = 0
     last_seq: int = 0
     checks: list[Check] = field(default_factory=list)
     scaling: list[ScaleCheck] = field(default_factory=list)
+    adapters: list[AdapterCheck] = field(default_factory=list)
     state: ClusterState = field(default_factory=ClusterState)
 
-    def differing(self, strict: bool = False) -> list[Check | ScaleCheck]:
-        return [ch for ch in [*self.checks, *self.scaling] if ch.differs(strict)]
+    def differing(self, strict: bool = False) -> list[Check | ScaleCheck | AdapterCheck]:
+        return [ch for ch in [*self.checks, *self.scaling, *self.adapters] if ch.differs(strict)]
 
 
 def _default_placer(
@@ -174,10 +193,12 @@ def _check_adoption(snapshot: ClusterState, ev: c.PlacementDecided) -> list[str]
 class _Snapshots:
     """State copies at the base sequences later decisions refer to, freed after last use."""
 
-    def __init__(self, events: Sequence[tuple[int, c.Message]]):
+    def __init__(
+        self, events: Sequence[tuple[int, c.Message]], kinds: tuple[type, ...] = PLAN_EVENTS
+    ):
         last_use: dict[int, int] = {}
         for seq, ev in events:
-            if isinstance(ev, PLAN_EVENTS):
+            if isinstance(ev, kinds):
                 last_use[ev.based_on_seq] = seq
         self.bases = sorted(last_use)
         self.last_use = last_use
@@ -208,9 +229,11 @@ def replay(
     """Fold `events` (in seq order) and check each decision recorded in [from_seq, to_seq]."""
     log = [(seq, ev) for seq, ev in events if to_seq is None or seq <= to_seq]
     snaps = _Snapshots(log)
+    adapter_bases = _Snapshots(log, (c.AdaptersPlaced,))
     result = ReplayResult()
     for seq, ev in log:
         snaps.before(seq, result.state)
+        adapter_bases.before(seq, result.state)
         if isinstance(ev, PLAN_EVENTS) and ev.based_on_seq in snaps.taken:
             snapshot = snaps.taken[ev.based_on_seq]
             if isinstance(ev, (c.PlacementDecided, c.PlacementFailed)) and seq >= from_seq:
@@ -220,8 +243,12 @@ def replay(
             # The rule re-derived from the signals the event recorded, on the count
             # and the previous decision the log held just before it.
             result.scaling.append(ScaleCheck(seq, ev, autoscale.check(result.state, ev)))
+        if isinstance(ev, c.AdaptersPlaced) and seq >= from_seq:
+            base = adapter_bases.taken.get(ev.based_on_seq, result.state)
+            result.adapters.append(AdapterCheck(seq, ev, adapter_placement.check(base, ev)))
         fold.apply(result.state, seq, ev)
         snaps.done(seq)
+        adapter_bases.done(seq)
         result.events += 1
         result.last_seq = seq
         if progress is not None:
@@ -302,7 +329,21 @@ def render(result: ReplayResult, *, strict: bool = False, verbose: bool = False)
         lines.append(f"    recorded:   {rec.explanation or rec.rule}")
         for d in sc.differences:
             lines.append(f"    ! {d}")
+    for ac in result.adapters:
+        if not (ac.differences or verbose):
+            continue
+        rec = ac.recorded
+        mark = "DIFFERS" if ac.differences else "same"
+        lines.append(f"seq {ac.seq} {rec.model} adapters (based on seq {rec.based_on_seq}): {mark}")
+        lines.append(f"    recorded:   {rec.explanation or 'no change explained'}")
+        for d in ac.differences:
+            lines.append(f"    ! {d}")
     bad = sum(ch.differs(strict) for ch in result.checks)
+    if result.adapters:
+        lines.append(
+            f"{len(result.adapters)} adapter placement(s) re-derived, "
+            f"{sum(ac.differs() for ac in result.adapters)} differ"
+        )
     if result.scaling:
         scaled_bad = sum(sc.differs() for sc in result.scaling)
         lines.append(

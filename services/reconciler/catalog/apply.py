@@ -126,6 +126,8 @@ def add_folded(current: catalog.Current, folded: dict) -> None:
     """Declarations the folded catalog has on subjects the stream no longer holds."""
     declared: list[c.Message] = [msgspec.convert(m, c.ModelDeclared) for m in folded["models"]]
     declared += [msgspec.convert(x, c.TenantDeclared) for x in folded["tenants"]]
+    # An API older than adapters answers without them: then there are none to add.
+    declared += [msgspec.convert(x, c.AdapterDeclared) for x in folded.get("adapters", [])]
     if folded["bands"]:
         declared.append(c.BandsDeclared(bands=msgspec.convert(folded["bands"], list[c.Band])))
     for event in declared:

@@ -6,13 +6,14 @@ A catalog file is the WHOLE desired catalog:
     models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
               upstream, owned_by, api_kinds}]
     tenants: [{name, band, key_hashes, quotas, cache_isolation}]
+    adapters: [{name, base, source, tenants, pinned}]                  # LoRA adapters
 
 Entries are the message contract's own types (ServingProfile, SchedulingSpec,
 DeadlineSpec, Quotas, Band), so the file and the events cannot drift apart.
 `plan()` compares it with the current catalog (folded from the log's catalog
-subjects) and returns only the events that change something: models and
-tenants declared when new or different, removed when gone, bands re-declared
-when the list differs. Applying the same file twice yields no events.
+subjects) and returns only the events that change something: models, tenants
+and adapters declared when new or different, removed when gone, bands
+re-declared when the list differs. Applying the same file twice yields no events.
 """
 
 from __future__ import annotations
@@ -65,10 +66,24 @@ class CatalogTenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return msgspec.convert(msgspec.to_builtins(self), c.TenantDeclared)
 
 
+class CatalogAdapter(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A LoRA adapter of a base model: requests name it as their `model`."""
+
+    name: str
+    base: str
+    source: str
+    tenants: list[str] = msgspec.field(default_factory=list)
+    pinned: int = 0
+
+    def event(self) -> c.AdapterDeclared:
+        return msgspec.convert(msgspec.to_builtins(self), c.AdapterDeclared)
+
+
 class Catalog(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bands: list[c.Band] = msgspec.field(default_factory=list)
     models: list[CatalogModel] = msgspec.field(default_factory=list)
     tenants: list[CatalogTenant] = msgspec.field(default_factory=list)
+    adapters: list[CatalogAdapter] = msgspec.field(default_factory=list)
 
 
 class CatalogError(ValueError):
@@ -161,16 +176,20 @@ def parse(data: Any) -> Catalog:
     if not isinstance(data, dict):
         raise CatalogError([f"the catalog must be a mapping, got {_describe(data)}"])
     problems = [
-        f"{key}: unknown section (known: bands, models, tenants)"
+        f"{key}: unknown section (known: {', '.join(_SECTIONS)})"
         for key in data
-        if key not in ("bands", "models", "tenants")
+        if key not in _SECTIONS
     ]
     bands = _entries(data, "bands", c.Band, problems)
     models = _entries(data, "models", CatalogModel, problems)
     tenants = _entries(data, "tenants", CatalogTenant, problems)
+    adapters = _entries(data, "adapters", CatalogAdapter, problems)
     # Entries that failed to parse still exist for references: one error, not two.
     problems += _check(
         bands, models, tenants, _raw_names(data, "models"), _raw_names(data, "bands")
+    )
+    problems += _check_adapters(
+        adapters, models, _raw_names(data, "models"), _raw_names(data, "tenants")
     )
     if problems:
         raise CatalogError(problems)
@@ -178,7 +197,11 @@ def parse(data: Any) -> Catalog:
         bands=[b for _, b in bands],
         models=[m for _, m in models],
         tenants=[t for _, t in tenants],
+        adapters=[a for _, a in adapters],
     )
+
+
+_SECTIONS = ("bands", "models", "tenants", "adapters")
 
 
 # ------------------------------------------------------------------ semantic checks
@@ -235,6 +258,10 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
     for name in ("max_model_len", "max_num_seqs"):
         if (getattr(p, name) or 1) < 1:
             out.append(f"{label}: profile.{name}: must be positive (omit it for the default)")
+    if p.max_loras < 0:
+        out.append(f"{label}: profile.max_loras: must be 0 or more, got {p.max_loras}")
+    if p.max_lora_rank < 1:
+        out.append(f"{label}: profile.max_lora_rank: must be at least 1, got {p.max_lora_rank}")
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
@@ -377,6 +404,53 @@ def _check(
     return problems
 
 
+def _check_adapters(
+    adapters: list[tuple[str, CatalogAdapter]],
+    models: list[tuple[str, CatalogModel]],
+    model_names: set[str],
+    tenant_names: set[str],
+) -> list[str]:
+    """An adapter's name is what requests put in `model`: it must name nothing else, and
+    its base must be a model whose engines have adapter slots."""
+    problems = _names(adapters, "adapter")
+    parsed = {m.name: m for _, m in models}
+    aliases = {alias: m.name for _, m in models for alias in m.aliases}
+    for label, a in adapters:
+        if a.name in model_names:
+            problems.append(f"{label}: name: {a.name!r} is already a model's name")
+        elif a.name in aliases:
+            problems.append(f"{label}: name: {a.name!r} is already an alias of {aliases[a.name]!r}")
+        if not a.source.strip():
+            problems.append(f"{label}: source: must not be empty (the path its engines load)")
+        if a.pinned < 0:
+            problems.append(f"{label}: pinned: must be 0 or more, got {a.pinned}")
+        for tenant in a.tenants:
+            if tenant not in tenant_names:
+                problems.append(f"{label}: tenants: {tenant!r} is not a tenant in this catalog")
+        base = parsed.get(a.base)
+        if a.base not in model_names:
+            known = ", ".join(sorted(model_names)) or "none declared"
+            problems.append(f"{label}: base: {a.base!r} is not a model in this catalog ({known})")
+        elif base is None:
+            continue  # the base failed to parse: its own error says why
+        elif base.profile.max_loras < 1:
+            problems.append(
+                f"{label}: base: model {a.base!r} has no adapter slots (set its profile.max_loras)"
+            )
+        elif a.pinned > _most_replicas(base):
+            problems.append(
+                f"{label}: pinned: {a.pinned} replica(s), but model {a.base!r} has at most "
+                f"{_most_replicas(base)}"
+            )
+    return problems
+
+
+def _most_replicas(m: CatalogModel) -> int:
+    if m.autoscale is not None:
+        return m.autoscale.max
+    return 1 if m.replicas is None else m.replicas
+
+
 # ------------------------------------------------------------------ diff
 
 
@@ -387,6 +461,7 @@ class Current:
     models: dict[str, c.ModelDeclared] = field(default_factory=dict)
     tenants: dict[str, c.TenantDeclared] = field(default_factory=dict)
     bands: list[c.Band] = field(default_factory=list)
+    adapters: dict[str, c.AdapterDeclared] = field(default_factory=dict)
     # The stream sequence of the last message per subject, for optimistic concurrency.
     subject_seqs: dict[str, int] = field(default_factory=dict)
 
@@ -403,6 +478,10 @@ class Current:
                 self.tenants.pop(event.name, None)
             case c.BandsDeclared():
                 self.bands = list(event.bands)
+            case c.AdapterDeclared():
+                self.adapters[event.name] = event
+            case c.AdapterRemoved():
+                self.adapters.pop(event.name, None)
 
 
 def _body(msg: c.Message) -> dict[str, Any]:
@@ -440,13 +519,18 @@ def _declarations(kind: str, entries: list, current: dict[str, c.Message]) -> li
 
 def plan(catalog: Catalog, current: Current) -> list[Step]:
     """The events that turn `current` into `catalog`, in an order routers can follow:
-    bands first (tenants name them), declarations, then removals."""
+    bands first (tenants name them), declarations (adapters after the models they name),
+    then removals (adapters before the models they name)."""
     steps: list[Step] = []
     if msgspec.to_builtins(catalog.bands) != msgspec.to_builtins(current.bands):
         names = ", ".join(b.name for b in catalog.bands) or "none"
         steps.append(Step(c.BandsDeclared(bands=list(catalog.bands)), f"bands: set to {names}"))
     steps += _declarations("model", catalog.models, current.models)
     steps += _declarations("tenant", catalog.tenants, current.tenants)
+    steps += _declarations("adapter", catalog.adapters, current.adapters)
+    wanted_adapters = {a.name for a in catalog.adapters}
+    for name in sorted(set(current.adapters) - wanted_adapters):
+        steps.append(Step(c.AdapterRemoved(name=name), f"adapter {name}: removed"))
     wanted_tenants = {t.name for t in catalog.tenants}
     for name in sorted(set(current.tenants) - wanted_tenants):
         steps.append(Step(c.TenantRemoved(name=name), f"tenant {name}: removed"))

@@ -22,7 +22,9 @@ back-off:
   - replicas (replicas/controller.py): placement, retirement, adoption, and
     the commands that carry them out;
   - projection (projection/controller.py): the routers' KV buckets;
-  - autoscale (autoscale/controller.py): routers' demand in, ModelScaled out.
+  - autoscale (autoscale/controller.py): routers' demand in, ModelScaled out;
+  - lora (lora/controller.py): routers' demand per adapter in, AdaptersPlaced and
+    the SetShardAdapters that carry it out.
 
 A failure in one (a KV write refused) backs that one off; the others go on.
 Every control event goes back into the log and the fold applies it like any
@@ -45,6 +47,7 @@ from llmgw import config
 from llmgw.reconciler.controllers.autoscale.controller import AutoscaleController
 from llmgw.reconciler.controllers.liveness.controller import LivenessController
 from llmgw.reconciler.controllers.liveness.tracker import LivenessTracker
+from llmgw.reconciler.controllers.lora.controller import LoraController
 from llmgw.reconciler.controllers.projection.controller import ProjectionController
 from llmgw.reconciler.controllers.projection.writer import KvProjection
 from llmgw.reconciler.controllers.replicas.controller import ReplicaController
@@ -87,6 +90,8 @@ class ActorConfig(config.ConfigStruct, kw_only=True):
     replace_backoff_max: float = 300.0
     # How often the autoscaler evaluates the routers' demand summaries.
     autoscale_tick: float = 1.0
+    # How often the LoRA placement weighs the demand per adapter (docs/reconciler.md).
+    lora_tick: float = 1.0
 
 
 ControllerFactory = Callable[[Context, ActorConfig], Controller]
@@ -97,6 +102,7 @@ CONTROLLERS: tuple[ControllerFactory, ...] = (
     ReplicaController,
     ProjectionController,
     AutoscaleController,
+    LoraController,
 )
 
 

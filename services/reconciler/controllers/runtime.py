@@ -43,6 +43,7 @@ from nats.js import JetStreamContext
 
 from llmgw import bus
 from llmgw import contracts as c
+from llmgw.reconciler.controllers.demand import DemandIntake
 from llmgw.reconciler.intake.gate import CommitGate
 from llmgw.reconciler.state.changes import ChangeSet, Kind
 from llmgw.reconciler.state.model import ClusterState
@@ -80,7 +81,13 @@ class Context:
     state: ClusterState = field(default_factory=ClusterState)
     # node -> its latest heartbeat (written by the liveness controller, read by others).
     heard: dict[str, Heard] = field(default_factory=dict)
+    # The routers' demand summaries (one subscription, read by autoscale and LoRA placement).
+    demand: DemandIntake | None = None
     _folded: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.demand is None:
+            self.demand = DemandIntake(self.monotonic)
 
     def synced(self) -> bool:
         return self.state.last_seq >= self.synced_seq
@@ -126,6 +133,9 @@ class Controller:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        # Runs a pass soon, for news that does not come through the fold (a message it
+        # subscribed to); its runner sets it. Before that, news has nobody to wake.
+        self.wake_now: Callable[[], None] = lambda: None
 
     async def start(self) -> None:
         """Set up before the first reconcile (subscribe, read what is there)."""
@@ -145,6 +155,7 @@ class Runner:
         self.pending = ChangeSet()
         self.wake = asyncio.Event()
         self.wake.set()  # the first pass runs as soon as the cache is synced
+        controller.wake_now = self.wake.set
         self.failures = 0
         self.passes = 0
 

@@ -12,7 +12,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Literal, NamedTuple
 
-Kind = Literal["node", "shard", "replica", "model", "tenant", "bands", "failure", "term", "scaled"]
+Kind = Literal[
+    "node",
+    "shard",
+    "replica",
+    "model",
+    "tenant",
+    "bands",
+    "failure",
+    "term",
+    "scaled",
+    "adapter",
+    "holdings",
+]
 
 NODE: Kind = "node"
 SHARD: Kind = "shard"
@@ -23,9 +35,11 @@ BANDS: Kind = "bands"  # key "": the bands are one declaration
 FAILURE: Kind = "failure"  # key: a replica id not placed yet
 TERM: Kind = "term"  # key: the leader term, as text
 SCALED: Kind = "scaled"  # key: a model whose autoscaled replica count changed or ended
+ADAPTER: Kind = "adapter"  # key: a LoRA adapter declared, changed or removed
+HOLDINGS: Kind = "holdings"  # key: a base model whose adapter placement changed or ended
 
 KINDS: frozenset[Kind] = frozenset(
-    (NODE, SHARD, REPLICA, MODEL, TENANT, BANDS, FAILURE, TERM, SCALED)
+    (NODE, SHARD, REPLICA, MODEL, TENANT, BANDS, FAILURE, TERM, SCALED, ADAPTER, HOLDINGS)
 )
 
 

@@ -14,6 +14,7 @@ from llmgw.reconciler.state import replica_index
 from llmgw.reconciler.state.changes import Change
 from llmgw.reconciler.state.model import (
     NODE_LOST,
+    AdapterHoldings,
     ClusterState,
     Liveness,
     NodeView,
@@ -100,12 +101,23 @@ def _take_report(
 
 def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Change]:
     shard = _shard_for(state, ev.shard_id, ev.model, ev.replica_id)
+    # A report of what the engine holds, in the state it was already in, is about
+    # adapters only: why the shard got to that state stays as it was.
+    adapters_only = ev.adapters is not None and ev.state == shard.state
     _take_report(shard, ev.node, ev, whole=False)
-    shard.reason = ev.reason
-    shard.exit_code = ev.exit_code
-    shard.output_tail = list(ev.output_tail)
+    if not adapters_only:
+        shard.reason = ev.reason
+        shard.exit_code = ev.exit_code
+        shard.output_tail = list(ev.output_tail)
     if ev.max_running is not None:
         shard.max_running = ev.max_running
+    if ev.adapters is not None:
+        shard.adapters = list(ev.adapters)
+        shard.adapter_errors = dict(ev.adapter_errors)
+    elif shard.state not in _SERVING:
+        # An engine that left serving (restarting, stopped) holds nothing it loaded.
+        shard.adapters = None
+        shard.adapter_errors = {}
     changes: set[Change] = set()
     _touch(shard, seq, ev.ts, changes)
     return changes
@@ -122,6 +134,8 @@ def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[C
 def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Change]:
     state.models.pop(ev.name, None)
     changes: set[Change] = {Change(ch.MODEL, ev.name)}
+    if state.adapter_holdings.pop(ev.name, None) is not None:
+        changes.add(Change(ch.HOLDINGS, ev.name))
     if state.scaled.pop(ev.name, None) is not None:
         changes.add(Change(ch.SCALED, ev.name))
     for rid in [rid for rid, f in state.failures.items() if f.model == ev.name]:
@@ -209,6 +223,38 @@ def _model_scaled(state: ClusterState, seq: int, ev: c.ModelScaled) -> set[Chang
     return {Change(ch.SCALED, ev.model)}
 
 
+def _adapter_declared(state: ClusterState, seq: int, ev: c.AdapterDeclared) -> set[Change]:
+    state.adapters[ev.name] = ev
+    return {Change(ch.ADAPTER, ev.name)}
+
+
+def _adapter_removed(state: ClusterState, seq: int, ev: c.AdapterRemoved) -> set[Change]:
+    # The adapter placement still lists it until the leader unloads it: that decision
+    # is the next AdaptersPlaced, not the fold's.
+    state.adapters.pop(ev.name, None)
+    return {Change(ch.ADAPTER, ev.name)}
+
+
+def _adapters_placed(state: ClusterState, seq: int, ev: c.AdaptersPlaced) -> set[Change]:
+    if ev.model not in state.models:
+        return set()  # decided just before the model left
+    before = state.adapter_holdings.get(ev.model)
+    since = before.loaded_at if before is not None else {}
+    state.adapter_holdings[ev.model] = AdapterHoldings(
+        model=ev.model,
+        holdings={rid: sorted(held) for rid, held in ev.holdings.items()},
+        # An adapter a replica kept holds since it was loaded there; a new one since now.
+        loaded_at={
+            rid: {a: since.get(rid, {}).get(a, ev.ts) for a in held}
+            for rid, held in ev.holdings.items()
+        },
+        decided_seq=seq,
+        decided_at=ev.ts,
+        explanation=ev.explanation,
+    )
+    return {Change(ch.HOLDINGS, ev.model)}
+
+
 def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float) -> set[Change]:
     view = state.nodes.get(node)
     if view is None:
@@ -270,6 +316,9 @@ _HANDLERS = {
     c.PlacementFailed: _placement_failed,
     c.ReplicaRetired: _replica_retired,
     c.ModelScaled: _model_scaled,
+    c.AdapterDeclared: _adapter_declared,
+    c.AdapterRemoved: _adapter_removed,
+    c.AdaptersPlaced: _adapters_placed,
     c.NodeUnreachable: _node_unreachable,
     c.NodeLost: _node_lost,
     c.NodeRecovered: _node_recovered,
@@ -277,3 +326,4 @@ _HANDLERS = {
 }
 
 _CONTROL = c.CHANNELS["controlEvents"]
+_SERVING = (c.ShardState.READY, c.ShardState.DRAINING)

@@ -12,7 +12,7 @@ split one thing into two.
   - event: a digest of what the decision is about, so a decision re-published
     (even by a new leader) is the same message and the stream dedupes it;
   - command key `<shard>:<action>`: an agent recognises a re-issued command as
-    the same one.
+    the same one (for a set of adapters, `<shard>:adapters@<digest of the set>`).
 """
 
 from __future__ import annotations
@@ -52,3 +52,10 @@ def event_id(*parts: object) -> str:
 def command_key(shard_id: str, action: str) -> str:
     """Deterministic, so the agent recognises a re-issued command as the same one."""
     return f"{shard_id}:{action}"
+
+
+def adapters_key(shard_id: str, adapters: list[str]) -> str:
+    """The key of a SetShardAdapters: one per set of adapters, so a re-issue of the same
+    set is recognised and another set is a new command."""
+    digest = hashlib.sha256("\x1f".join(sorted(adapters)).encode()).hexdigest()[:12]
+    return command_key(shard_id, f"adapters@{digest}")

@@ -57,6 +57,10 @@ class ShardView(msgspec.Struct, kw_only=True):
     max_running: int | None = None
     updated_seq: int = 0
     updated_at: float = 0.0
+    # The LoRA adapters its engine holds, as the agent last reported (None: not reported,
+    # or void since the engine left ready), and the engine's answer to each failed load.
+    adapters: list[str] | None = None
+    adapter_errors: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -79,6 +83,19 @@ class ReplicaView(msgspec.Struct, kw_only=True):
         return [a.shard_id for a in self.assignments]
 
 
+class AdapterHoldings(msgspec.Struct, kw_only=True):
+    """Which replicas of one base model hold which adapters, as the latest AdaptersPlaced
+    decided, and since when each has held each (what the hold time is measured from)."""
+
+    model: str
+    holdings: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    # replica -> adapter -> wall time (event ts) of the decision that loaded it there.
+    loaded_at: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    decided_seq: int = 0
+    decided_at: float = 0.0
+    explanation: str = ""
+
+
 # dict=True: room for derived indexes kept beside the fields (replica_index), which
 # equality, encoding and the projection never see.
 class ClusterState(msgspec.Struct, kw_only=True, dict=True):
@@ -97,6 +114,9 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
     # The autoscaler's latest decision per autoscaled model (its `to_replicas` is the count).
     scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
+    # Declared LoRA adapters by name, and the latest adapter placement per base model.
+    adapters: dict[str, c.AdapterDeclared] = msgspec.field(default_factory=dict)
+    adapter_holdings: dict[str, AdapterHoldings] = msgspec.field(default_factory=dict)
 
     def copy(self) -> ClusterState:
         """A deep copy (placement experiments and replay must not touch the live state)."""
@@ -123,6 +143,10 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
 
     def shards_on(self, node: str) -> list[ShardView]:
         return [s for s in self.shards.values() if s.node == node]
+
+    def adapters_of(self, model: str) -> list[c.AdapterDeclared]:
+        """The adapters declared on base `model`, by name."""
+        return sorted((a for a in self.adapters.values() if a.base == model), key=lambda a: a.name)
 
 
 def profile_digest(profile: c.ServingProfile) -> str:

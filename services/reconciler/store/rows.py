@@ -21,7 +21,13 @@ from sqlalchemy import Table
 from llmgw import contracts as c
 from llmgw.reconciler.state import changes as ch
 from llmgw.reconciler.state.changes import Change
-from llmgw.reconciler.state.model import ClusterState, NodeView, ReplicaView, ShardView
+from llmgw.reconciler.state.model import (
+    AdapterHoldings,
+    ClusterState,
+    NodeView,
+    ReplicaView,
+    ShardView,
+)
 from llmgw.reconciler.store import tables as t
 
 Row = dict[str, Any]
@@ -133,6 +139,22 @@ PROJECTIONS: dict[str, Projection] = {
             "scaled",
             lambda k, m: _message_row(m),
             _load_message("scaled", c.ModelScaled, "model"),
+        ),
+        Projection(
+            "adapter",
+            t.Adapter.__table__,
+            "name",
+            "adapters",
+            lambda k, m: _message_row(m),
+            _load_message("adapters", c.AdapterDeclared, "name"),
+        ),
+        Projection(
+            "holdings",
+            t.AdapterHolding.__table__,
+            "model",
+            "adapter_holdings",
+            _view_row,
+            _load_view("adapter_holdings", AdapterHoldings, "model"),
         ),
     )
 }

@@ -3,7 +3,7 @@
 Two kinds of table live here:
 
 - state projections (nodes, shards, replicas, models, tenants, bands,
-  placement_failures, model_scaling): one row per entry of `ClusterState`.
+  placement_failures, model_scaling, adapters, adapter_holdings): one row per entry of `ClusterState`.
   Column names are the field names of the state's views, so a row is
   `msgspec.to_builtins(view)` and a view is `msgspec.convert(row, View)`;
   loading the state back from these tables is exact.
@@ -70,6 +70,8 @@ class Shard(Base):
     max_running: Mapped[int | None] = mapped_column(Integer)
     updated_seq: Mapped[int]
     updated_at: Mapped[float]
+    adapters: Mapped[list[Any] | None]  # NULL: not reported
+    adapter_errors: Mapped[Json] = mapped_column(server_default="{}")
 
 
 class Replica(Base):
@@ -124,6 +126,34 @@ class ModelScaling(Base):
     inputs: Mapped[list[Any]] = mapped_column(server_default="[]")  # at most 64 routers
     since_last_change_seconds: Mapped[float | None]
     term: Mapped[int] = mapped_column(BigInteger, server_default="0")  # the leader's
+
+
+class Adapter(Base):
+    """A declared LoRA adapter, as the last AdapterDeclared said (event id and ts kept)."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (Index("ix_adapters_base", "base"),)
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    base: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(Text)
+    tenants: Mapped[list[Any]]
+    pinned: Mapped[int] = mapped_column(Integer)
+    event_id: Mapped[str] = mapped_column(Text)
+    event_ts: Mapped[float]
+
+
+class AdapterHolding(Base):
+    """The latest adapter placement per base model (state.model.AdapterHoldings)."""
+
+    __tablename__ = "adapter_holdings"
+
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    holdings: Mapped[Json]  # replica -> adapters
+    loaded_at: Mapped[Json]  # replica -> adapter -> when it was loaded there
+    decided_seq: Mapped[int]
+    decided_at: Mapped[float]
+    explanation: Mapped[str] = mapped_column(Text)
 
 
 class Tenant(Base):

@@ -1,7 +1,8 @@
 """The autoscale controller: routers' demand summaries in, ModelScaled events out.
 
 Routers publish a DemandSummary about once a second on core NATS
-(`llmgw.demand.<router>`); the leader keeps the latest per router and, every
+(`llmgw.demand.<router>`); the leader keeps the latest per router (demand.py,
+shared with the LoRA placement) and, every
 `autoscale_tick` seconds (the actor's config), combines those younger than
 `rule.SUMMARY_TTL` per model and asks the pure `rule.decide` what to do. Each
 decision goes into the log as a ModelScaled event; the fold turns it into the
@@ -28,14 +29,11 @@ event's wall time, when first seen.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
-from nats.aio.msg import Msg
 from prometheus_client import Counter
 
 from llmgw import contracts as c
-from llmgw import subjects as s
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state.changes import ChangeSet
@@ -44,17 +42,10 @@ from llmgw.reconciler.state.model import ClusterState
 log = logging.getLogger(__name__)
 
 SCALED = Counter("llmgw_reconciler_model_scaled_total", "Autoscaling decisions", ["rule"])
-SUMMARIES = Counter(
-    "llmgw_reconciler_demand_summaries_total", "Router demand summaries received", ["result"]
-)
 TICKS = Counter(
     "llmgw_reconciler_autoscale_evaluations_total",
     "Autoscaler evaluations (ticks not spent waiting for the fold)",
 )
-
-
-def _order(summary: c.DemandSummary) -> tuple[str, int]:
-    return (summary.router_id, summary.process)
 
 
 class AutoscaleController(Controller):
@@ -67,56 +58,25 @@ class AutoscaleController(Controller):
         self.resync = cfg.autoscale_tick
         self.clock = ctx.clock  # wall clock: stamps events, never measures time
         self.monotonic = ctx.monotonic  # measures: summary age, conditions held, cool-down, waits
-        # (router id, worker process) -> (arrival (monotonic), latest summary)
-        self.summaries: dict[tuple[str, int], tuple[float, c.DemandSummary]] = {}
+        self.demand = ctx.demand  # the routers' summaries, shared with the LoRA placement
         self.tracks: dict[str, autoscale.Track] = {}
         # model -> (id of its latest ModelScaled, when it happened on the monotonic clock)
         self.changed: dict[str, tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
         self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
-        self._sub = None
 
     async def start(self) -> None:
-        self._sub = await self.ctx.nc.subscribe(s.DEMAND_ALL, cb=self.on_summary)
+        await self.demand.attach(self.ctx.nc)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
-
-    async def on_summary(self, msg: Msg) -> None:
-        """One router's summary, as its subscription hands it over: the latest per router."""
-        try:
-            summary = c.decode(msg.data, c.DemandSummary)
-        except c.ContractError as exc:
-            SUMMARIES.labels("malformed").inc()
-            log.warning("dropped a malformed demand summary on %s: %s", msg.subject, exc.reason)
-            return
-        if msg.subject != s.demand(summary.router_id):
-            # The bus lets a router publish only on its own subject (nats-config), so a
-            # summary naming another router is a forgery or a misconfigured router:
-            # counting it would let one router steer every model's scale.
-            SUMMARIES.labels("misaddressed").inc()
-            log.warning(
-                "dropped a demand summary for router %r that arrived on %s",
-                summary.router_id,
-                msg.subject,
-            )
-            return
-        SUMMARIES.labels("ok").inc()
-        self.summaries[(summary.router_id, summary.process)] = (self.monotonic(), summary)
+        await self.demand.detach()
 
     def signals(
         self, state: ClusterState, now: float
     ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
         """Combined signals per autoscaled model from the summaries still fresh at
         monotonic `now` (older ones are forgotten), and the inputs they came from."""
-        for key in [k for k, (at, _) in self.summaries.items() if now - at > autoscale.SUMMARY_TTL]:
-            del self.summaries[key]
-        # In router order, the order replay re-combines the recorded inputs in: the
-        # saturation is a float sum, and float sums depend on their order.
-        live = [sm for _, sm in sorted(self.summaries.values(), key=lambda x: _order(x[1]))]
+        live = self.demand.fresh(now, autoscale.SUMMARY_TTL)
         if not live:
             return {}, {}  # no router speaks: nothing is known, nothing is decided
         models = [m for m, decl in state.models.items() if decl.autoscale is not None]

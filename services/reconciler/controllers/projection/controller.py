@@ -1,7 +1,7 @@
 """Projection controller: keep the routers' KV buckets equal to the committed state.
 
 Watches: what the records are made of (models, shards, replicas, tenants,
-bands). Resync: `projection_resync_interval`; a resync re-reads the buckets
+bands, adapters). Resync: `projection_resync_interval`; a resync re-reads the buckets
 and rewrites whatever differs, so drift is repaired even when nothing
 changes: an old leader's late write, a bucket recreated empty, a key deleted
 by hand. The first pass of a term is such a resync. A failing KV write backs
@@ -27,7 +27,7 @@ KV_RESYNCS = Counter("llmgw_reconciler_kv_resyncs_total", "Full re-reads of the 
 class ProjectionController(Controller):
     name = "projection"
     watches = frozenset(
-        {ch.MODEL, ch.SHARD, ch.REPLICA, ch.TENANT, ch.BANDS, ch.FAILURE, ch.SCALED}
+        {ch.MODEL, ch.SHARD, ch.REPLICA, ch.TENANT, ch.BANDS, ch.FAILURE, ch.SCALED, ch.ADAPTER}
     )
 
     def __init__(self, ctx: Context, cfg):

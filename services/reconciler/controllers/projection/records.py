@@ -3,8 +3,9 @@
 Routers watch two buckets and never need Postgres; which key holds which
 record, and their bytes, are `llmgw.projection`'s (the routers read with it):
   - a ModelEndpoints per model with the model's serving endpoints (ready, or
-    draining: finish what runs, take nothing new), aliases, fallbacks,
-    scheduling, deadlines and capacity hints; the key is deleted when the model
+    draining: finish what runs, take nothing new; each with its adapter slots
+    and the adapters its engine reports holding), aliases, fallbacks,
+    scheduling, deadlines, capacity hints and the adapters declared on it; the key is deleted when the model
     leaves the catalog;
   - a TenantRecord per tenant, and the bands as one BandsRecord.
 
@@ -63,6 +64,10 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
                 state=c.EndpointState.DRAINING if draining else c.EndpointState.READY,
                 engine=decl.profile.engine,
                 max_running=head.max_running or decl.profile.max_num_seqs,
+                max_loras=decl.profile.max_loras,
+                # What the engine holds, as its agent reported: a placement not yet
+                # loaded is not routed to as if it were.
+                adapters=sorted(head.adapters or []),
             )
         )
     return c.ModelEndpoints(
@@ -80,6 +85,9 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         scale_from_zero=decl.autoscale is not None and decl.autoscale.min == 0,
         unplaceable=_unplaceable(state, model),
         term=state.term,
+        adapters=[
+            c.AdapterRoute(name=a.name, tenants=list(a.tenants)) for a in state.adapters_of(model)
+        ],
     )
 
 
@@ -140,6 +148,13 @@ def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
             model = failed.model if failed is not None else None
         elif kind == ch.SCALED:
             model = key
+        elif kind == ch.ADAPTER:
+            declared = state.adapters.get(key)
+            # A removed adapter no longer says its base: every model's record is
+            # compared (the writer writes only those that differ). Catalog changes are rare.
+            if declared is None:
+                out.update(Key.model(m) for m in state.models)
+            model = declared.base if declared is not None else None
         elif kind == ch.TENANT:
             out.add(Key.tenant(key))
         elif kind == ch.BANDS:

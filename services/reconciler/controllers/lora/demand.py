@@ -1,0 +1,71 @@
+"""The demand per adapter the placement weighs: routers' counts, smoothed over time. Pure.
+
+Each router's summary says, per base model and adapter, how many requests arrived since
+its previous summary and how many wait in admission because no replica holds the
+adapter. The placement must not follow every second's noise (a slot reshuffled on a
+burst is a load now and another when the burst ends), so requests per second are
+smoothed with an exponentially weighted moving average (half-life `HALF_LIFE`); requests
+waiting are added as they are, since a waiting request is demand that is failing now.
+
+A summary is counted once, by its id: the leader reads the latest per router on every
+tick, and a router's summary read twice must not count twice. A router that published
+two summaries between two ticks has its first one missed (its requests go uncounted);
+ticks of a second and summaries of a second keep that rare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmgw import contracts as c
+
+HALF_LIFE = 30.0  # seconds for an old rate to weigh half
+
+
+class DemandSmoother:
+    def __init__(self, half_life: float = HALF_LIFE):
+        self.half_life = half_life
+        self.rates: dict[tuple[str, str], float] = {}  # (base model, adapter) -> requests/s
+        self._seen: set[str] = set()  # ids of the summaries counted at the last update
+        self._at: float | None = None  # monotonic time of the last update
+
+    def update(
+        self, summaries: Iterable[c.DemandSummary], now: float
+    ) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
+        """(base model -> adapter -> weighed demand, base model -> adapters waiting)."""
+        fresh = list(summaries)
+        arrived: dict[tuple[str, str], int] = {}
+        waiting: dict[tuple[str, str], int] = {}
+        for sm in fresh:
+            new = sm.id not in self._seen
+            for model, md in sm.models.items():
+                for adapter, ad in md.adapters.items():
+                    key = (model, adapter)
+                    if new:
+                        arrived[key] = arrived.get(key, 0) + ad.requests
+                    waiting[key] = waiting.get(key, 0) + ad.waiting
+        self._seen = {sm.id for sm in fresh}
+        dt = now - self._at if self._at is not None else 0.0
+        if dt > 0:
+            alpha = 1.0 - 0.5 ** (dt / self.half_life)
+            for key in set(self.rates) | set(arrived):
+                rate = arrived.get(key, 0) / dt
+                self.rates[key] = self.rates.get(key, 0.0) + alpha * (
+                    rate - self.rates.get(key, 0.0)
+                )
+        if dt > 0 or self._at is None:
+            self._at = now
+        weighed: dict[str, dict[str, float]] = {}
+        for key in set(self.rates) | set(waiting):
+            value = self.rates.get(key, 0.0) + waiting.get(key, 0)
+            if value > 1e-6:
+                weighed.setdefault(key[0], {})[key[1]] = value
+        return weighed, _waiting_by_model(waiting)
+
+
+def _waiting_by_model(waiting: dict[tuple[str, str], int]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for (model, adapter), n in waiting.items():
+        if n > 0:
+            out.setdefault(model, set()).add(adapter)
+    return out

@@ -1,0 +1,69 @@
+"""What the leader tells agents about adapters, and the demand it weighs."""
+
+from __future__ import annotations
+
+from llmgw import contracts as c
+from llmgw.reconciler.config import ReconcilerConfig, validate
+from llmgw.reconciler.controllers.lora.commands import adapter_commands
+from llmgw.reconciler.controllers.lora.demand import DemandSmoother
+from llmgw.reconciler.controllers.manager import ActorConfig
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+
+from ._cluster import Log, model, node, status
+
+S = c.ShardState
+
+
+def ready_base() -> Log:
+    log = Log().append(node("a", 2), model("m", replicas=2, max_loras=2))
+    log.append(*reconcile.decide(log.state).events)
+    log.append(status(log.state, "m-r1-s0", S.READY), status(log.state, "m-r2-s0", S.READY))
+    log.append(c.AdapterDeclared(name="sql", base="m", source="/l/sql"))
+    return log
+
+
+def test_the_whole_set_goes_to_the_serving_shard_until_the_engine_reports_it():
+    log = ready_base()
+    assert adapter_commands(log.state) == []  # nothing placed, nothing reported
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r2": ["sql"], "m-r1": []}))
+    (cmd,) = adapter_commands(log.state)
+    assert (cmd.node, cmd.shard_id) == ("a", "m-r2-s0")
+    assert cmd.adapters == [c.AdapterSource(name="sql", source="/l/sql")]
+    assert cmd.key.startswith("m-r2-s0:adapters@")
+    # A failed load is reported with the engine's answer: the command is still wanted.
+    log.append(status(log.state, "m-r2-s0", S.READY, adapters=[], adapter_errors={"sql": "404"}))
+    assert [x.key for x in adapter_commands(log.state)] == [cmd.key]
+    log.append(status(log.state, "m-r2-s0", S.READY, adapters=["sql"]))
+    assert adapter_commands(log.state) == []
+    # Removed from the catalog: the engine is told to hold nothing (another key).
+    log.append(c.AdapterRemoved(name="sql"))
+    (unload,) = adapter_commands(log.state)
+    assert unload.adapters == [] and unload.key != cmd.key
+
+
+def test_a_replica_that_no_longer_serves_gets_no_command():
+    log = ready_base()
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r2": ["sql"]}))
+    log.append(status(log.state, "m-r2-s0", S.LOADING))
+    assert adapter_commands(log.state) == []
+
+
+def summary(sid: str, requests: int, waiting: int = 0) -> c.DemandSummary:
+    ad = c.AdapterDemand(requests=requests, waiting=waiting)
+    return c.DemandSummary(id=sid, router_id="r1", models={"m": c.ModelDemand(adapters={"x": ad})})
+
+
+def test_demand_is_smoothed_counted_once_per_summary_and_waiting_adds_at_once():
+    sm = DemandSmoother(half_life=10.0)
+    sm.update([], 0.0)
+    demand, waiting = sm.update([summary("s1", 10)], 10.0)  # 1 req/s for 10 s, half weight
+    assert abs(demand["m"]["x"] - 0.5) < 1e-9 and waiting == {}
+    demand, _ = sm.update([summary("s1", 10)], 20.0)  # the same summary again: no requests
+    assert abs(demand["m"]["x"] - 0.25) < 1e-9
+    demand, waiting = sm.update([summary("s2", 0, waiting=3)], 30.0)
+    assert abs(demand["m"]["x"] - (0.125 + 3)) < 1e-9 and waiting == {"m": {"x"}}
+
+
+def test_the_lora_tick_must_be_positive():
+    (problem,) = validate(ReconcilerConfig(actor=ActorConfig(lora_tick=0)))
+    assert problem.startswith("actor.lora_tick = 0")

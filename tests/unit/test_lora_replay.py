@@ -1,0 +1,55 @@
+"""`llmgw audit replay` re-derives each adapter placement from the demand it recorded."""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw import contracts as c
+from llmgw.reconciler.audit import replay
+from llmgw.reconciler.controllers.lora import placement
+from llmgw.reconciler.controllers.replicas import plan as reconcile
+
+from ._cluster import Log, model, node, status
+
+S = c.ShardState
+
+
+def decided(log: Log, demand: dict[str, float], waiting=(), ts: float = 1000.0):
+    """The placement the leader would publish on this state, as an event."""
+    inp = placement.inputs_from(log.state, "m", demand, waiting, ts)
+    p = placement.place(inp)
+    return c.AdaptersPlaced(
+        ts=ts,
+        model="m",
+        holdings=p.holdings,
+        changes=p.changes,
+        demand=demand,
+        waiting=sorted(waiting),
+        based_on_seq=log.state.last_seq,
+        explanation=p.explanation(),
+    )
+
+
+def test_recorded_placements_replay_the_same_and_a_tampered_one_differs():
+    log = Log().append(node("a", 2), model("m", replicas=2, max_loras=1))
+    log.append(*reconcile.decide(log.state).events)
+    log.append(status(log.state, "m-r1-s0", S.READY), status(log.state, "m-r2-s0", S.READY))
+    for name in ("a", "b", "c"):
+        log.append(c.AdapterDeclared(name=name, base="m", source=f"/l/{name}"))
+    first = decided(log, {"a": 1.0}, waiting=["a"])
+    log.append(first)
+    # a has held m-r1 for 100 s: b, with three times its demand, takes that slot.
+    second = decided(log, {"a": 1.0, "b": 3.0, "c": 2.0}, ts=1100.0)
+    assert [x.adapter for x in second.changes if x.action == "load"] == ["b", "c"]
+    log.append(second)
+
+    result = replay.replay(log.events)
+    assert [ac.differences for ac in result.adapters] == [[], []]
+    assert "2 adapter placement(s) re-derived, 0 differ" in replay.render(result)
+
+    tampered = Log()
+    for _, ev in log.events[:-1]:
+        tampered.append(ev)
+    tampered.append(msgspec.structs.replace(second, holdings={"m-r1": ["a"], "m-r2": ["c"]}))
+    (bad,) = replay.replay(tampered.events).differing()
+    assert bad.differences == ["holdings: recorded m-r1 [a]; m-r2 [c], now m-r1 [b]; m-r2 [c]"]
