@@ -1,0 +1,150 @@
+"""LoRA adapters on a real vLLM CPU engine, loaded at run time by the agent.
+
+An in-process agent on real NATS launches vLLM with adapter slots (its launch adapter's
+--enable-lora flags and VLLM_ALLOW_RUNTIME_LORA_UPDATING); SetShardAdapters commands
+make it load two tiny random adapters (services/dev/tinylora.py) through vLLM's
+/v1/load_lora_adapter, the shard status reports them, vLLM answers model=<adapter>
+(each adapter differently from the base model), the agent's load samples carry
+vllm:lora_requests_info's running adapters, an adapter dropped from the set is
+unloaded (vLLM's 404 after), and a bad path's failure carries vLLM's answer. Figures
+(engine ready, adapter loaded, first answers) are printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from llmgw import bus, subjects
+from llmgw import contracts as c
+from llmgw.dev import catalog as devcatalog
+from llmgw.dev import tinylora
+from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
+from tests.realengine import kit
+
+pytestmark = pytest.mark.real_engine
+
+S = c.ShardState
+NODE = "n-lora-vllm"
+SLOW = 600.0  # vLLM's start on two shared cores
+
+
+@pytest.fixture
+async def watch(nats) -> AsyncIterator[Watch]:
+    await bus.provision(nats.jetstream())
+    yield await Watch().start(nats, "llmgw.evt.agent.>", subjects.LOAD_ALL)
+
+
+def report(capsys, line: str) -> None:
+    with capsys.disabled():
+        print(f"\n[real_engine] {line}", flush=True)
+
+
+def adapters_cmd(key: str, boot_id: str, **sources) -> c.SetShardAdapters:
+    return c.SetShardAdapters(
+        key=key,
+        node=NODE,
+        shard_id="v",
+        adapters=[c.AdapterSource(name=n, source=str(p)) for n, p in sources.items()],
+        boot_id=boot_id,
+    )
+
+
+def holding(adapters: list[str]):
+    return lambda m: isinstance(m, c.ShardStatus) and m.shard_id == "v" and m.adapters == adapters
+
+
+async def greedy(url: str, model: str, max_tokens: int = 8) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await client.post(
+            f"{url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": "hello world model engine token",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **kit.NO_EOS,
+            },
+        )
+
+
+async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
+    nats, nats_url, watch, vllm_python, tiny_model, tmp_path, monkeypatch, capsys
+):
+    for name, value in devcatalog.VLLM_CPU_ENV.items():
+        monkeypatch.setenv(name, value)
+    a1 = tinylora.make(tiny_model, tmp_path / "adapters", seed=1)
+    a2 = tinylora.make(tiny_model, tmp_path / "adapters", seed=2)
+    js = nats.jetstream()
+    cfg = agent_config(
+        NODE,
+        nats_url,
+        tmp_path / "state",
+        fake_gpus="1x80GiB",
+        vllm_command=devcatalog.vllm_command(vllm_python),
+        ready_timeout_seconds=SLOW,
+        adapter_backoff_seconds=0.05,
+    )
+    profile = {**devcatalog.vllm_profile(str(tiny_model)), "max_loras": 2, "max_lora_rank": 8}
+    async with running_agent(cfg) as agent:
+        t0 = time.monotonic()
+        start = c.StartShard(
+            key="start-v",
+            node=NODE,
+            shard_id="v",
+            model=kit.MODEL,
+            replica_id="rv",
+            profile=c.ServingProfile(**profile),
+            gpus=[f"GPU-fake-{NODE}-0"],
+        )
+        await bus.publish(js, start)
+        ready = await watch.wait_for(status("v", S.READY), timeout=SLOW)
+        report(capsys, f"vLLM with --enable-lora ready after {time.monotonic() - t0:.1f}s")
+        assert ready.adapters == []
+        argv = agent.shards["v"].rec.argv
+        assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "2"
+
+        t0 = time.monotonic()
+        await bus.publish(js, adapters_cmd("ad-1", agent.boot_id, a1=a1))
+        await watch.wait_for(holding(["a1"]), timeout=60)
+        loaded_in = time.monotonic() - t0
+        await bus.publish(js, adapters_cmd("ad-2", agent.boot_id, a1=a1, a2=a2))
+        both = await watch.wait_for(holding(["a1", "a2"]), timeout=60)
+        assert both.adapter_errors == {}
+        report(capsys, f"SetShardAdapters -> status holding a1: {loaded_in * 1000:.0f} ms")
+
+        answers = {}
+        for model in (kit.MODEL, "a1", "a2"):
+            t0 = time.monotonic()
+            resp = await greedy(ready.url, model)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["model"] == model
+            answers[model] = resp.json()["choices"][0]["text"]
+            report(capsys, f"first greedy answer as {model}: {time.monotonic() - t0:.2f}s")
+        assert len(set(answers.values())) == 3, answers  # each adapter changes the model
+
+        # vllm:lora_requests_info, read by the agent into its load samples.
+        seen = len(watch.messages)
+        busy = asyncio.create_task(greedy(ready.url, "a2", max_tokens=400))
+        sample = await watch.wait_for(
+            lambda m: isinstance(m, c.LoadSample) and "a2" in m.running_adapters,
+            after=seen,
+            timeout=60,
+        )
+        assert sample.shard_id == "v" and sample.url == ready.url
+        assert (await busy).status_code == 200
+
+        # a1 leaves the set, a bad path joins it: a1 unloaded, the failure is vLLM's answer.
+        seen = len(watch.messages)
+        await bus.publish(js, adapters_cmd("ad-3", agent.boot_id, a2=a2, bad="/nonexistent/lora"))
+        failed = await watch.wait_for(
+            lambda m: holding(["a2"])(m) and "bad" in m.adapter_errors, after=seen, timeout=60
+        )
+        report(capsys, f"bad path: {failed.adapter_errors['bad']}")
+        assert failed.adapter_errors["bad"].startswith("HTTP 404: Loading lora bad failed")
+        gone = await greedy(ready.url, "a1")
+        assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
