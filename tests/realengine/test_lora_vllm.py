@@ -8,6 +8,10 @@ make it load two tiny random adapters (services/dev/tinylora.py) through vLLM's
 vllm:lora_requests_info's running adapters, an adapter dropped from the set is
 unloaded (vLLM's 404 after), and a bad path's failure carries vLLM's answer. Figures
 (engine ready, adapter loaded, first answers) are printed.
+
+On the same engine, the simulator's runtime LoRA API is checked against vLLM's: the same
+calls to both, the same status codes, error types and messages, /v1/models entries and
+gauge labels.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.dev import catalog as devcatalog
 from llmgw.dev import tinylora
+from llmgw.dev.simkit import sim_in_process
 from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
 from tests.realengine import kit
 
@@ -72,6 +77,59 @@ async def greedy(url: str, model: str, max_tokens: int = 8) -> httpx.Response:
         )
 
 
+def _answer(resp: httpx.Response) -> tuple:
+    """What a client of the runtime API reads: the status, and the error's type and
+    message (or the success text)."""
+    try:
+        err = resp.json()["error"]
+        return resp.status_code, err["type"], err["message"]
+    except (ValueError, KeyError, TypeError):
+        return resp.status_code, "text", resp.text
+
+
+async def lora_api_mismatches(
+    vllm_url: str, sim_url: str, path: str
+) -> tuple[list[str], dict[str, float]]:
+    """The same runtime-LoRA calls to vLLM and to the simulator; what they answered apart,
+    and how long each call took vLLM."""
+    calls = [
+        ("load", "/v1/load_lora_adapter", {"lora_name": "p1", "lora_path": path}),
+        ("load again", "/v1/load_lora_adapter", {"lora_name": "p1", "lora_path": path}),
+        ("bad path", "/v1/load_lora_adapter", {"lora_name": "pb", "lora_path": "/nonexistent/p"}),
+        ("in place", "/v1/load_lora_adapter", {"lora_name": "p1", "lora_path": path, "load_inplace": True}),
+        ("unload", "/v1/unload_lora_adapter", {"lora_name": "p1"}),
+        ("unload again", "/v1/unload_lora_adapter", {"lora_name": "p1"}),
+    ]  # fmt: skip
+    out = []
+    took: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=60) as http:
+        for what, path_, body in calls:
+            if what == "unload":  # while loaded: listed with its parent, served as a model
+                listed = []
+                for url in (vllm_url, sim_url):
+                    models = (await http.get(f"{url}/v1/models")).json()["data"]
+                    listed.append(
+                        [(m["id"], m["parent"], m["root"]) for m in models if m["id"] == "p1"]
+                    )
+                if listed[0] != listed[1]:
+                    out.append(f"/v1/models: vLLM {listed[0]}, sim {listed[1]}")
+            t0 = time.monotonic()
+            got = [_answer(await http.post(f"{vllm_url}{path_}", json=body))]
+            took[what] = time.monotonic() - t0
+            got.append(_answer(await http.post(f"{sim_url}{path_}", json=body)))
+            if got[0] != got[1]:
+                out.append(f"{what}: vLLM {got[0]}, sim {got[1]}")
+        gone = [
+            (
+                await http.post(f"{u}/v1/completions", json={"model": "p1", "prompt": "x"})
+            ).status_code
+            for u in (vllm_url, sim_url)
+        ]
+        if gone != [404, 404]:
+            out.append(f"an unloaded adapter as model: vLLM {gone[0]}, sim {gone[1]}")
+    return out, took
+
+
 async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
     nats, nats_url, watch, vllm_python, tiny_model, tmp_path, monkeypatch, capsys
 ):
@@ -119,12 +177,18 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
 
         answers = {}
         for model in (kit.MODEL, "a1", "a2"):
-            t0 = time.monotonic()
-            resp = await greedy(ready.url, model)
-            assert resp.status_code == 200, resp.text
-            assert resp.json()["model"] == model
+            took = []
+            for _ in range(2):  # the first use of an adapter activates it; the second does not
+                t0 = time.monotonic()
+                resp = await greedy(ready.url, model)
+                took.append(time.monotonic() - t0)
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["model"] == model
             answers[model] = resp.json()["choices"][0]["text"]
-            report(capsys, f"first greedy answer as {model}: {time.monotonic() - t0:.2f}s")
+            report(
+                capsys,
+                f"8-token greedy answer as {model}: first {took[0]:.2f}s, then {took[1]:.2f}s",
+            )
         assert len(set(answers.values())) == 3, answers  # each adapter changes the model
 
         # vllm:lora_requests_info, read by the agent into its load samples.
@@ -148,3 +212,35 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
         assert failed.adapter_errors["bad"].startswith("HTTP 404: Loading lora bad failed")
         gone = await greedy(ready.url, "a1")
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
+
+        async with sim_in_process(served_model_name=[kit.MODEL], max_loras=2) as sim:
+            mismatches, took = await lora_api_mismatches(ready.url, sim.url, str(a1))
+            sim_page = (await metrics_page(sim.url)).decode()
+        vllm_page = (await metrics_page(ready.url)).decode()
+        report(
+            capsys,
+            "vLLM's runtime API: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items()),
+        )
+        assert mismatches == [], mismatches
+        assert (
+            gauge_labels(sim_page)
+            == gauge_labels(vllm_page)
+            == {
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+            }
+        )
+
+
+async def metrics_page(url: str) -> bytes:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return (await http.get(f"{url}/metrics")).content
+
+
+def gauge_labels(page: str) -> set[str]:
+    """The label names of vllm:lora_requests_info on a /metrics page."""
+    line = next(ln for ln in page.splitlines() if ln.startswith("vllm:lora_requests_info{"))
+    return {
+        pair.split("=", 1)[0] for pair in line[line.index("{") + 1 : line.index("}")].split(",")
+    }
