@@ -123,12 +123,12 @@ class Adapters:
         load (one load per adapter, however many requests wait for it)."""
         if name not in self.registered:
             if not self.on_demand:
+                # Unloaded since its request was parsed: the parser's answer for it.
                 raise ApiError(
                     404,
                     f"The model `{name}` does not exist.",
-                    type="NotFoundError",
                     param="model",
-                    code=404,
+                    code="model_not_found",
                 )
             self.registered[name] = name
         if name in self.resident:
