@@ -89,6 +89,8 @@ class EngineShard:
 
     def transition(self, state: c.ShardState, **fields) -> None:
         """Record and report a state change (persisted before it is published)."""
+        if state in c.TERMINAL_SHARD_STATES and self.rec.adapters:
+            self.rec.adapters = []  # an engine that is gone holds no adapter
         self.rec.state = state
         for name, value in fields.items():
             setattr(self.rec, name, value)

@@ -1,7 +1,8 @@
 """The agent keeps a real simulator's LoRA adapters at the set the leader asks for: over
 real NATS, through the engine's runtime API, reported in shard status and load samples;
 a bad path's failure carries the engine's answer; a relaunched engine gets the set again;
-a shard without slots says it cannot hold any; a command of another boot is dropped."""
+a shard without slots says it cannot hold any; a command of another boot is dropped; a
+restarted agent reads what an adopted engine holds instead of loading it again."""
 
 from __future__ import annotations
 
@@ -13,8 +14,20 @@ import pytest
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
+from llmgw.agent import engines
+from llmgw.agent.agent import Agent
+from llmgw.agent.inventory import discover
+from llmgw.agent.state import StateDir
 
-from .test_agent_lifecycle import WAIT, Watch, agent_config, running_agent, start_cmd, status
+from .test_agent_lifecycle import (
+    WAIT,
+    Watch,
+    agent_config,
+    kill_engines,
+    running_agent,
+    start_cmd,
+    status,
+)
 
 S = c.ShardState
 
@@ -97,8 +110,10 @@ async def test_the_agent_loads_unloads_and_reports_adapters(nats, nats_url, watc
 
         # A relaunched engine holds nothing; the agent loads the last set into it again.
         await bus.publish(js, c.StopShard(key="stop-l", node="n-lora", shard_id="l"))
-        await watch.wait_for(status("l", S.STOPPED, "stop-l"))
-        assert agent.shards["l"].rec.adapters == ["a2"]  # the stale command changed nothing
+        stopped = await watch.wait_for(status("l", S.STOPPED, "stop-l"))
+        assert stopped.adapters == []  # a stopped engine holds nothing
+        # The stale command changed nothing.
+        assert [a.name for a in agent.shards["l"].rec.desired_adapters] == ["a2", "bad"]
         seen = len(watch.messages)
         await bus.publish(js, start_cmd("n-lora", "l", key="start-l-2", max_loras=2))
         again = await watch.wait_for(status("l", S.READY, "start-l-2"), after=seen)
@@ -119,3 +134,60 @@ async def test_a_shard_without_slots_says_it_holds_no_adapter(nats, nats_url, wa
         await bus.publish(js, cmd)
         answer = await watch.wait_for(status("p", S.READY, "ad-p"))
         assert "profile.max_loras is 0" in answer.adapter_errors["a1"]
+
+
+async def sim_loads(url: str) -> float:
+    async with httpx.AsyncClient(timeout=10) as client:
+        page = (await client.get(f"{url}/metrics")).text
+    return float(
+        next(ln for ln in page.splitlines() if ln.startswith("llmgw_sim_lora_loads_total")).split()[
+            1
+        ]
+    )
+
+
+async def test_a_restarted_agent_reads_the_adopted_engines_adapters_instead_of_reloading(
+    nats, nats_url, watch, tmp_path
+):
+    js = nats.jetstream()
+    for name in ("a1", "a2"):
+        (tmp_path / name).mkdir()
+    cfg = agent_config("n-lora-re", nats_url, tmp_path / "state")
+    # The first agent process, stopped as SIGTERM stops it: its engine keeps serving.
+    state = StateDir(tmp_path / "state").open()
+    first = Agent(
+        cfg,
+        cfg.node_id,
+        discover(cfg.node_id, cfg.fake_gpus, "127.0.0.1"),
+        state,
+        engines.detect(cfg),
+    )
+    task = asyncio.create_task(first.run())
+    try:
+        await asyncio.wait_for(first.registered.wait(), WAIT)
+        await bus.publish(js, start_cmd("n-lora-re", "r", max_loras=2))
+        ready = await watch.wait_for(status("r", S.READY))
+        await bus.publish(
+            js, set_adapters("n-lora-re", "r", "ad-r1", first.boot_id, a1=str(tmp_path / "a1"))
+        )
+        await watch.wait_for(held("r", ["a1"]))
+        first.stop()
+        await asyncio.wait_for(task, WAIT)
+        state.close()
+        assert await sim_loads(ready.url) == 1
+
+        async with running_agent(cfg) as second:
+            seen = len(watch.messages)
+            cmd = set_adapters(
+                "n-lora-re",
+                "r",
+                "ad-r2",
+                second.boot_id,
+                a1=str(tmp_path / "a1"),
+                a2=str(tmp_path / "a2"),
+            )
+            await bus.publish(js, cmd)
+            await watch.wait_for(held("r", ["a1", "a2"]), after=seen)
+            assert await sim_loads(ready.url) == 2  # a2 only: a1 was read from the engine
+    finally:
+        kill_engines(first)  # should the test fail before the second agent took them
