@@ -18,6 +18,7 @@ supervision (shard.py), which cancels it before the engine stops.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable, Mapping
@@ -107,14 +108,15 @@ class AdapterSync:
         self,
         shard_id: str,
         engine: EngineAdapters,
-        report: Callable[[list[str], dict[str, str]], None],
+        report: Callable[[list[str] | None, dict[str, str]], None],
         count: Callable[[str, str], None],
         retry: Retry,
         desired: list[c.AdapterSource] | None = None,
     ):
         self.shard_id = shard_id
         self.engine = engine
-        self._report = report  # (held names, errors) -> the shard's status, when changed
+        # (held names, None when unknown; errors) -> the shard's status, when changed
+        self._report = report
         self._count = count  # (op, outcome) -> the agent's metric
         self.retry = retry
         self.desired = {a.name: a.source for a in desired or []}
@@ -137,32 +139,42 @@ class AdapterSync:
 
     async def _converge(self) -> None:
         if self.held is None:
-            self.held = await self._read_held()
+            self.held, why = await self._read_held()
             if self.held is None:
-                return  # the engine did not list its adapters: tried again with the next set
+                # What it holds is unknown, so nothing is changed; tried again with the next set.
+                self.errors = {
+                    name: f"the engine's adapters could not be listed: {why}"
+                    for name in self.desired
+                }
+                self._report(None, dict(self.errors))
+                return
         steps = plan(self.desired, self.held)
         for name in steps.unload:
-            if await self._attempt("unload", name, lambda n=name: self.engine.unload(n)):
+            if await self._attempt("unload", name, functools.partial(self.engine.unload, name)):
                 del self.held[name]
         self._report_now()
         for name, source, inplace in steps.load:
             if name in self.errors:
                 continue  # failed for this set already; a new set tries again
-            call = lambda n=name, s=source, i=inplace: self.engine.load(n, s, i)  # noqa: E731
+            call = functools.partial(self.engine.load, name, source, inplace)
             if await self._attempt("load", name, call):
                 self.held[name] = source
             self._report_now()
 
-    async def _read_held(self) -> dict[str, str] | None:
+    async def _read_held(self) -> tuple[dict[str, str] | None, str]:
+        """What the engine holds, or None and why not after the last try."""
+        why = ""
         for attempt in range(self.retry.attempts):
             try:
-                return await self.engine.held()
+                return await self.engine.held(), ""
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
                 log.warning(
-                    "shard %s: listing the engine's adapters failed: %s", self.shard_id, exc
+                    "shard %s: listing the engine's adapters failed: %s", self.shard_id, why
                 )
-                await self._backoff(attempt)
-        return None
+                if attempt + 1 < self.retry.attempts:
+                    await self._backoff(attempt)
+        return None, why
 
     async def _attempt(self, op: str, name: str, call) -> bool:
         """One adapter's load or unload, retried; True once the engine did it."""

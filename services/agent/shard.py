@@ -68,7 +68,7 @@ class EngineShard:
         http: httpx.AsyncClient,
         probe_host: str,
         count_exit: Callable[[str], None],
-        count_adapter_op: Callable[[str, str], None] = lambda op, outcome: None,
+        count_adapter_op: Callable[[str, str], None],  # (load|unload, outcome) for the metric
         proc: subprocess.Popen | None = None,
     ):
         self.rec = rec
@@ -144,7 +144,7 @@ class EngineShard:
         if self.adapters is not None:
             self.adapters.want(self.rec.desired_adapters)
 
-    def report_adapters(self, held: list[str], errors: dict[str, str]) -> None:
+    def report_adapters(self, held: list[str] | None, errors: dict[str, str]) -> None:
         """What the engine holds changed, or a call failed: the status says so."""
         if held == self.rec.adapters and errors == self.rec.adapter_errors:
             return
