@@ -7,13 +7,13 @@ safetensors (peft is not in the vLLM environment; the safetensors format is an 8
 header length, a JSON header and raw little-endian tensors), so this runs in llmgw's
 own environment.
 
-The recipe: rank 8, alpha 16, on every layer's q_proj and v_proj, shapes read from the
+The recipe: rank 8 (or `rank`), alpha twice the rank, on every layer's q_proj and v_proj, shapes read from the
 model's config.json; lora_A and lora_B both random (PEFT initialises B to zeros, which
 would make the adapter a no-op), drawn from `seed`. Different seeds answer differently
 under greedy decoding, so a test can tell which adapter answered.
 
-`make(model_dir, out_root, seed)` returns OUT_ROOT/tiny-lora-<digest>, where the digest
-covers this file, the model's config and the seed: the same recipe is reused, a changed
+`make(model_dir, out_root, seed, rank)` returns OUT_ROOT/tiny-lora-<digest>, where the
+digest covers this file, the model's config, the seed and the rank: the same recipe is reused, a changed
 one makes a new directory, built beside its final name and renamed into place.
 """
 
@@ -30,7 +30,6 @@ from array import array
 from pathlib import Path
 
 RANK = 8
-ALPHA = 16
 TARGETS = ("q_proj", "v_proj")
 # Small weights: a noticeable change to the base model's output, never NaN or inf.
 SCALE = 0.1
@@ -45,18 +44,22 @@ def _shapes(model_config: dict) -> dict[str, tuple[int, int]]:
     return {"q_proj": (hidden, heads * head_dim), "v_proj": (hidden, kv_heads * head_dim)}
 
 
-def digest(model_dir: str | Path, seed: int) -> str:
+def digest(model_dir: str | Path, seed: int, rank: int) -> str:
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update((Path(model_dir) / "config.json").read_bytes())
-    h.update(str(seed).encode())
+    h.update(f"{seed}/{rank}".encode())
     return h.hexdigest()[:12]
 
 
-def adapter_dir(model_dir: str | Path, out_root: str | Path, seed: int = 0) -> Path:
-    return Path(out_root) / f"tiny-lora-{digest(model_dir, seed)}"
+def adapter_dir(
+    model_dir: str | Path, out_root: str | Path, seed: int = 0, rank: int = RANK
+) -> Path:
+    return Path(out_root) / f"tiny-lora-{digest(model_dir, seed, rank)}"
 
 
-def tensors(model_config: dict, seed: int) -> dict[str, tuple[tuple[int, int], array]]:
+def tensors(
+    model_config: dict, seed: int, rank: int = RANK
+) -> dict[str, tuple[tuple[int, int], array]]:
     """PEFT's tensor names -> (shape, float32 values, row-major), for every layer."""
     rng = random.Random(seed)
     shapes = _shapes(model_config)
@@ -65,7 +68,7 @@ def tensors(model_config: dict, seed: int) -> dict[str, tuple[tuple[int, int], a
         for target in TARGETS:
             fan_in, fan_out = shapes[target]
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
-            for part, shape in (("lora_A", (RANK, fan_in)), ("lora_B", (fan_out, RANK))):
+            for part, shape in (("lora_A", (rank, fan_in)), ("lora_B", (fan_out, rank))):
                 values = array("f", (rng.gauss(0.0, SCALE) for _ in range(shape[0] * shape[1])))
                 out[f"{prefix}.{part}.weight"] = (shape, values)
     return out
@@ -93,13 +96,13 @@ def safetensors_bytes(named: dict[str, tuple[tuple[int, int], array]]) -> bytes:
     return struct.pack("<Q", len(head)) + head + b"".join(chunks)
 
 
-def adapter_config(model_dir: str | Path) -> dict:
+def adapter_config(model_dir: str | Path, rank: int = RANK) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(model_dir),
-        "r": RANK,
-        "lora_alpha": ALPHA,
+        "r": rank,
+        "lora_alpha": 2 * rank,
         "lora_dropout": 0.0,
         "target_modules": list(TARGETS),
         "bias": "none",
@@ -110,9 +113,9 @@ def adapter_config(model_dir: str | Path) -> dict:
     }
 
 
-def make(model_dir: str | Path, out_root: str | Path, seed: int = 0) -> Path:
+def make(model_dir: str | Path, out_root: str | Path, seed: int = 0, rank: int = RANK) -> Path:
     """The adapter directory under `out_root`, built now unless a complete one is there."""
-    final = adapter_dir(model_dir, out_root, seed)
+    final = adapter_dir(model_dir, out_root, seed, rank)
     if (final / "adapter_model.safetensors").exists():
         return final
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -120,9 +123,10 @@ def make(model_dir: str | Path, out_root: str | Path, seed: int = 0) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     tmp.chmod(0o755)
     try:
-        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(model_dir), indent=2))
+        config = adapter_config(model_dir, rank)
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         (tmp / "adapter_model.safetensors").write_bytes(
-            safetensors_bytes(tensors(model_config, seed))
+            safetensors_bytes(tensors(model_config, seed, rank))
         )
         try:
             tmp.rename(final)

@@ -84,7 +84,11 @@ class SimApp:
         self.kv_events = kvevents.attach(self.engine, cfg.kv_events_config)
         self.faults = Faults(cfg.faults, seed=cfg.seed)
         self.adapters = lora.Adapters(
-            names[0], cfg.max_loras, cfg.lora_load_seconds, on_demand=cfg.lora_on_demand
+            names[0],
+            cfg.max_loras,
+            cfg.lora_load_seconds,
+            max_rank=cfg.max_lora_rank,
+            on_demand=cfg.lora_on_demand,
         )
         self.parser = RequestParser(
             Limits(

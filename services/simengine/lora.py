@@ -19,6 +19,7 @@ simplification: an evicted adapter's running requests go on as if it were reside
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -46,11 +47,13 @@ class Adapters:
         max_loras: int,
         load_seconds: float = 0.0,
         *,
+        max_rank: int = 16,
         on_demand: bool = False,
         path_exists: Callable[[str], bool] = os.path.exists,
     ):
         self.base = base  # the served name adapters list as their parent
         self.max_loras = max_loras
+        self.max_rank = max_rank
         self.load_seconds = load_seconds
         self.on_demand = on_demand
         self._path_exists = path_exists
@@ -87,6 +90,7 @@ class Adapters:
                 type="NotFoundError",
                 code=404,
             )
+        self._check_rank(name, path)
         self.registered[name] = path
         self.resident.pop(name, None)  # in place: the new weights are loaded now
         await self.acquire(name)
@@ -106,6 +110,22 @@ class Adapters:
         del self.registered[name]
         self.resident.pop(name, None)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _check_rank(self, name: str, path: str) -> None:
+        """vLLM refuses an adapter of a rank above --max-lora-rank when it loads it, with a
+        500 (its loader's error, passed on); the rank is in the adapter's config."""
+        try:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                rank = int(json.load(f).get("r", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return  # no readable config: the simulator loads no weights, so it serves anyway
+        if rank > self.max_rank:
+            raise ApiError(
+                500,
+                f"LoRA rank {rank} is greater than max_lora_rank {self.max_rank}.",
+                type="InternalServerError",
+                code=500,
+            )
 
     def _check_enabled(self) -> None:
         if not self.enabled:

@@ -41,3 +41,7 @@ def test_the_adapter_has_peft_tensor_names_and_shapes(tmp_path):
     other = tinylora.make(model, tmp_path / "adapters", seed=2)
     assert other != out
     assert (other / "adapter_model.safetensors").read_bytes() != raw
+    wide = tinylora.make(model, tmp_path / "adapters", seed=1, rank=16)
+    assert json.loads((wide / "adapter_config.json").read_text())["r"] == 16
+    header = _read_safetensors((wide / "adapter_model.safetensors").read_bytes())
+    assert header[f"{prefix}.lora_A.weight"]["shape"] == [16, 128]

@@ -103,3 +103,13 @@ def test_adapter_kv_events_carry_its_name_and_relay_to_its_root():
         ids, 4, 3, root=kvblocks.root_for("a1"), first_extra=kvblocks.salt_extra("s")
     )
     assert got == expected
+
+
+async def test_an_adapter_of_a_rank_above_the_limit_is_refused_as_vllm_refuses_it(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"r": 32}')
+    a = Adapters("base", 2, max_rank=16)
+    with pytest.raises(ApiError) as err:
+        await a.load("big", str(tmp_path))
+    assert err.value.status == 500 and err.value.type == "InternalServerError"
+    assert err.value.message == "LoRA rank 32 is greater than max_lora_rank 16."
+    assert not a.serves("big")
