@@ -213,9 +213,22 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
         gone = await greedy(ready.url, "a1")
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
 
-        async with sim_in_process(served_model_name=[kit.MODEL], max_loras=2) as sim:
+        wide = tinylora.make(tiny_model, tmp_path / "adapters", seed=3, rank=16)
+        async with sim_in_process(
+            served_model_name=[kit.MODEL], max_loras=2, max_lora_rank=8
+        ) as sim:
             mismatches, took = await lora_api_mismatches(ready.url, sim.url, str(a1))
             sim_page = (await metrics_page(sim.url)).decode()
+            # A rank above --max-lora-rank: vLLM passes its loader's error on as a 500.
+            too_wide = {"lora_name": "wide", "lora_path": str(wide)}
+            async with httpx.AsyncClient(timeout=60) as http:
+                answers = [
+                    _answer(await http.post(f"{u}/v1/load_lora_adapter", json=too_wide))
+                    for u in (ready.url, sim.url)
+                ]
+        report(capsys, f"rank 16 into --max-lora-rank 8: vLLM {answers[0]}")
+        assert answers[0][:2] == answers[1][:2] == (500, "InternalServerError")
+        assert answers[1][2] in answers[0][2], answers
         vllm_page = (await metrics_page(ready.url)).decode()
         report(
             capsys,
