@@ -32,6 +32,11 @@ _LINE = re.compile(
 _MAXED = frozenset(n.encode() for n in KV_USAGE)
 _CACHE_INFO = re.compile(rb"^vllm:cache_config_info\{(?P<labels>[^}\n]*)\}", re.MULTILINE)
 _LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+# vLLM's adapters of running and waiting requests: a gauge per label set whose value is the
+# time it was last set, so every set the engine ever reported stays on the page.
+_LORA_INFO = re.compile(
+    rb"^vllm:lora_requests_info\{(?P<labels>[^}\n]*)\}[ \t]+(?P<value>\S+)", re.MULTILINE
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,9 @@ class EngineLoad:
     num_blocks: int = 0
     # "vllm" or "sglang": whose queue gauges the page has; "" when it reports KV use alone.
     source: str = field(default="", compare=False)
+    # LoRA adapters of the running and of the waiting requests (vllm:lora_requests_info).
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
 
 def gauges(text: bytes) -> dict[str, float]:
@@ -83,6 +91,32 @@ def _cache_geometry(text: bytes) -> tuple[int, int]:
     return block_size, num_blocks
 
 
+def _names(value: bytes) -> tuple[str, ...]:
+    return tuple(n for n in value.decode(errors="replace").split(",") if n)
+
+
+def lora_adapters(text: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(running, waiting) adapters from the newest vllm:lora_requests_info series: its
+    value is a timestamp, and the older label sets stay on the page."""
+    if b"vllm:lora_requests_info" not in text:
+        return (), ()
+    newest: dict[bytes, bytes] | None = None
+    newest_at = float("-inf")
+    for m in _LORA_INFO.finditer(text):
+        try:
+            at = float(m["value"])
+        except ValueError:
+            continue
+        if at >= newest_at:
+            newest_at, newest = at, dict(_LABEL.findall(m["labels"]))
+    if newest is None:
+        return (), ()
+    return (
+        _names(newest.get(b"running_lora_adapters", b"")),
+        _names(newest.get(b"waiting_lora_adapters", b"")),
+    )
+
+
 def parse(text: bytes) -> EngineLoad | None:
     """The load a page reports, or None when it has none of the known gauges.
 
@@ -94,6 +128,7 @@ def parse(text: bytes) -> EngineLoad | None:
     if not found:
         return None
     block_size, num_blocks = _cache_geometry(text)
+    running_adapters, waiting_adapters = lora_adapters(text)
     for family in _FAMILIES:
         if family.running in found or family.waiting in found:
             kv = next((found[n] for n in family.kv_usage if n in found), 0.0)
@@ -104,6 +139,8 @@ def parse(text: bytes) -> EngineLoad | None:
                 block_size=block_size,
                 num_blocks=num_blocks,
                 source=family.name,
+                running_adapters=running_adapters,
+                waiting_adapters=waiting_adapters,
             )
     kv = next(found[n] for n in KV_USAGE if n in found)
     return EngineLoad(kv_usage=min(max(kv, 0.0), 1.0), block_size=block_size, num_blocks=num_blocks)

@@ -41,6 +41,27 @@ SGLANG_METRICS = MetricFamily(
 
 
 @dataclass(frozen=True)
+class RuntimeLora:
+    """How an engine loads and unloads LoRA adapters while it serves (the agent's lora.py).
+
+    Both paths take a JSON POST: load `{"lora_name", "lora_path"}`, unload `{"lora_name"}`;
+    a loaded adapter is served under its name as a request's `model`, and listed in
+    `/v1/models` with `parent` = the base model."""
+
+    load_path: str
+    unload_path: str
+    env: tuple[tuple[str, str], ...] = ()  # what the engine needs in its environment for it
+
+
+VLLM_RUNTIME_LORA = RuntimeLora(
+    load_path="/v1/load_lora_adapter",
+    unload_path="/v1/unload_lora_adapter",
+    # vLLM registers the two endpoints only with this set.
+    env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),),
+)
+
+
+@dataclass(frozen=True)
 class EngineTraits:
     name: str
     # Publishes KV cache events that the agent relays: routers index its blocks from them
@@ -57,6 +78,9 @@ class EngineTraits:
     # The router computes its token ids itself (the simulator's byte tokens of the prompt
     # it renders), not through the catalog's tokenizer.
     sim_tokens: bool
+    # Loads LoRA adapters at run time (profile.max_loras > 0 turns it on), and how; None:
+    # a profile with adapter slots is refused before launch.
+    runtime_lora: RuntimeLora | None = None
 
 
 ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
@@ -69,8 +93,12 @@ ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
             default_command=("vllm",),
             installed_module=None,
             sim_tokens=False,
+            runtime_lora=VLLM_RUNTIME_LORA,
         ),
-        # Its KV events and metrics read from SGLang's source (docs/agent.md).
+        # Its KV events and metrics read from SGLang's source (docs/agent.md). SGLang has
+        # runtime adapters too (`--enable-lora --max-loras-per-batch N`, POST
+        # /load_lora_adapter and /unload_lora_adapter with vLLM's body, no /v1 prefix), but
+        # the agent does not drive them yet: a profile with adapter slots is refused.
         "sglang": EngineTraits(
             name="sglang",
             kv_events=True,
@@ -89,6 +117,9 @@ ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
             default_command=(sys.executable, "-m", "llmgw.cli", "sim-engine"),
             installed_module="llmgw.simengine.cli",
             sim_tokens=True,
+            runtime_lora=RuntimeLora(
+                load_path="/v1/load_lora_adapter", unload_path="/v1/unload_lora_adapter"
+            ),
         ),
     }
 )

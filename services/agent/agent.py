@@ -6,11 +6,12 @@ the command handler (commands.py) and the launcher (launcher.py). Tasks, all own
   publisher   ships shard status and registration in order, retrying until acknowledged
               (Outbox.publish)
   heartbeats  one Heartbeat per interval on the node's subject
-  commands    pulls StartShard / StopShard / DrainShard from the node's durable consumer
-              (Commands.consume)
+  commands    pulls StartShard / StopShard / DrainShard / SetShardAdapters from the node's
+              durable consumer (Commands.consume)
   load        scrapes engine /metrics several times a second, publishes LoadSample (core NATS)
   resync      after each reconnect: provision, re-register, re-bind the consumer
-  one supervisor per engine (shard.py)
+  one supervisor per engine (shard.py), and under it one adapter sync per engine with
+              LoRA slots (lora.py)
   admin-server /metrics, /healthz, /readyz (adminserver.py), up first and down last
 
 Engines belong to the node, not to this process: on SIGTERM the agent stops consuming
@@ -38,6 +39,7 @@ from .config import ADMIN_PORT, AgentConfig
 from .inventory import Inventory
 from .kvrelay import KvRelays
 from .launcher import Launcher
+from .lora import Retry
 from .metrics import Load
 from .outbox import Outbox
 from .shard import EngineShard, Timing
@@ -71,6 +73,11 @@ class Agent:
             headless_settle=cfg.headless_settle_seconds,
             drain_settle=cfg.drain_settle_seconds,
             tail_lines=cfg.output_tail_lines,
+            adapter_retry=Retry(
+                attempts=cfg.adapter_attempts,
+                first_backoff=cfg.adapter_backoff_seconds,
+                call_timeout=cfg.adapter_call_timeout_seconds,
+            ),
         )
         self.shards: dict[str, EngineShard] = {}
         self.nc: NATS | None = None
@@ -289,6 +296,7 @@ class Agent:
             http=self.http,
             probe_host=self.probe_host,
             count_exit=lambda reason: self.metrics.engine_exits.labels(reason).inc(),
+            count_adapter_op=lambda op, outcome: self.metrics.adapter_ops.labels(op, outcome).inc(),
             proc=proc,
         )
         self.shards[rec.shard_id] = shard
@@ -414,6 +422,8 @@ class Agent:
             kv_usage=load.kv_usage,
             block_size=load.block_size,
             num_blocks=load.num_blocks,
+            running_adapters=list(load.running_adapters),
+            waiting_adapters=list(load.waiting_adapters),
         )
         try:
             # Core NATS, fire and forget: a lost sample is replaced a fraction of a second later.

@@ -113,7 +113,7 @@ class Commands:
             return
         await msg.ack()
 
-    def handle(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> None:
+    def handle(self, cmd: c.Command) -> None:
         """Apply one command; every command is answered with a shard status."""
         kind = COMMAND_KINDS[type(cmd)]
         if cmd.node != self.node:
@@ -146,6 +146,10 @@ class Commands:
             shard.request_stop(cmd.key, cmd.grace_seconds if isinstance(cmd, c.StopShard) else 10.0)
         elif action is Action.DRAIN:
             shard.request_drain(cmd.key, cmd.deadline_seconds)
+        elif action is Action.ADAPTERS:
+            # Answered now with what the engine holds; its loads report as they finish.
+            shard.set_adapters(cmd.key, cmd.adapters)
+            self.outbox.enqueue(status_of(self.node, shard.rec, cmd.key))
         elif shard is None:
             self.outbox.enqueue(
                 c.ShardStatus(
@@ -163,7 +167,7 @@ class Commands:
             self.outbox.enqueue(status_of(self.node, shard.rec, cmd.key))
         self.metrics.commands_applied.labels(kind, action.value).inc()
 
-    def _stale(self, cmd: c.StartShard | c.StopShard | c.DrainShard) -> str | None:
+    def _stale(self, cmd: c.Command) -> str | None:
         """Why a command is dropped unanswered: meant for an earlier boot of this node
         (a consumer replaying old commands), or sent by a leader older than one already
         heard from (a deposed leader's late write). The current leader re-sends what it

@@ -41,6 +41,11 @@ class AgentConfig(config.ConfigStruct, kw_only=True):
     # routers have seen the state before the engine goes away.
     drain_settle_seconds: float = 1.0
     output_tail_lines: int = 40
+    # LoRA adapter loads and unloads: calls per adapter before a failure is final, the
+    # first backoff between them (doubled each time), and one call's deadline.
+    adapter_attempts: int = 4
+    adapter_backoff_seconds: float = 0.5
+    adapter_call_timeout_seconds: float = 120.0
     vllm_command: list[str] = msgspec.field(default_factory=lambda: _default_command("vllm"))
     sglang_command: list[str] = msgspec.field(default_factory=lambda: _default_command("sglang"))
     sim_command: list[str] = msgspec.field(default_factory=lambda: _default_command("sim"))

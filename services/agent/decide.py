@@ -20,6 +20,7 @@ class Action(enum.Enum):
     LAUNCH = "launch"
     STOP = "stop"
     DRAIN = "drain"
+    ADAPTERS = "adapters"  # the engine's adapters to hold: loaded and unloaded to match
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class KnownShard:
     stopping: bool = False  # a stop is under way (SIGTERM sent or about to be)
 
 
-def decide(cmd: c.StartShard | c.StopShard | c.DrainShard, shard: KnownShard | None) -> Action:
+def decide(cmd: c.Command, shard: KnownShard | None) -> Action:
     terminal = shard is not None and shard.state in c.TERMINAL_SHARD_STATES
     if shard is not None and cmd.key in shard.keys:
         return Action.ANSWER
@@ -50,6 +51,9 @@ def decide(cmd: c.StartShard | c.StopShard | c.DrainShard, shard: KnownShard | N
             if shard.state == S.READY:
                 return Action.DRAIN
             return Action.STOP  # launching or loading: no requests to wait for
+        case c.SetShardAdapters():
+            # Kept for a shard still loading too: its engine gets them once it serves.
+            return Action.ANSWER if shard is None or terminal else Action.ADAPTERS
     raise TypeError(f"not a command: {type(cmd).__name__}")
 
 

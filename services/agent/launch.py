@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
 
 VLLM_DEFAULT_MASTER_PORT = 29501
 # The OpenAI server module, for a vLLM run as `python -m`: the `vllm` console script of
@@ -151,6 +152,27 @@ def kv_events_off_reason(profile: c.ServingProfile) -> str:
     return ""
 
 
+def lora_args(p: c.ServingProfile) -> list[str]:
+    """Adapter slots, for vLLM and the simulator alike; none without slots."""
+    if p.max_loras <= 0:
+        return []
+    return [
+        "--enable-lora",
+        "--max-loras",
+        str(p.max_loras),
+        "--max-lora-rank",
+        str(p.max_lora_rank),
+    ]
+
+
+def lora_env(p: c.ServingProfile) -> dict[str, str]:
+    """What the engine needs in its environment to load adapters at run time."""
+    lora = ENGINES[p.engine].runtime_lora
+    if p.max_loras <= 0 or lora is None:
+        return {}
+    return dict(lora.env)
+
+
 def is_head(cmd: c.StartShard) -> bool:
     return cmd.nnodes <= 1 or cmd.node_rank == 0
 
@@ -192,11 +214,13 @@ def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += _opt("--max-model-len", p.max_model_len)
     argv += _opt("--gpu-memory-utilization", p.gpu_memory_utilization)
     argv += _opt("--max-num-seqs", p.max_num_seqs)
+    argv += lora_args(p)
     if not kv_events_off_reason(p):
         argv += kv_events_args(ctx)
     argv += p.engine_args
     head = is_head(cmd)
-    return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port if head else 0, advertised=head)
+    env = {**_gpu_env(ctx), **lora_env(p)}
+    return LaunchSpec(argv=argv, env=env, port=ctx.port if head else 0, advertised=head)
 
 
 def sglang_serves_http(cmd: c.StartShard) -> bool:
@@ -247,6 +271,7 @@ def sim(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     ]  # fmt: skip
     argv += _opt("--max-num-seqs", p.max_num_seqs)
     argv += _opt("--max-model-len", p.max_model_len)
+    argv += lora_args(p)
     argv += kv_events_args(ctx)
     argv += p.engine_args
     return LaunchSpec(argv=argv, env=_gpu_env(ctx), port=ctx.port, advertised=is_head(cmd))

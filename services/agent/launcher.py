@@ -136,8 +136,10 @@ class Launcher:
         return None
 
     def _record(self, cmd: c.StartShard, previous: EngineShard | None) -> ShardRecord:
-        # A relaunched shard keeps the keys it answered, so repeats of them stay answers.
+        # A relaunched shard keeps the keys it answered, so repeats of them stay answers,
+        # and the adapters last asked for: its new engine holds none, so it loads them.
         keys = list(previous.rec.keys) if previous else []
+        desired = list(previous.rec.desired_adapters) if previous else []
         return ShardRecord(
             shard_id=cmd.shard_id,
             model=cmd.model,
@@ -150,6 +152,7 @@ class Launcher:
             gpus=list(cmd.gpus),
             max_running=cmd.profile.max_num_seqs,
             log_path=str(self.state_dir.log_path(cmd.shard_id)),
+            desired_adapters=desired,
         )
 
     def _facts(self) -> validate.NodeFacts:

@@ -2,7 +2,9 @@
 
 One asyncio task per shard, owned by the Agent, follows the engine through
 loading -> ready -> (draining) -> stopped, or failed. It never restarts an engine:
-whether a failed shard runs again is the reconciler's decision.
+whether a failed shard runs again is the reconciler's decision. A shard with adapter
+slots also keeps its engine's LoRA adapters at the set last asked for (lora.py), in a
+task of its own that this one starts once the engine serves and ends before it stops.
 
 Cancelling the task (agent shutdown) leaves the engine running; its record in the
 state dir lets the next agent process pick up supervision where this one stopped.
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 import httpx
 
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
+from llmgw.tasks import cancel_and_wait
 
 from . import procs
+from .lora import AdapterSync, EngineAdapters, Retry
 from .metrics import Load, parse_load
 from .state import ShardRecord, StateDir, tail
 
@@ -38,6 +43,7 @@ class Timing:
     headless_settle: float
     drain_settle: float
     tail_lines: int
+    adapter_retry: Retry = Retry()
 
 
 def describe_exit(code: int | None) -> str:
@@ -62,6 +68,7 @@ class EngineShard:
         http: httpx.AsyncClient,
         probe_host: str,
         count_exit: Callable[[str], None],
+        count_adapter_op: Callable[[str, str], None],  # (load|unload, outcome) for the metric
         proc: subprocess.Popen | None = None,
     ):
         self.rec = rec
@@ -72,13 +79,18 @@ class EngineShard:
         self._http = http
         self._probe_host = probe_host
         self._count_exit = count_exit  # the engine ended: why, as a bounded metric label
+        self._count_adapter_op = count_adapter_op
         self._wake = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.adapters: AdapterSync | None = None  # while the engine serves, with slots
+        self._adapters_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ record keeping
 
     def transition(self, state: c.ShardState, **fields) -> None:
         """Record and report a state change (persisted before it is published)."""
+        if state in c.TERMINAL_SHARD_STATES and self.rec.adapters:
+            self.rec.adapters = []  # an engine that is gone holds no adapter
         self.rec.state = state
         for name, value in fields.items():
             setattr(self.rec, name, value)
@@ -111,6 +123,64 @@ class EngineShard:
         now = time.time()
         self.transition(S.DRAINING, drain_started=now, drain_deadline=now + deadline_seconds)
         self._wake.set()
+
+    @property
+    def adapter_slots(self) -> int:
+        start = self.rec.start
+        if start is None or ENGINES[self.rec.engine].runtime_lora is None:
+            return 0
+        return start.profile.max_loras
+
+    def set_adapters(self, key: str, adapters: list[c.AdapterSource]) -> None:
+        """The whole set of adapters the engine should hold (SetShardAdapters)."""
+        self.note_command(key)
+        self.rec.desired_adapters = list(adapters)
+        if not self.adapter_slots:
+            self.rec.adapter_errors = {
+                a.name: "the shard's profile has no adapter slots (profile.max_loras is 0)"
+                for a in adapters
+            }
+        self._state_dir.save(self.rec)
+        if self.adapters is not None:
+            self.adapters.want(self.rec.desired_adapters)
+
+    def report_adapters(self, held: list[str] | None, errors: dict[str, str]) -> None:
+        """What the engine holds changed, or a call failed: the status says so."""
+        if held == self.rec.adapters and errors == self.rec.adapter_errors:
+            return
+        self.rec.adapters = held
+        self.rec.adapter_errors = errors
+        self._state_dir.save(self.rec)
+        self._emit(self.rec)
+        log.info(
+            "shard %s: adapters held %s%s",
+            self.rec.shard_id,
+            held,
+            f", failed {sorted(errors)}" if errors else "",
+        )
+
+    def _start_adapters(self) -> None:
+        """Keep the engine's adapters at the set asked for, while it serves."""
+        api = ENGINES[self.rec.engine].runtime_lora
+        if not self.adapter_slots or api is None or not self.rec.port or self.rec.terminal:
+            return
+        retry = self._timing.adapter_retry
+        self.adapters = AdapterSync(
+            self.rec.shard_id,
+            EngineAdapters(self._http, self.base_url, api, retry.call_timeout),
+            self.report_adapters,
+            self._count_adapter_op,
+            retry,
+            self.rec.desired_adapters,
+        )
+        self._adapters_task = asyncio.create_task(
+            self.adapters.run(), name=f"adapters-{self.rec.shard_id}"
+        )
+
+    async def _stop_adapters(self) -> None:
+        await cancel_and_wait(self._adapters_task)
+        self._adapters_task = None
+        self.adapters = None
 
     @property
     def base_url(self) -> str:
@@ -157,18 +227,24 @@ class EngineShard:
         rec = self.rec
         if rec.state in (S.LAUNCHING, S.LOADING) and not rec.stopping:
             await self._await_ready()
-        while not rec.terminal:
-            if rec.stopping:
-                await self._stop()
-                return
-            exited, code = self.exit_code()
-            if exited:
-                self.fail(code, describe_exit(code), "crashed")
-                return
-            if rec.state == S.DRAINING and await self._drained():
-                rec.stopping = True
-                continue
-            await self._pause(self._timing.ready_poll)
+        self._start_adapters()
+        try:
+            while not rec.terminal:
+                if rec.stopping:
+                    await self._stop_adapters()  # no load races the engine's exit
+                    await self._stop()
+                    return
+                exited, code = self.exit_code()
+                if exited:
+                    await self._stop_adapters()
+                    self.fail(code, describe_exit(code), "crashed")
+                    return
+                if rec.state == S.DRAINING and await self._drained():
+                    rec.stopping = True
+                    continue
+                await self._pause(self._timing.ready_poll)
+        finally:  # cancelled at agent shutdown: the engine stays, its adapters with it
+            await self._stop_adapters()
 
     async def _await_ready(self) -> None:
         rec, t = self.rec, self._timing
@@ -183,7 +259,8 @@ class EngineShard:
             else:  # a headless rank serves no HTTP: alive long enough counts as up
                 ready = waited >= t.headless_settle
             if ready:
-                self.transition(S.READY)
+                # A new engine holds no adapter; one with slots says so.
+                self.transition(S.READY, adapters=[] if self.adapter_slots else None)
                 return
             if waited > t.ready_timeout:
                 await self._kill_group(grace=5.0)

@@ -69,6 +69,11 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     # relay connects), kept for as long as the engine runs; "": no KV events.
     kv_events_endpoint: str = ""
     kv_replay_endpoint: str = ""
+    # LoRA adapters: the set last asked for (SetShardAdapters; a relaunched engine gets it
+    # again), what the engine holds (None: no adapter slots) and each failed call's answer.
+    desired_adapters: list[c.AdapterSource] = msgspec.field(default_factory=list)
+    adapters: list[str] | None = None
+    adapter_errors: dict[str, str] = msgspec.field(default_factory=dict)
     updated_at: float = 0.0
 
     @property

@@ -18,7 +18,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from llmgw import contracts as c
 
 # Command kinds as labels; "unknown" for a message that did not decode.
-COMMAND_KINDS: dict[type, str] = {c.StartShard: "start", c.StopShard: "stop", c.DrainShard: "drain"}
+COMMAND_KINDS: dict[type, str] = {
+    c.StartShard: "start",
+    c.StopShard: "stop",
+    c.DrainShard: "drain",
+    c.SetShardAdapters: "adapters",
+}
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,13 @@ class AgentMetrics:
             "Failed publishes, by what (status and registration are retried; "
             "heartbeats and load samples are not)",
             ["what"],
+            registry=r,
+        )
+        self.adapter_ops = Counter(
+            "llmgw_agent_adapter_operations_total",
+            "Calls to engines' runtime LoRA API, by op (load, unload) and outcome "
+            "(ok, retried: failed and tried again, failed: the last try failed)",
+            ["op", "outcome"],
             registry=r,
         )
         self.reconnects = Counter(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
+from llmgw.engines import ENGINES
 
 from .launch import ADAPTERS, model_ref
 
@@ -48,6 +49,22 @@ def _gib(n: int) -> str:
 
 def _looks_like_path(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~"))
+
+
+def _adapter_slots_refusal(p: c.ServingProfile) -> Refusal | None:
+    if p.max_loras < 0 or p.max_lora_rank < 1:
+        return Refusal(
+            "profile_range",
+            f"profile.max_loras must be >= 0 and profile.max_lora_rank >= 1, got "
+            f"{p.max_loras} and {p.max_lora_rank}",
+        )
+    if p.max_loras and ENGINES[p.engine].runtime_lora is None:
+        return Refusal(
+            "lora_unsupported",
+            f"profile.max_loras is {p.max_loras} but the agent cannot load adapters into "
+            f"{p.engine} engines at run time (vllm and sim can)",
+        )
+    return None
 
 
 def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
@@ -120,6 +137,9 @@ def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
         return Refusal(
             "profile_range", f"profile.gpu_memory_utilization must be in (0, 1], got {gmu}"
         )
+    slots = _adapter_slots_refusal(p)
+    if slots is not None:
+        return slots
     if cmd.nnodes > 1:
         if not 0 <= cmd.node_rank < cmd.nnodes:
             return Refusal(

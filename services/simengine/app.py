@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import embeddings, kvevents, responses, tokens, wire
+from llmgw.simengine import embeddings, kvevents, lora, responses, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -83,41 +83,51 @@ class SimApp:
         self.driver = Driver(self.engine)
         self.kv_events = kvevents.attach(self.engine, cfg.kv_events_config)
         self.faults = Faults(cfg.faults, seed=cfg.seed)
+        self.adapters = lora.Adapters(
+            names[0],
+            cfg.max_loras,
+            cfg.lora_load_seconds,
+            max_rank=cfg.max_lora_rank,
+            on_demand=cfg.lora_on_demand,
+        )
         self.parser = RequestParser(
-            Limits(frozenset(names), cfg.max_model_len, cfg.mode, cfg.default_output_tokens),
+            Limits(
+                frozenset(names),
+                cfg.max_model_len,
+                cfg.mode,
+                cfg.default_output_tokens,
+                serves_adapter=self.adapters.serves,
+            ),
             seed=cfg.seed,
         )
-        self.registry = build_registry(self.engine, names[0])
+        self.registry = build_registry(self.engine, names[0], self.adapters)
         self._on_exit = on_exit
         self.store = responses.ResponseStore(cfg.responses_store_size)
         self._background_tasks: set[asyncio.Task] = set()
         self._created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
-        self._models_body = _encode(
+        self._base_models = [
             {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "vllm",
-                        "root": cfg.model,
-                        "parent": None,
-                        "max_model_len": cfg.max_model_len,
-                        "permission": [],
-                    }
-                    for name in names
-                ],
+                "id": name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "vllm",
+                "root": cfg.model,
+                "parent": None,
+                "max_model_len": cfg.max_model_len,
+                "permission": [],
             }
-        )
+            for name in names
+        ]
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/completions": {"POST": self._completion},
             "/v1/embeddings": {"POST": self._embeddings},
             "/v1/responses": {"POST": self._responses},
             "/v1/models": {"GET": self._models},
+            "/v1/load_lora_adapter": {"POST": self._load_lora},
+            "/v1/unload_lora_adapter": {"POST": self._unload_lora},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
             "/sim/state": {"GET": self._state},
@@ -175,12 +185,18 @@ class SimApp:
             injected = self.faults.injected_error()
             if injected is not None:
                 raise injected
+            await self._adapter_resident(job)
         except ApiError as exc:
             await _send_error(send, exc)
             return
         except _ClientGone:
             return
         await self._run_job(receive, send, job, id_kind)
+
+    async def _adapter_resident(self, job: Job) -> None:
+        """A request for an adapter waits while its adapter loads into a slot."""
+        if job.model not in self.parser.limits.served_names:
+            await self.adapters.acquire(job.model)
 
     async def _run_job(self, receive: Receive, send: Send, job: Job, id_kind: str) -> None:
         reqs = self._submit(job)
@@ -200,8 +216,10 @@ class SimApp:
         """One engine request per choice: n > 1 runs n sequences, as vLLM's does."""
         cfg = self.config
         faults = self.faults.config
+        adapter = None if job.model in self.parser.limits.served_names else job.model
+        seed = tokens.salt_seed(job.cache_salt, adapter)
         hashes = (
-            tokens.block_hashes(job.prompt, cfg.block_size, tokens.salt_seed(job.cache_salt))
+            tokens.block_hashes(job.prompt, cfg.block_size, seed)
             if cfg.enable_prefix_caching
             else ()
         )
@@ -214,6 +232,7 @@ class SimApp:
                 block_hashes=hashes,
                 prompt=job.prompt,
                 cache_salt=job.cache_salt,
+                lora_name=adapter,
                 hang_after=faults.hang_after_tokens,
                 first_token_delay=faults.slow_first_token_ms / 1000,
             )
@@ -373,6 +392,7 @@ class SimApp:
             injected = self.faults.injected_error()
             if injected is not None:
                 raise injected
+            await self._adapter_resident(parsed.job)
         except ApiError as exc:
             await _send_error(send, exc)
             return
@@ -481,7 +501,32 @@ class SimApp:
     # -- everything else ----------------------------------------------------------------------
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, self._models_body)
+        data = self._base_models + self.adapters.models(self._created)
+        await _send_json(send, 200, _encode({"object": "list", "data": data}))
+
+    async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = _json_object(await _read_body(receive))
+            text = await self.adapters.load(
+                body.get("lora_name"), body.get("lora_path"), bool(body.get("load_inplace"))
+            )
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        log.info("LoRA adapter %s loaded from %s", body["lora_name"], body["lora_path"])
+        await _send(send, 200, text.encode(), b"text/plain; charset=utf-8")
+
+    async def _unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            text = self.adapters.unload(_json_object(await _read_body(receive)).get("lora_name"))
+        except ApiError as exc:
+            await _send_error(send, exc)
+            return
+        except _ClientGone:
+            return
+        await _send(send, 200, text.encode(), b"text/plain; charset=utf-8")
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.driver.failure is not None:
@@ -524,6 +569,16 @@ class SimApp:
         self.faults.replace(faults)
         log.info("faults set: %s", msgspec.to_builtins(faults))
         await _send_json(send, 200, _encode(faults))
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        data = msgspec.json.decode(raw) if raw.strip() else {}
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return data
 
 
 async def _read_body(receive: Receive) -> bytes:

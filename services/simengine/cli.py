@@ -62,6 +62,14 @@ _FLAGS: list[tuple[str, str, type, str]] = [
         "responses kept for GET /v1/responses/{id} (default 1024)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error"),
+    ("--max-loras", "max_loras", int, "LoRA adapter slots (default 0: no adapters)"),
+    ("--max-lora-rank", "max_lora_rank", int, "largest adapter rank accepted (default 16)"),
+    (
+        "--lora-load-seconds",
+        "lora_load_seconds",
+        float,
+        "time to load an adapter into a slot (default 0)",
+    ),
     (
         "--kv-events-config",
         "kv_events_config",
@@ -109,6 +117,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="reuse cached prompt blocks (default on)",
     )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="accepted as vLLM's is; adapters are on when --max-loras is above 0",
+    )
+    parser.add_argument(
+        "--lora-on-demand",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve any adapter name, loading it into a slot on its first request",
+    )
     for flag, key, typ, help_text in _FLAGS:
         parser.add_argument(flag, dest=key, type=typ, help=help_text)
     faults = parser.add_argument_group("fault injection (also POST /sim/faults)")
@@ -121,6 +140,7 @@ def overrides(args: argparse.Namespace) -> dict:
     out["served_model_name"] = args.served_model_name
     out["mode"] = args.mode
     out["enable_prefix_caching"] = args.enable_prefix_caching
+    out["lora_on_demand"] = args.lora_on_demand
     faults = {key: getattr(args, f"fault_{key}") for _, key, _, _ in _FAULT_FLAGS}
     out["faults"] = {k: v for k, v in faults.items() if v is not None}
     return out

@@ -63,6 +63,14 @@ class SimConfig(config.ConfigStruct):
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.
     drain_seconds: NonNegFloat = 10.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # LoRA adapter slots (vLLM's --max-loras; 0: no adapters) and what loading one into a
+    # slot takes; --enable-lora and --max-lora-rank are accepted as vLLM's are.
+    max_loras: NonNegInt = 0
+    max_lora_rank: PositiveInt = 16
+    lora_load_seconds: NonNegFloat = 0.0
+    # Serve any adapter name, registered on its first request and loaded into a slot then
+    # (the benchmark's baseline: load wherever the request lands).
+    lora_on_demand: bool = False
     # vLLM's `--kv-events-config` JSON: publish KV cache events over ZMQ in vLLM's format.
     kv_events_config: str = ""
     faults: FaultConfig = msgspec.field(default_factory=FaultConfig)

@@ -61,6 +61,8 @@ class Request:
     prompt: bytes = b""
     # vLLM's cache_salt: the first block's hash (and KV event extra keys) covers it.
     cache_salt: str | None = None
+    # The LoRA adapter it runs under (its model name), None for the base model.
+    lora_name: str | None = None
     # Faults: stop producing (but keep slot and blocks) after this many tokens; delay the first.
     hang_after: int | None = None
     first_token_delay: float = 0.0

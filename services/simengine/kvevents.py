@@ -132,10 +132,14 @@ class Publisher:
 
     def _stored_run(self, req: Request, run: list[int], span: int) -> None:
         first, last = run[0], run[-1]
-        # vLLM's extra keys: the salt on the request's first block, nothing on the others.
-        extra = (
-            [[req.cache_salt]] + [None] * (len(run) - 1) if req.cache_salt and not first else None
-        )
+        # vLLM's extra keys: the adapter's name on every block, then the salt on the
+        # request's first block.
+        lora = [req.lora_name] if req.lora_name else []
+        salted = bool(req.cache_salt) and not first
+        extra = None
+        if lora or salted:
+            extra = [lora + ([req.cache_salt] if salted and i == first else []) for i in run]
+            extra = [keys or None for keys in extra]
         self._add(
             kvwire.BlockStored(
                 block_hashes=[req.block_hashes[i] for i in run],
@@ -144,7 +148,7 @@ class Publisher:
                 block_size=self.block_size,
                 lora_id=None,
                 medium="GPU",
-                lora_name=None,
+                lora_name=req.lora_name,
                 extra_keys=extra,
             )
         )

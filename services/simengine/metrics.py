@@ -7,6 +7,7 @@ and labels follow vLLM (v1 engine): `model_name` is the first served name, `engi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
@@ -19,15 +20,22 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from llmgw.simengine.engine import Engine
+from llmgw.simengine.lora import Adapters
 from llmgw.simengine.stats import FINISHED_REASONS, Histogram
 
 LABELS = ["model_name", "engine"]
 
 
+def _adapter_names(reqs) -> str:
+    """vLLM's label value: the distinct adapters of these requests, comma-separated."""
+    return ",".join(dict.fromkeys(r.lora_name for r in reqs if r.lora_name))
+
+
 class EngineCollector:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, adapters: Adapters | None = None):
         self.engine = engine
         self.values = [model_name, "0"]
+        self.adapters = adapters
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -45,7 +53,38 @@ class EngineCollector:
         fam.add_metric(self.values, buckets, sum_value=h.sum)
         return fam
 
+    def _lora(self) -> Iterator[Metric]:
+        """vLLM's adapter gauge (no model_name or engine label there, and its value the
+        time it was set), then the simulator's own load and eviction counts."""
+        a = self.adapters
+        if a is None or not a.enabled:
+            return
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        e = self.engine
+        info.add_metric(
+            [str(a.max_loras), _adapter_names(e.waiting), _adapter_names(e.running)], time.time()
+        )
+        yield info
+        yield CounterMetricFamily(
+            "llmgw_sim_lora_loads",
+            "LoRA adapters loaded into a slot, by the API or by a request",
+            a.loads,
+        )
+        yield CounterMetricFamily(
+            "llmgw_sim_lora_evictions",
+            "LoRA adapters evicted from a slot to make room for another",
+            a.evictions,
+        )
+        yield GaugeMetricFamily(
+            "llmgw_sim_lora_resident", "LoRA adapters in a slot now", len(a.resident)
+        )
+
     def collect(self) -> Iterator[Metric]:
+        yield from self._lora()
         e = self.engine
         s = e.stats
         p = e.params
@@ -119,7 +158,9 @@ class EngineCollector:
         )
 
 
-def build_registry(engine: Engine, model_name: str) -> CollectorRegistry:
+def build_registry(
+    engine: Engine, model_name: str, adapters: Adapters | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine, model_name))
+    registry.register(EngineCollector(engine, model_name, adapters))
     return registry

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,7 +35,7 @@ class ApiError(Exception):
         *,
         type: str | None = None,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # vLLM's own errors carry the status here
     ):
         super().__init__(message)
         self.status = status
@@ -170,6 +171,8 @@ class Limits:
     max_model_len: int
     mode: Literal["echo", "lorem"]
     default_output_tokens: int
+    # Names served besides served_names: the LoRA adapters the engine serves now.
+    serves_adapter: Callable[[str], bool] = lambda name: False
 
 
 class RequestParser:
@@ -234,7 +237,7 @@ class RequestParser:
     def check_common(self, req: _Common) -> None:
         if req.model is None:
             raise ApiError(400, "you must provide a model parameter", param="model")
-        if req.model not in self.limits.served_names:
+        if req.model not in self.limits.served_names and not self.limits.serves_adapter(req.model):
             raise ApiError(
                 404,
                 f"The model `{req.model}` does not exist.",

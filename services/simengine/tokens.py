@@ -36,10 +36,12 @@ def count_tokens(prompt: bytes) -> int:
     return -(-len(prompt) // BYTES_PER_TOKEN)
 
 
-def salt_seed(cache_salt: str | None) -> int:
+def salt_seed(cache_salt: str | None, lora_name: str | None = None) -> int:
     """The chain's seed for a request's blocks: a salt keys its first block, as in vLLM,
-    so a salted prefix is shared only with requests of the same salt."""
-    return hash(("cache_salt", cache_salt)) if cache_salt else 0
+    so a salted prefix is shared only with requests of the same salt; a LoRA adapter keys
+    every block in vLLM, so blocks computed under it match only its own requests."""
+    seed = hash(("cache_salt", cache_salt)) if cache_salt else 0
+    return hash(("lora", lora_name, seed)) if lora_name else seed
 
 
 def block_hashes(prompt: bytes, block_size: int, seed: int = 0) -> tuple[int, ...]:

@@ -23,6 +23,11 @@ def drain(key="k-drain"):
     return c.DrainShard(key=key, node="n", shard_id="s")
 
 
+def adapters(key="k-ad"):
+    src = [c.AdapterSource(name="a1", source="/adapters/a1")]
+    return c.SetShardAdapters(key=key, node="n", shard_id="s", adapters=src)
+
+
 def view(state, keys=(), stopping=False):
     return KnownShard(state=state, keys=frozenset(keys), stopping=stopping)
 
@@ -54,6 +59,14 @@ def view(state, keys=(), stopping=False):
         (drain(), view(S.READY, {"k-stop"}, stopping=True), Action.ANSWER),
         (drain(), view(S.FAILED, {"k-start"}), Action.ANSWER),
         (drain(), None, Action.ANSWER),
+        # Adapters: kept for a live shard (a loading one loads them once it serves)...
+        (adapters(), view(S.READY, {"k-start"}), Action.ADAPTERS),
+        (adapters(), view(S.LOADING, {"k-start"}), Action.ADAPTERS),
+        (adapters(), view(S.DRAINING, {"k-start"}), Action.ADAPTERS),
+        # ...a repeat is an answer, and so is one for a shard that is gone or unknown.
+        (adapters(), view(S.READY, {"k-start", "k-ad"}), Action.ANSWER),
+        (adapters(), view(S.STOPPED, {"k-start"}), Action.ANSWER),
+        (adapters(), None, Action.ANSWER),
     ],
 )
 def test_decide(cmd, shard, action):

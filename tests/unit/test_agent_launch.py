@@ -186,3 +186,26 @@ def test_engine_environment_drops_the_agents_own_settings():
         {"PATH": "/bin", "LLMGW_NODE_ID": "n1", "CUDA_VISIBLE_DEVICES": "7"}, spec
     )
     assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_adapter_slots_turn_on_vllm_runtime_lora_flags_and_environment():
+    profile = c.ServingProfile(
+        engine="vllm", model_ref="org/m", gpus_per_shard=2, max_loras=4, max_lora_rank=8
+    )
+    spec = launch.vllm(start(profile=profile), CTX)
+    i = spec.argv.index("--enable-lora")
+    assert spec.argv[i : i + 5] == ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8"]
+    # vLLM serves /v1/load_lora_adapter only with this set.
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_no_adapter_slots_no_lora_flags():
+    spec = launch.vllm(start(), CTX)
+    assert "--enable-lora" not in spec.argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in spec.env
+
+
+def test_the_simulator_gets_the_same_adapter_slot_flags():
+    profile = c.ServingProfile(engine="sim", gpus_per_shard=2, max_loras=2)
+    spec = launch.sim(start(profile=profile), CTX)
+    i = spec.argv.index("--enable-lora")
+    assert spec.argv[i : i + 5] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]

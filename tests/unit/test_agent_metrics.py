@@ -68,3 +68,29 @@ def test_a_page_without_engine_gauges_gives_nothing():
 def test_nan_and_garbage_values_are_skipped():
     text = 'vllm:num_requests_running NaN\nvllm:num_requests_waiting{a="b"} x\nvllm:kv_cache_usage_perc 0.5\n'
     assert parse_load(text) == Load(running=0, waiting=0, kv_usage=0.5)
+
+
+# As vLLM 0.32 (--enable-lora) writes it: one series per label set ever reported, the value
+# the time it was last set; the newest is the present.
+LORA_INFO = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters="a1"} 1.7963784909512928e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7963784909568698e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a2,a3",waiting_lora_adapters="a4"} 1.7963785481798503e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a5",waiting_lora_adapters=""} 1.7963785477713785e+09
+"""
+
+
+def test_the_newest_lora_requests_info_series_gives_running_and_waiting_adapters():
+    load = parse_load(VLLM + LORA_INFO)
+    assert load.running_adapters == ("a2", "a3") and load.waiting_adapters == ("a4",)
+    assert load.running == 3  # the rest of the page is read as before
+
+
+def test_an_idle_newest_series_means_no_adapters():
+    page = LORA_INFO.replace("1.7963785481798503e+09", "1.0").replace(
+        "1.7963785477713785e+09", "2.0"
+    )
+    load = parse_load(VLLM + page)
+    assert load.running_adapters == () and load.waiting_adapters == ()

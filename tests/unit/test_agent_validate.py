@@ -101,3 +101,16 @@ def test_multi_node_needs_rendezvous():
     cmd.node_rank = 1
     cmd.profile.engine = "sglang"
     assert "needs master_port" in check(cmd, facts())
+
+
+def test_adapter_slots_on_an_engine_the_agent_cannot_load_adapters_into_are_refused():
+    refusal = check(start(engine="sglang", max_loras=2), facts())
+    assert refusal is not None and refusal.check == "lora_unsupported"
+    assert "profile.max_loras" in refusal and "sglang" in refusal
+    assert check(start(engine="vllm", max_loras=2), facts()) is None
+
+
+def test_negative_adapter_slots_are_refused_naming_the_field():
+    refusal = check(start(max_loras=-1), facts())
+    assert refusal is not None and refusal.check == "profile_range"
+    assert "profile.max_loras" in refusal
