@@ -130,3 +130,16 @@ def test_a_tenants_record_carries_its_cache_isolation():
         c.TenantDeclared(name="acme", band="gold", cache_isolation="key"),
     )
     assert p.tenant_record(log.state, "acme").cache_isolation == "key"
+
+
+def test_the_models_migration_reaches_its_record_and_the_routers_route():
+    from llmgw.router.endpoints.view import EndpointView
+
+    log = placed(
+        Log().append(node("a", 1), c.ModelDeclared(name="m", migration=c.MigrationSpec(max=2)))
+    )
+    rec = p.model_record(log.state, "m")
+    assert rec.migration.max == 2
+    view = EndpointView()
+    view.replace([rec])
+    assert view.route("m").migrations == 2

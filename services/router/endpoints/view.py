@@ -166,6 +166,7 @@ class ModelRoute:
     # Autoscaled from zero: with no ready endpoint, requests wait in admission for one.
     scale_from_zero: bool = False
     unplaceable: str = ""  # why the next replica cannot be placed (the control plane's words)
+    migrations: int = 0  # continuations allowed per cut stream (relay/continuation.py)
 
 
 class EndpointView:
@@ -304,6 +305,7 @@ class EndpointView:
                 record=rec,
                 scale_from_zero=rec.scale_from_zero,
                 unplaceable=rec.unplaceable,
+                migrations=rec.migration.max,
             )
         self.endpoints = endpoints
         self.by_shard = {projection.serving_shard(i): ep for i, ep in endpoints.items()}

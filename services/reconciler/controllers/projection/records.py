@@ -80,6 +80,7 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         scale_from_zero=decl.autoscale is not None and decl.autoscale.min == 0,
         unplaceable=_unplaceable(state, model),
         term=state.term,
+        migration=decl.migration,
     )
 
 
