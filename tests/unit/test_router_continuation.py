@@ -210,3 +210,11 @@ def test_plain_streams_and_tools_turned_off_are_migratable():
 
 def test_chat_and_completions_are_the_kinds_with_a_continuation():
     assert {k.name for k in kinds.ALL if k.continuation is not None} == {"chat", "completions"}
+
+
+def test_a_chunk_with_empty_text_is_a_token_the_role_chunk_is_not():
+    # vLLM sends a chunk per decode step, with "" while a character's bytes are held back.
+    sent = c.Sent(c.CHAT, json.dumps(CHAT_BODY).encode(), allowed=1)
+    sent.feed(sse(chat_chunk(0, "", role="assistant"), chat_chunk(1, ""), chat_chunk(2, "é")))
+    body = json.loads(sent.continuation())
+    assert body["max_tokens"] == 8 and body["messages"][-1]["content"] == "é"

@@ -18,10 +18,11 @@ whose answer cannot be spliced is never migrated (`refusal`): n > 1, `echo`, too
 structured output (the grammar's state is not in the text), a prompt that is not one
 string. Its stream ends with the in-band error event, as without migration.
 
-Tokens sent are counted one per chunk that carried text: vLLM streams one chunk per
-decode step. A step whose text the detokenizer held back (half a UTF-8 character)
-sends no chunk; its token is not in the text either, so the continuation regenerates
-it and the count stays that of the text the client holds.
+Tokens sent are counted one per chunk (the opening role chunk aside): vLLM streams
+one chunk per decode step, with empty text when the detokenizer holds a token's bytes
+back (half a UTF-8 character), so the count is the tokens generated, and a stream
+with `max_tokens: K` delivers K in all. Bytes held back when the engine died are not
+in the text sent, and the continuation generates its own.
 
 Pure: bytes in, bytes out; the relay (upstream.py) decides when to call it.
 """
@@ -53,6 +54,7 @@ _STRUCTURED = (
 
 
 class _Delta(msgspec.Struct):
+    role: str | None = None
     content: str | None = None
 
 
@@ -312,8 +314,8 @@ class Sent:
         for choice in chunk.choices:
             if choice.index != 0:
                 continue
-            piece = choice.text if choice.delta is None else choice.delta.content
-            if piece:
+            piece = _token_of(choice)
+            if piece is not None:
                 self.text.append(piece)
                 self.tokens += 1
             if choice.finish_reason is not None:
@@ -345,6 +347,17 @@ class Sent:
                 "total_tokens": prompt + completion,
             }
         return b"data: " + _encode(data) + b"\n\n"
+
+
+def _token_of(choice: _Choice) -> str | None:
+    """The text of the one token a choice carries (maybe empty); None when it carries
+    none: a chat stream's opening role chunk, a chunk without content."""
+    delta = choice.delta
+    if delta is None:
+        return choice.text
+    if delta.role and not delta.content:
+        return None
+    return delta.content
 
 
 def _chunk_of(data: bytes) -> _Chunk | None:
