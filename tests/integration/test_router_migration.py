@@ -155,3 +155,14 @@ async def test_migration_is_off_unless_the_model_asks_for_it(client):
             status, raw = await _post(client, r.url, CHAT)
     got, _ = chunks(raw)
     assert "error" in got[-1] and sorted(len(e.seen) for e in engines) == [0, 1]
+
+
+async def test_a_continuation_the_engine_refuses_ends_the_stream_in_band(client):
+    async with fake_engines("a", "b", tokens=6, drop_after=2, delay=0.2) as engines:
+        async with running_router(migrating(engines)) as r:
+            _, (status, raw) = await stream_and_mend(client, r.url, CHAT, engines, status=400)
+    got, last = chunks(raw)
+    assert status == 200 and last == b"data: [DONE]"
+    assert text_of(got[:-1]) == "t0 t1 "
+    assert got[-1]["error"]["code"] == "continuation_refused"
+    assert "400" in got[-1]["error"]["message"]

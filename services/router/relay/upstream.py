@@ -94,6 +94,9 @@ class Upstream:
                         and resp.headers.get("Content-Type", "").startswith("text/event-stream")
                     ):
                         return await self._relay(ex, ep, route, req, body, resp, rule, verdict)
+                    if ex.started:
+                        await self._continuation_refused(ex, ep, rule, resp)
+                        return None
                     await self._answer_whole(ex, ep, req, resp, verdict)
                     return None
             except (DeadlinePassed, aiohttp.ClientError) as exc:
@@ -270,6 +273,28 @@ class Upstream:
                 BROKEN_STATUS,
                 detail=f"endpoint {ep.id} ended the stream early",
             ),
+        )
+
+    async def _continuation_refused(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        rule: StreamRule | None,
+        resp: aiohttp.ClientResponse,
+    ) -> None:
+        """A continuation answered with anything but a stream (a 400 for a prompt the
+        text sent made too long, say): the client's status is long gone, so the stream
+        ends in band; another endpoint of the same model would refuse it too."""
+        detail = (await resp.read())[:300].decode("utf-8", "replace")
+        resp.release()
+        await self.end_stream(
+            ex,
+            ep,
+            rule,
+            "continuation_refused",
+            f"the stream was cut and its continuation refused ({resp.status})",
+            BROKEN_STATUS,
+            f"endpoint {ep.id} answered the continuation {resp.status}: {detail}",
         )
 
     async def _cut(
