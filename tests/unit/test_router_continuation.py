@@ -81,7 +81,7 @@ def test_a_chat_stream_continues_with_the_partial_assistant_message_and_fewer_to
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 8 and body["min_tokens"] == 2
     assert body["logprobs"] is True and body["top_logprobs"] == 2  # logprobs carry on
-    assert body["stream_options"] == {"include_usage": True}
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert not sent.resumable()  # max 1, used
 
 
@@ -97,7 +97,7 @@ def test_a_completion_continues_from_the_prompt_plus_the_text_sent():
     again = json.loads(sent.continuation())
     assert again["prompt"] == "Once upon a" and again["max_tokens"] == 3
     # The client did not ask for usage: the router asks, to sum it, and drops it later.
-    assert again["stream_options"] == {"include_usage": True}
+    assert again["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert sent.resumable()
 
 
@@ -218,3 +218,50 @@ def test_a_chunk_with_empty_text_is_a_token_the_role_chunk_is_not():
     sent.feed(sse(chat_chunk(0, "", role="assistant"), chat_chunk(1, ""), chat_chunk(2, "é")))
     body = json.loads(sent.continuation())
     assert body["max_tokens"] == 8 and body["messages"][-1]["content"] == "é"
+
+
+def with_usage(raw: bytes, prompt: int, completion: int) -> bytes:
+    data = json.loads(raw)
+    data["usage"] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    return json.dumps(data).encode()
+
+
+def test_usage_on_every_chunk_counts_packed_tokens_and_stays_hidden_unless_asked():
+    # vLLM packs several tokens into one chunk when the client reads slower than it
+    # decodes: the router asks for usage on every chunk and counts from it.
+    body = {**CHAT_BODY, "stream_options": None}
+    sent = c.Sent(c.CHAT, json.dumps(body).encode(), allowed=1)
+    first = json.loads(sent.upstream_body())
+    assert first["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert first["messages"] == body["messages"] and first["max_tokens"] == 10
+    out, _ = sent.feed(
+        sse(
+            with_usage(chat_chunk(0, "", role="assistant"), 5, 0),
+            with_usage(chat_chunk(1, "abc"), 5, 3),
+        )
+    )
+    got = decoded(out)
+    assert all("usage" not in ch for ch in got)
+    assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert json.loads(sent.continuation())["max_tokens"] == 7
+    # The continuation's prompt holds the 3 tokens sent; the first attempt's 5 are kept.
+    out, _ = sent.feed(
+        sse(with_usage(chat_chunk(1, "d"), 9, 1), usage_chunk(9, 7)) + b"data: [DONE]\n\n"
+    )
+    assert [e for e in decoded(out) if isinstance(e, dict) and "usage" in e] == []
+    assert sent.usage == (5, 10)
+
+
+def test_a_client_asking_for_running_usage_gets_it_summed():
+    body = {**CHAT_BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    sent = c.Sent(c.CHAT, json.dumps(body).encode(), allowed=1)
+    sent.feed(sse(with_usage(chat_chunk(1, "ab"), 5, 2)))
+    sent.continuation()
+    out, _ = sent.feed(sse(with_usage(chat_chunk(1, "c", cid="x"), 7, 1)))
+    [chunk] = decoded(out)
+    assert chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunk["id"] == "chatcmpl-1"

@@ -18,11 +18,12 @@ whose answer cannot be spliced is never migrated (`refusal`): n > 1, `echo`, too
 structured output (the grammar's state is not in the text), a prompt that is not one
 string. Its stream ends with the in-band error event, as without migration.
 
-Tokens sent are counted one per chunk (the opening role chunk aside): vLLM streams
-one chunk per decode step, with empty text when the detokenizer holds a token's bytes
-back (half a UTF-8 character), so the count is the tokens generated, and a stream
-with `max_tokens: K` delivers K in all. Bytes held back when the engine died are not
-in the text sent, and the continuation generates its own.
+Tokens sent are counted from the usage every chunk carries (the router asks for
+vLLM's `continuous_usage_stats` and takes it out again where the client did not ask):
+vLLM packs several tokens into one chunk when its API server falls behind. An engine
+that sends no such usage is counted one token per chunk, the opening role chunk
+aside. So a stream with `max_tokens: K` delivers K in all. Bytes a detokenizer held
+back when the engine died are not in the text sent; the continuation makes its own.
 
 Pure: bytes in, bytes out; the relay (upstream.py) decides when to call it.
 """
@@ -187,8 +188,11 @@ def refusal(rule: Continuation, body: bytes) -> str | None:
 class Sent:
     """What one stream has sent the client so far; the continuations that resume it.
 
-    `feed` every relayed run of whole events through it: on the first attempt it
-    only reads them (the bytes go on unchanged), on a continuation it rewrites them.
+    Every attempt's body is `upstream_body`/`continuation`: it asks for usage on every
+    chunk (vLLM's `continuous_usage_stats`), so the tokens sent are counted exactly even
+    when an engine packs several into one chunk. `feed` every relayed run of whole
+    events through it: it reads them, and rewrites what the client did not ask for
+    (that usage) and, on a continuation, what must read as the first attempt.
     """
 
     __slots__ = (
@@ -205,16 +209,18 @@ class Sent:
         "model",
         "finish",
         "wants_usage",
+        "wants_running_usage",
+        "prompt_tokens",
         "usage",
     )
 
     def __init__(self, rule: Continuation, body: bytes, allowed: int):
         self.rule = rule
-        self.top = _decode_top(body)
+        self.top = _decode_top(body)  # the client's request, for this model
         self.allowed = allowed  # continuations allowed (the model's migration.max)
         self.migrations = 0  # continuations made
         self.text: list[str] = []
-        self.tokens = 0  # text-carrying chunks sent, over every attempt
+        self.tokens = 0  # completion tokens sent, over every attempt
         self.base = 0  # tokens sent before the current attempt began
         self.id = ""
         self.object = ""
@@ -222,7 +228,10 @@ class Sent:
         self.model = ""
         self.finish: str | None = None  # the finish_reason the client got, if any
         options = _value(self.top, "stream_options")
-        self.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        options = options if isinstance(options, dict) else {}
+        self.wants_usage = bool(options.get("include_usage"))
+        self.wants_running_usage = self.wants_usage and bool(options.get("continuous_usage_stats"))
+        self.prompt_tokens: int | None = None  # the first attempt's, once an engine says
         self.usage: tuple[int, int] | None = None  # (prompt, completion) summed, once known
 
     # ------------------------------------------------------------ decisions
@@ -243,21 +252,28 @@ class Sent:
     def resumable(self) -> bool:
         return self.migrations < self.allowed
 
+    def upstream_body(self) -> bytes:
+        """The first attempt's body: the client's, asking for usage on every chunk."""
+        return self._body({})
+
     def continuation(self) -> bytes:
         """The body of the next attempt; counts it as one migration."""
         self.migrations += 1
         self.base = self.tokens
-        top = dict(self.top)
         values: dict[str, object] = {}
         if self.tokens or self.text:
-            values = self.rule.extend(top, "".join(self.text))
+            values = self.rule.extend(self.top, "".join(self.text))
             for key in ("max_completion_tokens", "max_tokens", "min_tokens"):
-                limit = _value(top, key)
+                limit = _value(self.top, key)
                 if isinstance(limit, int):
                     values[key] = max(0 if key == "min_tokens" else 1, limit - self.tokens)
+        return self._body(values)
+
+    def _body(self, values: dict[str, object]) -> bytes:
+        top = dict(self.top)
         options = _value(top, "stream_options")
         options = dict(options) if isinstance(options, dict) else {}
-        options["include_usage"] = True  # the continuation's usage is summed into the total
+        options.update(include_usage=True, continuous_usage_stats=True)
         values["stream_options"] = options
         for key, value in values.items():
             top[key] = msgspec.Raw(_encode(value))
@@ -283,7 +299,6 @@ class Sent:
     def feed(self, out: bytes) -> tuple[bytes, bytes | None]:
         """(what to send the client, the engine's in-band error and what followed it,
         or None). `out` is whole events."""
-        rewriting = self.migrations > 0
         kept: list[bytes] = []
         start = 0
         while start < len(out):
@@ -294,14 +309,13 @@ class Sent:
             chunk = _chunk_of(data)
             if chunk is not None:
                 if chunk.error is not None:
-                    return (b"".join(kept) if rewriting else out[:start]), out[start:]
+                    return b"".join(kept), out[start:]
                 self._read(chunk)
-                if rewriting:
+                if self.migrations or chunk.usage is not None:
                     event = self._rewrite(data[5:], chunk)
-            if rewriting and event:
-                kept.append(event)
+            kept.append(event)
             start = end
-        return (b"".join(kept) if rewriting else out), None
+        return b"".join(kept), None
 
     def _read(self, chunk: _Chunk) -> None:
         if not self.id:
@@ -317,35 +331,45 @@ class Sent:
             piece = _token_of(choice)
             if piece is not None:
                 self.text.append(piece)
-                self.tokens += 1
+                self.tokens += 1  # one a chunk, unless the engine says (below)
             if choice.finish_reason is not None:
                 self.finish = choice.finish_reason
-        if chunk.usage is not None and self.migrations:
-            # The continuation's prompt holds the text sent before it: those tokens move
-            # from its prompt to the completion.
-            u = chunk.usage
-            self.usage = (u.prompt_tokens - self.base, u.completion_tokens + self.base)
+        u = chunk.usage
+        if u is not None:
+            # Exact: this attempt's completion tokens so far, after those sent before it.
+            self.tokens = self.base + u.completion_tokens
+            if self.prompt_tokens is None:
+                # A continuation's prompt holds the text sent before it: without the first
+                # attempt's count, those tokens come off the continuation's.
+                self.prompt_tokens = u.prompt_tokens - self.base
+            self.usage = (self.prompt_tokens, self.tokens)
 
     def _rewrite(self, raw: bytes, chunk: _Chunk) -> bytes:
-        """A continuation's event as the first attempt would have sent it; b"" to drop."""
+        """The event as the client is to read it (b"": not at all): on a continuation
+        with the first attempt's id and created and no second role chunk; usage only
+        where the client asked for it, summed over the attempts."""
         data = _decode_any(raw)
-        data["id"] = self.id
-        data["created"] = self.created
         choices = data.get("choices") or []
-        kept = [c for c in map(_without_role, choices) if c is not None]
-        if choices and not kept:
-            return b""
-        data["choices"] = kept
+        if self.migrations:
+            data["id"] = self.id
+            data["created"] = self.created
+            kept = [c for c in map(_without_role, choices) if c is not None]
+            if choices and not kept:
+                return b""
+            data["choices"] = choices = kept
         if chunk.usage is not None and self.usage is not None:
-            if not kept and not self.wants_usage:
-                return b""  # the usage chunk the router asked for, not the client
-            prompt, completion = self.usage
-            data["usage"] = {
-                **data["usage"],
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            }
+            if not (self.wants_running_usage or (self.wants_usage and not choices)):
+                if not choices:
+                    return b""  # the usage chunk the router asked for, not the client
+                del data["usage"]
+            else:
+                prompt, completion = self.usage
+                data["usage"] = {
+                    **data["usage"],
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                }
         return b"data: " + _encode(data) + b"\n\n"
 
 

@@ -76,6 +76,11 @@ class Upstream:
         guard = ex.guard
         rule = req.api.stream
         resp: aiohttp.ClientResponse | None = None
+        tracked = ex.sent  # a continuation's; else this attempt's, kept once its stream starts
+        if not ex.started and req.stream:
+            tracked = _tracked(route, req, body)
+            if tracked is not None:
+                body = tracked.upstream_body()
         with ep.circuit.verdict(self.clock) as verdict:
             ep.inflight += 1
             # An engine sends a non-streamed answer's headers with the answer, when it is
@@ -93,7 +98,7 @@ class Upstream:
                         and resp.status == 200
                         and resp.headers.get("Content-Type", "").startswith("text/event-stream")
                     ):
-                        return await self._relay(ex, ep, route, req, body, resp, rule, verdict)
+                        return await self._relay(ex, ep, route, req, tracked, resp, rule, verdict)
                     if ex.started:
                         await self._continuation_refused(ex, ep, rule, resp)
                         return None
@@ -178,7 +183,7 @@ class Upstream:
         ep: EndpointRuntime,
         route: ModelRoute,
         req: rq.Parsed,
-        body: bytes,
+        sent: Sent | None,
         resp: aiohttp.ClientResponse,
         rule: StreamRule,
         verdict: Verdict,
@@ -199,7 +204,6 @@ class Upstream:
         buf = b""
         last = 0.0
         complete = False
-        sent = ex.sent
         while True:
             chunk = await content.readany()
             if not chunk:
@@ -219,7 +223,7 @@ class Upstream:
                 if responses:
                     self._remember(out, ep, ex)
                 await ex.start_stream(resp.headers.get("Content-Type", "").encode(), ep.id)
-                sent = ex.sent = _tracked(route, req, body)
+                ex.sent = sent
             elif last:  # a continuation's first event follows another engine's last
                 metrics.itl.observe(key, now - last)
             last = now
