@@ -265,3 +265,12 @@ def test_a_client_asking_for_running_usage_gets_it_summed():
     [chunk] = decoded(out)
     assert chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     assert chunk["id"] == "chatcmpl-1"
+
+
+def test_an_engine_aborting_the_request_at_shutdown_is_a_cut_not_an_end():
+    # vLLM at SIGTERM (shutdown_timeout 0) ends what it runs with finish_reason "abort".
+    sent = c.Sent(c.CHAT, json.dumps(CHAT_BODY).encode(), allowed=1)
+    good = sse(chat_chunk(1, "a"))
+    aborted = sse(chat_chunk(2, "", finish="abort")) + b"data: [DONE]\n\n"
+    assert sent.feed(good + aborted) == (good, aborted)
+    assert sent.finish is None and not sent.done()

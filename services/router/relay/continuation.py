@@ -1,7 +1,8 @@
 """Mid-stream migration: what a stream has sent so far, and the request that continues it.
 
 An engine that dies after a stream's first byte (kill -9, a drain deadline, the idle
-watchdog, a 5xx sent in-band) used to cost the client its answer. For the same model
+watchdog, a 5xx sent in-band, `finish_reason: abort` from an engine shutting down)
+used to cost the client its answer. For the same model
 that is needless: another replica continues from the prompt plus the text already
 sent, as Dynamo's migration does (lib/llm/src/migration.rs), and the client reads one
 stream. A continuation is, per API kind (`Continuation`, on `ApiKind`):
@@ -297,8 +298,8 @@ class Sent:
     # ------------------------------------------------------------ the relayed bytes
 
     def feed(self, out: bytes) -> tuple[bytes, bytes | None]:
-        """(what to send the client, the engine's in-band error and what followed it,
-        or None). `out` is whole events."""
+        """(what to send the client, the engine's in-band error or abort and what
+        followed it, or None). `out` is whole events."""
         kept: list[bytes] = []
         start = 0
         while start < len(out):
@@ -308,7 +309,7 @@ class Sent:
             data = event.strip()
             chunk = _chunk_of(data)
             if chunk is not None:
-                if chunk.error is not None:
+                if chunk.error is not None or _aborted(chunk):
                     return b"".join(kept), out[start:]
                 self._read(chunk)
                 if self.migrations or chunk.usage is not None:
@@ -371,6 +372,12 @@ class Sent:
                     "total_tokens": prompt + completion,
                 }
         return b"data: " + _encode(data) + b"\n\n"
+
+
+def _aborted(chunk: _Chunk) -> bool:
+    """The engine gave the request up (vLLM's `finish_reason: abort`, sent when it shuts
+    down mid-request): a cut, not the model's end."""
+    return any(c.index == 0 and c.finish_reason == "abort" for c in chunk.choices)
 
 
 def _token_of(choice: _Choice) -> str | None:

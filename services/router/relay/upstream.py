@@ -408,7 +408,7 @@ def _in_band(endpoint: str) -> Failure:
         "upstream_error_event",
         "the engine reported an error mid-stream",
         BROKEN_STATUS,
-        detail=f"endpoint {endpoint} sent an error event mid-stream",
+        detail=f"endpoint {endpoint} sent an error event or aborted the request mid-stream",
     )
 
 
