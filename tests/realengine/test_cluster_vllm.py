@@ -21,6 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw import enginemetrics
 from llmgw.agent import procs as engine_procs
 from llmgw.agent.state import StateDir
 from llmgw.dev import catalog as devcatalog
@@ -110,6 +111,11 @@ def wait_routers(cluster, expected: set[str], timeout: float = 60) -> None:
         timeout,
         f"routers to converge on {len(expected)} endpoints",
     )
+
+
+def running(url: str) -> float:
+    body = httpx.get(f"{url}/metrics", timeout=10).content
+    return enginemetrics.gauges(body).get("vllm:num_requests_running", 0.0)
 
 
 def migrations(cluster) -> int:
@@ -236,6 +242,8 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
         cluster.info["routers"], "unused", MODEL, concurrency=4, max_tokens=LONG_TOKENS
     ) as traffic:
         kit.wait(lambda: traffic.ok() >= 4, 300, "long streams to flow")
+        # Whichever replica is retired, it has streams in flight when its drain begins.
+        kit.wait(lambda: all(running(u) > 0 for u in ready_urls(cluster)), 120, "both engines busy")
         t0 = time.monotonic()
         ck.apply_catalog(cluster, catalog(tiny_model, 1))
         ck.wait(lambda: len(ready_urls(cluster)) == 1, 120, "scale down to one replica")
@@ -256,6 +264,7 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
         f"{len(traffic.failures())} failed, {moved} streams migrated",
     )
     assert traffic.failures() == [], traffic.failures()[:5]  # none cut at the deadline
+    assert moved >= 1  # streams did outlive it: the stopped engine's were handed over
     [sid] = stopped
     seq = [s["state"] for s in statuses(cluster) if s["shard_id"] == sid]
     assert "draining" in seq and seq.index("draining") < seq.index("stopped"), seq
