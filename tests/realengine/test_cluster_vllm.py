@@ -44,6 +44,7 @@ ENV = {
 # Prompt plus the text sent, re-tokenized, grows (a random model's bytes decode to
 # U+FFFD, three bytes each): long streams stay well inside max_model_len (1024).
 LONG_TOKENS = 300
+KILL_TOKENS = 160  # long enough that the victim is mid-stream when killed
 
 
 def catalog(model_path, replicas: int) -> dict:
@@ -187,9 +188,11 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
     victim = next(r for r in records(cluster) if r.state.value == "ready")
     moved = migrations(cluster)
     with kit.Traffic(
-        cluster.info["routers"], "unused", MODEL, concurrency=4, max_tokens=64
+        cluster.info["routers"], "unused", MODEL, concurrency=4, max_tokens=KILL_TOKENS
     ) as traffic:
         kit.wait(lambda: traffic.ok() >= 8, 120, "traffic to flow")
+        # Killed while it answers: its streams are the ones that must not be cut.
+        kit.wait(lambda: running(victim.url.rstrip("/")) > 0, 120, "the victim busy", 0.05)
         os.killpg(victim.pid, signal.SIGKILL)
 
         def failed():
