@@ -271,6 +271,15 @@ class AutoscaleSpec(msgspec.Struct, kw_only=True):
     signal: str = "load"  # load | queue
 
 
+class MigrationSpec(msgspec.Struct, kw_only=True):
+    """Mid-stream migration (docs/router.md): a stream its engine cut after the first
+    byte continues on another replica of the same model, from the prompt plus the text
+    already sent, at most `max` times per request. 0 (the default): off, the stream
+    ends with an in-band error event as before."""
+
+    max: int = 0
+
+
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
     subject_kind: ClassVar[str] = "model"
@@ -291,6 +300,7 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     # Set: the reconciler's autoscaler decides the count (ModelScaled events) and
     # `replicas` is only where it starts (`autoscale.min`).
     autoscale: AutoscaleSpec | None = None
+    migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)
 
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
@@ -801,6 +811,7 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     # the same term and an older based_on_seq) than the one it holds for the key.
     term: int = 0
     adapters: list[AdapterRoute] = msgspec.field(default_factory=list)  # declared on this base
+    migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):

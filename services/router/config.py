@@ -21,6 +21,7 @@ from llmgw.contracts import (
     DeadlineSpec,
     Endpoint,
     EndpointState,
+    MigrationSpec,
     ModelEndpoints,
     SchedulingSpec,
     UpstreamSpec,
@@ -41,6 +42,7 @@ class ModelConfig(cfg.ConfigStruct):
     owned_by: str = ""  # GET /v1/models says so
     api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every API kind
     max_model_len: int | None = None  # GET /v1/models says so; else asked of the engines
+    migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)  # docs/router.md
 
 
 class EndpointConfig(cfg.ConfigStruct):
@@ -205,6 +207,12 @@ def validate(config: RouterConfig) -> list[str]:
             problems.append(f"{where}: url {ep.url!r} is not an http(s) URL with a host")
         if not ep.models:
             problems.append(f"{where}: serves no models (models is empty)")
+    for i, m in enumerate(config.models):
+        if m.migration.max < 0:
+            problems.append(
+                f"models[{i}] ({m.name!r}): migration.max = {m.migration.max}: "
+                "must be 0 (off) or more"
+            )
     declared = {m.name for m in config.models}
     for i, ep in enumerate(config.endpoints):
         for model in ep.models:
@@ -328,6 +336,7 @@ def projection(config: RouterConfig) -> list[ModelEndpoints]:
                 owned_by=m.owned_by,
                 api_kinds=list(m.api_kinds),
                 max_model_len=m.max_model_len,
+                migration=m.migration,
             )
         )
     return records

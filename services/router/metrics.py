@@ -198,6 +198,11 @@ class RequestSeries:
             "Requests moved to a fallback model after every endpoint of a model failed.",
             ("model", "fallback"),
         )
+        self.migrations = Counter(
+            "llmgw_router_migrations_total",
+            "Streams cut after their first byte and continued on another endpoint.",
+            ("model",),
+        )
         self.upstream_errors = Counter(
             "llmgw_router_upstream_errors_total",
             "Failed attempts by endpoint and kind (connect, status_5xx, headers_timeout, "
@@ -220,6 +225,7 @@ class RequestSeries:
             self.completion_tokens,
             self.retries,
             self.fallbacks,
+            self.migrations,
             self.upstream_errors,
             self.disconnects,
         ]

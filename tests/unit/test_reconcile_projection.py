@@ -151,3 +151,16 @@ def test_a_base_models_record_lists_its_adapters_and_what_each_endpoint_holds():
     assert p.affected(log.state, [("adapter", "sql")]) == {Key.model("m")}
     log.append(c.ModelDeclared(name="n"), c.AdapterRemoved(name="sql"))
     assert p.affected(log.state, [("adapter", "sql")]) == {Key.model("m"), Key.model("n")}
+
+
+def test_the_models_migration_reaches_its_record_and_the_routers_route():
+    from llmgw.router.endpoints.view import EndpointView
+
+    log = placed(
+        Log().append(node("a", 1), c.ModelDeclared(name="m", migration=c.MigrationSpec(max=2)))
+    )
+    rec = p.model_record(log.state, "m")
+    assert rec.migration.max == 2
+    view = EndpointView()
+    view.replace([rec])
+    assert view.route("m").migrations == 2

@@ -237,3 +237,17 @@ models:
         "models[0] (name=m): scheduling.picker: unknown picker 'max_scor' "
         "(known: max_score, p2c, weighted_random)",
     ]
+
+
+def test_migration_is_off_by_default_carried_when_set_and_checked_by_field():
+    cat = catalog.parse(yaml.safe_load("models: [{name: a}, {name: b, migration: {max: 2}}]"))
+    assert [m.event().migration.max for m in cat.models] == [0, 2]
+    out = problems(
+        "models: [{name: a, migration: {max: -1}}, {name: b, migration: {max: 9}},"
+        " {name: c, migration: {times: 1}}]"
+    )
+    assert out == [
+        "models[2] (name=c): migration.times: unknown field (known: max)",
+        "models[0] (name=a): migration.max: must be between 0 (off) and 8, got -1",
+        "models[1] (name=b): migration.max: must be between 0 (off) and 8, got 9",
+    ]

@@ -4,7 +4,7 @@ A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
     models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
-              upstream, owned_by, api_kinds}]
+              upstream, owned_by, api_kinds, migration}]
     tenants: [{name, band, key_hashes, quotas, cache_isolation}]
     adapters: [{name, base, source, tenants, pinned}]                  # LoRA adapters
 
@@ -32,6 +32,9 @@ from llmgw.engines import ENGINES
 
 _KEY_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 _ENVELOPE = ("type", "v", "id", "ts")
+# A stream that needs more continuations than this is failing for a reason another
+# replica will not fix.
+MAX_MIGRATIONS = 8
 
 
 class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -47,6 +50,7 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     owned_by: str = ""
     api_kinds: list[str] = msgspec.field(default_factory=list)
     autoscale: c.AutoscaleSpec | None = None
+    migration: c.MigrationSpec = msgspec.field(default_factory=c.MigrationSpec)
 
     def event(self) -> c.ModelDeclared:
         data = msgspec.to_builtins(self)
@@ -270,6 +274,11 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
             out.append(
                 f"{label}: api_kinds: unknown kind {kind!r} (known: {', '.join(c.API_KINDS)})"
             )
+    if not 0 <= m.migration.max <= MAX_MIGRATIONS:
+        out.append(
+            f"{label}: migration.max: must be between 0 (off) and {MAX_MIGRATIONS}, "
+            f"got {m.migration.max}"
+        )
     out += _check_scheduling(label, m.scheduling)
     return out
 

@@ -103,6 +103,7 @@ class Model(Base):
     upstream: Mapped[Json]
     owned_by: Mapped[str] = mapped_column(Text)
     api_kinds: Mapped[list[Any]]
+    migration: Mapped[Json]
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
 

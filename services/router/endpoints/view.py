@@ -187,6 +187,8 @@ class ModelRoute:
             return True
         return caller is not None and caller.owner in self.tenants
 
+    migrations: int = 0  # continuations allowed per cut stream (relay/continuation.py)
+
 
 class EndpointView:
     def __init__(
@@ -336,6 +338,7 @@ class EndpointView:
                 record=rec,
                 scale_from_zero=rec.scale_from_zero,
                 unplaceable=rec.unplaceable,
+                migrations=rec.migration.max,
             )
         self._adapters = self._adapter_routes(table, new_routes, problems)
         self.endpoints = endpoints

@@ -26,7 +26,9 @@ import aiohttp
 from llmgw.router.config import DeadlineSpec
 from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.relay import continuation
 from llmgw.router.relay.circuit import Verdict
+from llmgw.router.relay.continuation import Sent
 from llmgw.router.relay.walk import BROKEN_STATUS, BUSY, TIMEOUT_STATUS, Failure, retry_after
 from llmgw.router.request import body as rq
 from llmgw.router.request.exchange import Exchange
@@ -74,6 +76,11 @@ class Upstream:
         guard = ex.guard
         rule = req.api.stream
         resp: aiohttp.ClientResponse | None = None
+        tracked = ex.sent  # a continuation's; else this attempt's, kept once its stream starts
+        if not ex.started and req.stream:
+            tracked = _tracked(route, req, body)
+            if tracked is not None:
+                body = tracked.upstream_body()
         with ep.circuit.verdict(self.clock) as verdict:
             ep.inflight += 1
             # An engine sends a non-streamed answer's headers with the answer, when it is
@@ -91,7 +98,10 @@ class Upstream:
                         and resp.status == 200
                         and resp.headers.get("Content-Type", "").startswith("text/event-stream")
                     ):
-                        return await self._relay(ex, ep, route, req, resp, rule, verdict)
+                        return await self._relay(ex, ep, route, req, tracked, resp, rule, verdict)
+                    if ex.started:
+                        await self._continuation_refused(ex, ep, rule, resp)
+                        return None
                     await self._answer_whole(ex, ep, req, resp, verdict)
                     return None
             except (DeadlinePassed, aiohttp.ClientError) as exc:
@@ -100,10 +110,7 @@ class Upstream:
                     verdict.healthy = False
                 if not ex.started:
                     return failure
-                await self.end_stream(
-                    ex, ep, rule, failure.kind, failure.message, failure.status, failure.detail
-                )
-                return None
+                return await self._cut(ex, ep, rule, failure)
             finally:
                 guard.no_deadline()
                 ep.inflight -= 1
@@ -176,11 +183,13 @@ class Upstream:
         ep: EndpointRuntime,
         route: ModelRoute,
         req: rq.Parsed,
+        sent: Sent | None,
         resp: aiohttp.ClientResponse,
         rule: StreamRule,
         verdict: Verdict,
     ) -> Failure | None:
-        """Relay an SSE stream; a Failure if it ended before any event."""
+        """Relay an SSE stream; a Failure if it ended before any event, or one to
+        `resume` if it broke after (and may be continued)."""
         guard = ex.guard
         dl = route.deadlines
         guard.arm("first_token", dl.first_token)
@@ -214,9 +223,17 @@ class Upstream:
                 if responses:
                     self._remember(out, ep, ex)
                 await ex.start_stream(resp.headers.get("Content-Type", "").encode(), ep.id)
-            else:
+                ex.sent = sent
+            elif last:  # a continuation's first event follows another engine's last
                 metrics.itl.observe(key, now - last)
             last = now
+            if sent is not None:
+                out, error = sent.feed(out)
+                if error is not None:
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    verdict.healthy = False
+                    return await self._cut(ex, ep, rule, _in_band(ep.id), error)
             if _USAGE_MARKERS[0] in out or _USAGE_MARKERS[1] in out:
                 ex.usage = _stream_usage(out, responses) or ex.usage
             complete = ended(out)
@@ -238,6 +255,8 @@ class Upstream:
             await ex.end_stream()
             verdict.healthy = True
             resp.release()
+            if ex.sent is not None and ex.sent.usage is not None:
+                ex.usage = rq.Usage(*ex.sent.usage)
             return None
         if not ex.started:
             verdict.healthy = False
@@ -247,15 +266,68 @@ class Upstream:
                 BROKEN_STATUS,
                 detail=f"endpoint {ep.id} closed the stream before any event",
             )
+        verdict.healthy = False
+        return await self._cut(
+            ex,
+            ep,
+            rule,
+            Failure(
+                "upstream_truncated",
+                "the engine ended the stream early",
+                BROKEN_STATUS,
+                detail=f"endpoint {ep.id} ended the stream early",
+            ),
+        )
+
+    async def _continuation_refused(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        rule: StreamRule | None,
+        resp: aiohttp.ClientResponse,
+    ) -> None:
+        """A continuation answered with anything but a stream (a 400 for a prompt the
+        text sent made too long, say): the client's status is long gone, so the stream
+        ends in band; another endpoint of the same model would refuse it too."""
+        detail = (await resp.read())[:300].decode("utf-8", "replace")
+        resp.release()
         await self.end_stream(
             ex,
             ep,
             rule,
-            "upstream_truncated",
-            "the engine ended the stream early",
-            detail=f"endpoint {ep.id} ended the stream early",
+            "continuation_refused",
+            f"the stream was cut and its continuation refused ({resp.status})",
+            BROKEN_STATUS,
+            f"endpoint {ep.id} answered the continuation {resp.status}: {detail}",
         )
-        verdict.healthy = False
+
+    async def _cut(
+        self,
+        ex: Exchange,
+        ep: EndpointRuntime,
+        rule: StreamRule | None,
+        failure: Failure,
+        engine_error: bytes | None = None,
+    ) -> Failure | None:
+        """A stream broke after its first byte: the Failure to `resume` it elsewhere when
+        its model allows another migration, else end it in band (with the engine's own
+        error event, when it sent one)."""
+        sent = ex.sent
+        if sent is not None and not failure.final:
+            if sent.done():
+                await ex.end_stream(sent.closing())
+                return None
+            if sent.resumable():
+                failure.resume = True
+                return failure
+        if engine_error is None:
+            await self.end_stream(
+                ex, ep, rule, failure.kind, failure.message, failure.status, failure.detail
+            )
+        else:
+            self.metrics.upstream_errors.inc((ep.id, failure.kind))
+            done = engine_error.endswith(b"data: [DONE]\n\n")
+            await ex.end_stream(engine_error if done else engine_error + b"data: [DONE]\n\n")
         return None
 
     def _remember(self, data: bytes, ep: EndpointRuntime, ex: Exchange) -> None:
@@ -316,6 +388,28 @@ def _failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failur
         BROKEN_STATUS,
         detail=f"endpoint {endpoint} broke the connection: {exc.__class__.__name__}",
     ), True
+
+
+def _tracked(route: ModelRoute, req: rq.Parsed, body: bytes) -> Sent | None:
+    """What a stream just started needs kept to be continued, if its model migrates
+    streams and the request can be continued."""
+    rule = req.api.continuation
+    if route.migrations <= 0 or rule is None:
+        return None
+    why = continuation.refusal(rule, body)
+    if why is not None:
+        log.debug("stream not migratable: %s", why, extra={"model": route.name})
+        return None
+    return Sent(rule, body, route.migrations)
+
+
+def _in_band(endpoint: str) -> Failure:
+    return Failure(
+        "upstream_error_event",
+        "the engine reported an error mid-stream",
+        BROKEN_STATUS,
+        detail=f"endpoint {endpoint} sent an error event or aborted the request mid-stream",
+    )
 
 
 def _stream_usage(out: bytes, responses: bool) -> rq.Usage | None:

@@ -3,7 +3,9 @@
 Pure: no I/O, no clock of its own. The walk goes through the model's endpoints
 (each picked by the model's scheduling pipeline, never one already tried, at
 most `attempts_per_model` of them), then down the fallback chain, and stops at
-a failure no further attempt can help (the total deadline passed).
+a failure no further attempt can help (the total deadline passed). A stream
+cut after its first byte and to be continued (`Failure.resume`) gets a fresh
+`attempts_per_model` on the model it started on, and no fallbacks.
 
 The failure policy: when every attempt ended because an engine was busy (429)
 or timed the request out (408), the client gets that status and the soonest
@@ -27,9 +29,10 @@ BUSY = (408, 429)  # engine answers that mean "not now", relayed as they are
 
 
 class Failure:
-    """An attempt that failed before anything reached the client."""
+    """An attempt that failed before anything reached the client, or (`resume`) one
+    whose stream another endpoint of the same model is to continue."""
 
-    __slots__ = ("kind", "message", "detail", "status", "final", "retry_after")
+    __slots__ = ("kind", "message", "detail", "status", "final", "retry_after", "resume")
 
     def __init__(
         self,
@@ -47,6 +50,8 @@ class Failure:
         self.status = status  # what the client gets if no later attempt succeeds
         self.final = final  # no further attempt can help (the total deadline passed)
         self.retry_after = retry_after  # seconds, from an engine's Retry-After
+        # The stream had started: the next attempt continues it (relay/continuation.py).
+        self.resume = False
 
 
 class Walk:
@@ -63,6 +68,7 @@ class Walk:
         "failures",
         "_hop",
         "_left",
+        "resuming",
     )
 
     def __init__(
@@ -83,6 +89,8 @@ class Walk:
         self.failures: list[Failure] = []
         self._hop = 0
         self._left = per_model
+        # A stream is being continued: only its own model's endpoints may take it up.
+        self.resuming = False
 
     def next(self, ctx: Context, past_total: bool) -> EndpointRuntime | None:
         """The endpoint to try now (on `self.current`), or None when the walk is over."""
@@ -104,6 +112,8 @@ class Walk:
                     self._left -= 1
                     self.attempts += 1
                     return ep
+            if self.resuming:
+                return None
             current = self._advance()
             if current is not None:
                 self.prepare(ctx, current)
@@ -122,6 +132,11 @@ class Walk:
         """Record a failed attempt; False when the walk must stop here."""
         self.tried.append(ep.id)
         self.failures.append(failure)
+        if failure.resume:
+            # A continuation gets a fresh set of attempts, on the same model: another
+            # model's text cannot carry on this one's.
+            self.resuming = True
+            self._left = self.per_model
         return not failure.final
 
     def outcome(self) -> RouterError:

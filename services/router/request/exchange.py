@@ -1,10 +1,11 @@
 """One client exchange: its request id, headers, guard, body, and every byte sent back.
 
 The proxy decides; this object does the client side of the I/O. It knows
-whether anything reached the client yet (`started`: after that, no retry and
-no status change, only an in-band error event), and it puts the same headers
-on every answer: `x-request-id` always, the admitted request's rate-limit
-headers, the endpoint that answered.
+whether anything reached the client yet (`started`: after that, no status
+change, and no retry but a continuation of the stream, when its model allows
+migration and `sent` tracks what the stream has said; else only an in-band
+error event), and it puts the same headers on every answer: `x-request-id`
+always, the admitted request's rate-limit headers, the endpoint that answered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from starlette.types import Receive, Send
 
 from llmgw.router.http.errors import RouterError
+from llmgw.router.relay.continuation import Sent
 from llmgw.router.request.body import Usage
 from llmgw.router.request.guard import DeadlinePassed, Guard
 from llmgw.router.request.kinds import DONE_RULE, StreamRule
@@ -44,6 +46,7 @@ class Exchange:
         "extra",
         "model",
         "owner",
+        "sent",
     )
 
     def __init__(
@@ -61,13 +64,15 @@ class Exchange:
         self.guard = guard
         self.receive = receive
         self.send = send
-        self.started = False  # bytes reached the client: no more retries
+        self.started = False  # bytes reached the client: only a continuation may follow
         self.status = 0
         self.endpoint = ""
         self.usage: Usage | None = None
         self.extra: list[tuple[bytes, bytes]] = []  # headers for every answer (rate limits)
         self.model = ""
         self.owner: str | None = None  # the tenant its stored responses belong to
+        # What a migratable stream has sent, so another replica can continue it.
+        self.sent: Sent | None = None
 
     def upstream_headers(self, base: dict[str, str]) -> dict[str, str]:
         """`base` plus the W3C trace context the client sent, for the engine."""

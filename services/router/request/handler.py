@@ -291,6 +291,14 @@ class Proxy:
             )
             if not walk.failed(ep, failure):
                 raise walk.outcome()
+            if failure.resume:
+                assert ex.sent is not None
+                body = ex.sent.continuation()
+                metrics.migrations.inc((route.name,))
+                log.warning(
+                    "continuing the stream on another endpoint",
+                    extra={"model": model, "endpoint": ep.id, "migration": ex.sent.migrations},
+                )
 
     def _prepare(self, req: rq.Parsed, headers: dict[bytes, bytes]):
         def prepare(ctx: Context, route: ModelRoute) -> None:

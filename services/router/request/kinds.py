@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from llmgw.router.http.errors import error_event
+from llmgw.router.relay import continuation
 
 _DONE = b"data: [DONE]\n\n"
 _RESPONSE_ENDS = (
@@ -69,10 +70,26 @@ class ApiKind:
     prompt_key: str = ""  # the raw field prefix affinity hashes
     multipart: bool = False  # the model is a form field, not a JSON key
     salted: bool = False  # vLLM keys its prefix cache by the body's `cache_salt`
+    # How a stream cut after its first byte continues on another replica; None: it cannot.
+    continuation: continuation.Continuation | None = None
 
 
-CHAT = ApiKind("chat", ("/v1/chat/completions",), DONE_RULE, "messages", salted=True)
-COMPLETIONS = ApiKind("completions", ("/v1/completions",), DONE_RULE, "prompt", salted=True)
+CHAT = ApiKind(
+    "chat",
+    ("/v1/chat/completions",),
+    DONE_RULE,
+    "messages",
+    salted=True,
+    continuation=continuation.CHAT,
+)
+COMPLETIONS = ApiKind(
+    "completions",
+    ("/v1/completions",),
+    DONE_RULE,
+    "prompt",
+    salted=True,
+    continuation=continuation.COMPLETIONS,
+)
 EMBEDDINGS = ApiKind("embeddings", ("/v1/embeddings",), None)
 RESPONSES = ApiKind("responses", ("/v1/responses",), RESPONSES_RULE, "input", salted=True)
 TRANSCRIPTIONS = ApiKind(

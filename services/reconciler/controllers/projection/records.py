@@ -88,6 +88,7 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
         adapters=[
             c.AdapterRoute(name=a.name, tenants=list(a.tenants)) for a in state.adapters_of(model)
         ],
+        migration=decl.migration,
     )
 
 
