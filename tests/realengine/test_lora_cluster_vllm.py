@@ -185,12 +185,16 @@ def test_an_adapter_request_waits_for_its_load_then_is_answered(cluster, client,
     seen.join(10)
     view = adapter_view(cluster, name)
     assert view["held_on"] == view["placed_on"] and len(view["held_on"]) == 1, view
-    placed = next(e for e in events(cluster, "control.adapters.placed") if name in e["waiting"])
+    # Placed because the router's demand summary said its request was waiting for it.
+    decisions = events(cluster, "control.adapters.placed")
+    placed = next((e for e in decisions if name in e["waiting"]), None)
+    assert placed is not None, decisions
+    statuses = events(cluster, "shard.status")
     held = next(
-        e
-        for e in events(cluster, "shard.status")
-        if name in (e.get("adapters") or []) and e["ts"] >= placed["ts"]
+        (s for s in statuses if name in (s.get("adapters") or []) and s["ts"] >= placed["ts"]),
+        None,
     )
+    assert held is not None, statuses  # the agent reported the load
     report(
         capsys,
         f"first {name} request -> first token: {first:.2f}s (placed after "
