@@ -101,7 +101,7 @@ def report(capsys, line: str) -> None:
 
 
 def adapter_view(cluster, name: str) -> dict:
-    return next(a for a in ck._list(ck.api(cluster, "/api/adapters")) if a["name"] == name)
+    return next(a for a in ck.api(cluster, "/api/adapters") if a["name"] == name)
 
 
 class RouterSeesAdapter(threading.Thread):
@@ -118,7 +118,7 @@ class RouterSeesAdapter(threading.Thread):
                 body = httpx.get(f"{self.admin}/debug/endpoints", timeout=2).json()
             except httpx.HTTPError:  # a busy router's slow answer: ask again
                 continue
-            if any(self.adapter in ep.get("adapters", []) for ep in ck._list(body)):
+            if any(self.adapter in ep.get("adapters", []) for ep in body["endpoints"]):
                 self.at = time.time()
                 return
             time.sleep(0.05)
