@@ -127,7 +127,10 @@ ENV = {
 def catalog(replicas: int) -> dict:
     # --drain-seconds 0: at SIGTERM the sim aborts what it runs, as an engine past its
     # grace does; the drain deadline is the agent's (ENV), far shorter than a stream.
-    sim = ["--itl-ms", "20", "--ttft-ms", "5", "--drain-seconds", "0"]
+    # 60 ms a token: 18 s streams, so they still run when the drained sim is stopped even
+    # on a loaded machine, where `llmgw apply` and the leader's drain take seconds (at
+    # 20 ms a loaded CI box saw every stream end before the deadline: nothing to move).
+    sim = ["--itl-ms", "60", "--ttft-ms", "5", "--drain-seconds", "0"]
     return {
         "models": [
             {
