@@ -392,10 +392,10 @@ def test_the_default_sends_a_short_shared_prefix_to_the_idle_engine_not_the_busy
     turn1 = chat("You are a careful assistant. " * 20, "q")
     index, cold, warm = warm_and_cold(turn1)
     p = default_pipeline(index)
-    warm.load = Load(waiting=0, running=2, kv_usage=0.0, at=NOW)
+    warm.inflight = 2
     assert p.pick([cold, warm], context(turn1)).id == "cold"
     # Equally loaded, the cache decides.
-    cold.load = Load(waiting=0, running=2, kv_usage=0.0, at=NOW)
+    cold.inflight = 2
     assert p.pick([cold, warm], context(turn1)).id == "warm"
 
 
@@ -404,28 +404,24 @@ def test_the_default_keeps_a_long_prefix_on_its_warm_engine_despite_a_few_reques
     turn1 = chat("You are a careful assistant. " * 400, "q")
     index, cold, warm = warm_and_cold(turn1)
     p = default_pipeline(index)
-    warm.load = Load(waiting=0, running=2, kv_usage=0.0, at=NOW)
+    warm.inflight = 2
     assert p.pick([cold, warm], context(turn1)).id == "warm"
     # ... but not for ten.
-    warm.load = Load(waiting=0, running=10, kv_usage=0.0, at=NOW)
+    warm.inflight = 10
     assert p.pick([cold, warm], context(turn1)).id == "cold"
 
 
-def test_load_is_this_routers_in_flight_when_no_fresh_sample_says_more():
+def test_the_load_weighed_is_this_routers_in_flight_not_a_shared_sample():
     turn1 = chat("You are a careful assistant. " * 20, "q")
     index, cold, warm = warm_and_cold(turn1)
     p = default_pipeline(index)
-    warm.load = cold.load = None  # no samples: only this router's own requests
     warm.inflight = 2
     assert p.pick([cold, warm], context(turn1)).id == "cold"
-    # A stale sample's running batch does not count; a fresh one does (other routers'
-    # requests are in it, which this router's in-flight count cannot see).
+    # A sample's batch, which every router reads alike until the next one, is not it:
+    # weighed, it would send every router's requests to the engine it shows idle.
     warm.inflight = 0
-    warm.load = Load(waiting=0, running=3, kv_usage=0.0, at=NOW - 5)
-    assert p.pick([cold, warm], context(turn1)).id == "warm"
     warm.load = Load(waiting=0, running=3, kv_usage=0.0, at=NOW)
-    cold.load = Load(waiting=0, running=0, kv_usage=0.0, at=NOW)
-    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
 
 
 def test_the_approximate_guess_weighs_its_cache_against_load_too():
@@ -436,5 +432,5 @@ def test_the_approximate_guess_weighs_its_cache_against_load_too():
     first = p.pick([quiet_a, quiet_b], context(chat(system, "q"), key=1))
     other = quiet_b if first is quiet_a else quiet_a
     assert p.pick([quiet_a, quiet_b], context(chat(system, "q2"), key=2)) is first
-    first.load = Load(waiting=0, running=2, kv_usage=0.0, at=NOW)
+    first.inflight = 2
     assert p.pick([quiet_a, quiet_b], context(chat(system, "q3"), key=3)) is other

@@ -63,8 +63,10 @@ class CachedPrefixScorer(StatelessScorer):
     Relative to the other candidates (`worth_their_load`): an endpoint whose extra
     requests over the least-loaded candidate cost more, at
     `prefix.affinity_tokens_per_request` prefill tokens each, than the extra prompt
-    tokens it holds saves, scores 0 too. Its load is its queue and batch from a fresh
-    sample, or this router's in flight there, whichever is larger.
+    tokens it holds saves, scores 0 too. Its load there is this router's requests in
+    flight: a load sample is up to `stale_after` old and every router reads the same
+    one, so between samples they would all pile onto the engine it shows least loaded
+    (measured on two vLLM engines); each router balancing its own share balances the sum.
     """
 
     name = "kv_prefix"
@@ -99,18 +101,6 @@ class CachedPrefixScorer(StatelessScorer):
         cap = batches.of(ep) if batches is not None else ep.spec.max_running
         beyond = ep.inflight - cap if cap else 0
         return max(waiting, beyond)
-
-    def load(self, ep: EndpointRuntime, now: float) -> int:
-        """Requests at the engine: running and waiting from a fresh load sample, or this
-        router's in flight there (never stale, but blind to other routers), whichever
-        is larger."""
-        load = ep.load
-        sampled = (
-            load.running + load.waiting
-            if load is not None and load.at >= now - self.stale_after
-            else 0
-        )
-        return max(sampled, ep.inflight)
 
     def overlaps(self, cands: Sequence[EndpointRuntime], ctx: Context) -> list[float | None] | None:
         """Per candidate: the cached share from events, or None where there are none;
@@ -156,7 +146,7 @@ class CachedPrefixScorer(StatelessScorer):
                 share = cached[i] = 0.0
             out[i] = share
         if self.tokens_per_request and any(out):
-            loads = [self.load(ep, now) for ep in cands]
+            loads = [ep.inflight for ep in cands]
             for i, worth in enumerate(worth_their_load(loads, cached, self.tokens_per_request)):
                 if not worth:
                     out[i] = 0.0
