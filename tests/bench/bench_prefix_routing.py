@@ -70,11 +70,12 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from llmgw import bus, projection
+from llmgw import bus, projection, subjects
 from llmgw import contracts as c
 from llmgw.agent import kvsockets
 from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
+from llmgw.agent.metrics import parse_load
 from llmgw.dev import servers as localservers
 from llmgw.dev.routerkit import start_router
 from llmgw.dev.simkit import start_sim
@@ -288,12 +289,47 @@ async def engines(nats_url: str, kv_blocks: int):
             sim = await asyncio.to_thread(start_sim, kv_events_config=relay_flag(relay), **config)
             relay.url = sim.url
             sims.append(sim)
-        yield relays, sims
+        async with agent_load_samples(nc, {f"e{i}": sim.url for i, sim in enumerate(sims)}):
+            yield relays, sims
     finally:
         for sim in sims:
             await asyncio.to_thread(sim.stop)
         await relays.stop()
         await bus.close_quietly(nc)
+
+
+@contextlib.asynccontextmanager
+async def agent_load_samples(nc, engines: dict[str, str]):
+    """Publish each engine's load a few times a second as its agent would (`llmgw.load.*`):
+    the routers then read those samples instead of each scraping every engine's /metrics,
+    as in a deployment. `engines`: shard id -> url. The task is cancelled on the way out."""
+    interval = 0.25  # the agent's load_interval_seconds
+
+    async def one(http: httpx.AsyncClient, shard: str, url: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await http.get(url + "/metrics", timeout=max(interval, 0.5))
+            load = parse_load(resp.text) if resp.status_code == 200 else None
+            if load is not None:
+                sample = c.LoadSample(
+                    node=NODE, shard_id=shard, model=MODEL, url=url, waiting=load.waiting,
+                    running=load.running, kv_usage=load.kv_usage,
+                )  # fmt: skip
+                await nc.publish(subjects.load(NODE), c.encode(sample))
+
+    async def loop() -> None:
+        async with httpx.AsyncClient() as http:
+            while True:
+                started = time.monotonic()
+                await asyncio.gather(*(one(http, s, u) for s, u in engines.items()))
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def vllm_routers(policy: str, sims, directory: Path) -> list[subprocess.Popen]:
@@ -359,13 +395,17 @@ def llmgw_spec(name: str, args, tokenizer: str = "") -> c.SchedulingSpec:
 async def start_llmgw(name, args, endpoints, js, nats_url, directory, tokenizer=""):
     """Two llmgw routers serving MODEL on `endpoints` with the policy's scheduling."""
     rec = c.ModelEndpoints(
-        model=MODEL, endpoints=endpoints, scheduling=llmgw_spec(name, args, tokenizer)
+        model=MODEL,
+        endpoints=endpoints,
+        scheduling=llmgw_spec(name.partition("@")[0], args, tokenizer),
     )
     kv = await js.key_value(projection.ENDPOINTS_BUCKET)
     await kv.put(projection.model_key(MODEL), c.encode(rec))
     config = f"nats_url: {nats_url}\nlog_level: warning\naccess_log: false\n"
-    if args.tokens_per_request is not None:
-        config += f"prefix: {{affinity_tokens_per_request: {args.tokens_per_request}}}\n"
+    name, _, per_request = name.partition("@")  # default@N: the rule's knob at N
+    if per_request or args.tokens_per_request is not None:
+        per_request = per_request or args.tokens_per_request
+        config += f"prefix: {{affinity_tokens_per_request: {per_request}}}\n"
     if args.router_config:
         config += args.router_config + "\n"
     routers = []
@@ -727,7 +767,10 @@ async def run_vllm(args) -> int:
     try:
         for kv_blocks in (int(b) for b in args.vllm_kv_blocks.split(",")):
             results: list[Result] = []
-            async with vllm_engines(args, relays, directory, kv_blocks) as procs:
+            async with (
+                vllm_engines(args, relays, directory, kv_blocks) as procs,
+                agent_load_samples(nc, {f"v{i}": p.url for i, p in enumerate(procs)}),
+            ):
                 for run in range(args.repeat):
                     for name in policies:
                         print(f"vLLM, kv blocks {kv_blocks or 'default'}: {name}", flush=True)
@@ -767,7 +810,8 @@ def main() -> int:
     parser.add_argument(
         "--policies",
         default="round_robin,least_inflight,approximate,default,cache_aware",
-        help="a subset, or scorers:NAME=WEIGHT/NAME=WEIGHT for the llmgw routers",
+        help="a subset, or scorers:NAME=WEIGHT/NAME=WEIGHT for the llmgw routers, or "
+        "default@N (prefix.affinity_tokens_per_request N)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="rounds of the policies, interleaved")
     parser.add_argument(
