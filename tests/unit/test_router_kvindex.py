@@ -15,7 +15,7 @@ from llmgw.router.kvcache.index import BlockIndex
 from llmgw.router.kvcache.indexer import Indexer
 from llmgw.router.kvcache.tokens import sim_tokens
 from llmgw.router.scheduling import pipeline as sc
-from llmgw.router.scheduling.cached import CachedPrefixScorer
+from llmgw.router.scheduling.cached import CachedPrefixScorer, worth_their_load
 from llmgw.router.scheduling.prefix import PrefixConfig, block_hashes
 from llmgw.simengine.protocol import Limits, RequestParser
 
@@ -221,14 +221,16 @@ def test_a_busy_warm_engine_loses_its_affinity():
     synced(index, "warm", *sim_blocks(turn1))
     synced(index, "cold")
     cold, warm = endpoint("cold"), endpoint("warm", waiting=5)
-    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "cold"
+    # The absolute limit alone (the relative one, off here, has tests of its own).
+    absolute = {"affinity_max_pending": 4, "affinity_tokens_per_request": 0}
+    assert pipeline(index, **absolute).pick([cold, warm], context(turn1)).id == "cold"
     warm.load = Load(waiting=4, running=0, kv_usage=0.0, at=NOW)
-    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "warm"
+    assert pipeline(index, **absolute).pick([cold, warm], context(turn1)).id == "warm"
     # In flight from this router beyond the engine's capacity counts as pending too.
     warm.load = None
     warm.spec = Endpoint(id="warm", url="http://warm", engine="sim", max_running=2)
     warm.inflight = 7
-    assert pipeline(index, affinity_max_pending=4).pick([cold, warm], context(turn1)).id == "cold"
+    assert pipeline(index, **absolute).pick([cold, warm], context(turn1)).id == "cold"
 
 
 def test_endpoints_without_events_fall_back_to_the_approximate_guess():
@@ -290,7 +292,7 @@ def test_a_learned_batch_capacity_limits_a_burst_when_the_load_sample_is_stale()
     synced(index, "cold")
     cold, warm = endpoint("cold"), endpoint("warm")
     batches = BatchCapacities()
-    p = pipeline(index, affinity_max_pending=4, batches=batches)
+    p = pipeline(index, affinity_max_pending=4, affinity_tokens_per_request=0, batches=batches)
     # A sample from when the engine was full: 8 running, 2 queued. It is stale now.
     warm.load = Load(waiting=2, running=8, kv_usage=0.5, at=NOW - 5)
     batches.observed(warm)  # as the view tells it when the sample lands
@@ -327,13 +329,18 @@ def test_affinity_gives_way_to_uncached_prefill_queued_at_the_warm_engine():
     synced(index, "warm", *sim_blocks(turn1))
     synced(index, "cold")
     cold, warm = endpoint("cold"), endpoint("warm", waiting=3)  # 3 pending: under 4
-    p = pipeline(index, affinity_max_pending=4, affinity_max_pending_tokens=8192)
+    p = pipeline(
+        index,
+        affinity_max_pending=4,
+        affinity_max_pending_tokens=8192,
+        affinity_tokens_per_request=0,  # the absolute limits alone
+    )
     warm.uncached_tokens = 100.0  # short uncached tails: 300 tokens queued
     assert p.pick([cold, warm], context(turn1)).id == "warm"
     warm.uncached_tokens = 3000.0  # long cold prompts queued: 9000 tokens of prefill
     assert p.pick([cold, warm], context(turn1)).id == "cold"
     # With the token limit off, only the request count counts.
-    no_token_limit = pipeline(index, affinity_max_pending_tokens=0)
+    no_token_limit = pipeline(index, affinity_max_pending_tokens=0, affinity_tokens_per_request=0)
     assert no_token_limit.pick([cold, warm], context(turn1)).id == "warm"
 
 
@@ -350,3 +357,80 @@ def test_each_pick_feeds_the_endpoints_average_of_uncached_tokens():
     assert p.pick([endpoint("cold"), warm], context(long_tail)).id == "warm"
     uncached = len(sim_tokens(long_tail)) // 4 - len(held) * BS
     assert warm.uncached_tokens == pytest.approx(0.2 * uncached)
+
+
+# ------------------------------------------------------------------ cache vs load
+
+
+def test_a_cache_counts_only_where_it_pays_for_the_requests_in_front():
+    # Idle and cold vs three requests and 300 tokens held: three requests cost more.
+    assert worth_their_load([3, 0], [300.0, 0.0], 512) == [False, True]
+    # 2,000 tokens held pay for them (1,536 tokens' worth of waiting).
+    assert worth_their_load([3, 0], [2000.0, 0.0], 512) == [True, False]
+    # Equally loaded: the caches alone tell them apart, and equal ones tie.
+    assert worth_their_load([2, 2], [100.0, 50.0], 512) == [True, False]
+    assert worth_their_load([1, 1], [0.0, 0.0], 512) == [True, True]
+    # The least-loaded candidate holding the prompt too needs no cache elsewhere.
+    assert worth_their_load([4, 0, 1], [3000.0, 3000.0, 0.0], 512) == [False, True, False]
+
+
+def default_pipeline(index):
+    """The catalog's default scheduling (queue, kv, inflight, kv_prefix) on this index."""
+    return sc.Pipeline(SchedulingSpec(), sc.Settings(stale_after=1.0, indexer=Indexer(index)))
+
+
+def warm_and_cold(prompt: bytes):
+    index = BlockIndex()
+    synced(index, "warm", *sim_blocks(prompt))
+    synced(index, "cold")
+    return index, endpoint("cold"), endpoint("warm")
+
+
+def test_the_default_sends_a_short_shared_prefix_to_the_idle_engine_not_the_busy_warm_one():
+    # A fleet where nothing evicts: the warm engine's ~150 cached tokens save less
+    # prefill than waiting behind its two requests costs, so the idle engine gets it.
+    turn1 = chat("You are a careful assistant. " * 20, "q")
+    index, cold, warm = warm_and_cold(turn1)
+    p = default_pipeline(index)
+    warm.inflight = 2
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    # Equally loaded, the cache decides.
+    cold.inflight = 2
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+
+
+def test_the_default_keeps_a_long_prefix_on_its_warm_engine_despite_a_few_requests_more():
+    # ~3,000 tokens held pay for two requests more (1,024 tokens' worth at 512 each).
+    turn1 = chat("You are a careful assistant. " * 400, "q")
+    index, cold, warm = warm_and_cold(turn1)
+    p = default_pipeline(index)
+    warm.inflight = 2
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+    # ... but not for ten.
+    warm.inflight = 10
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+
+
+def test_the_load_weighed_is_this_routers_in_flight_not_a_shared_sample():
+    turn1 = chat("You are a careful assistant. " * 20, "q")
+    index, cold, warm = warm_and_cold(turn1)
+    p = default_pipeline(index)
+    warm.inflight = 2
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    # A sample's batch, which every router reads alike until the next one, is not it:
+    # weighed, it would send every router's requests to the engine it shows idle.
+    warm.inflight = 0
+    warm.load = Load(waiting=0, running=3, kv_usage=0.0, at=NOW)
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+
+
+def test_the_approximate_guess_weighs_its_cache_against_load_too():
+    # Engines without events: the guess's matched 256-byte blocks count 64 tokens each.
+    system = "You are a careful assistant. " * 20
+    quiet_a, quiet_b = endpoint("qa", engine="sglang"), endpoint("qb", engine="sglang")
+    p = default_pipeline(BlockIndex())
+    first = p.pick([quiet_a, quiet_b], context(chat(system, "q"), key=1))
+    other = quiet_b if first is quiet_a else quiet_a
+    assert p.pick([quiet_a, quiet_b], context(chat(system, "q2"), key=2)) is first
+    first.inflight = 2
+    assert p.pick([quiet_a, quiet_b], context(chat(system, "q3"), key=3)) is other

@@ -2,7 +2,10 @@
 
 It reads the router's KV event index (`llmgw.router.kvcache`) for endpoints whose
 engines publish events, and falls back to the approximate guess (`prefix`) for the
-rest, limited by how busy the warm engine is.
+rest, limited by how busy the warm engine is, both absolutely and against the
+least-loaded candidate: a cache only counts where the prefill it saves pays for the
+requests queued in front (on a fleet where nothing evicts, affinity alone piled work
+onto the warm engines and lost to round robin).
 """
 
 from __future__ import annotations
@@ -23,6 +26,24 @@ if TYPE_CHECKING:
 
 # Weight of the latest request in an endpoint's average of uncached prompt tokens.
 _UNCACHED_WEIGHT = 0.2
+# Bytes per token in the approximate guess (its 256-byte blocks are 64 pseudo-tokens).
+_BYTES_PER_TOKEN = 4
+
+
+def worth_their_load(
+    loads: Sequence[int], cached: Sequence[float], tokens_per_request: float
+) -> list[bool]:
+    """Per candidate: whether the prompt tokens it holds pay for the requests it has,
+    i.e. whether it is among the cheapest by `load x tokens_per_request - cached`.
+
+    An estimate of time to first token in prefill tokens: each request already there is
+    worth `tokens_per_request` of waiting, each cached token one of prefill saved. So the
+    least-loaded candidate always qualifies unless another holds enough more of the
+    prompt to make up for its extra requests, and equally loaded candidates are told
+    apart by their caches alone."""
+    costs = [tokens_per_request * n - held for n, held in zip(loads, cached, strict=True)]
+    best = min(costs)
+    return [cost <= best for cost in costs]
 
 
 class CachedPrefixScorer(StatelessScorer):
@@ -38,6 +59,14 @@ class CachedPrefixScorer(StatelessScorer):
     beyond its batch capacity, declared or learned: read, never written, here), or with
     more than `prefix.affinity_max_pending_tokens` uncached prompt tokens estimated
     queued there, scores 0 here, so load alone decides until it drains.
+
+    Relative to the other candidates (`worth_their_load`): an endpoint whose extra
+    requests over the least-loaded candidate cost more, at
+    `prefix.affinity_tokens_per_request` prefill tokens each, than the extra prompt
+    tokens it holds saves, scores 0 too. Its load there is this router's requests in
+    flight: a load sample is up to `stale_after` old and every router reads the same
+    one, so between samples they would all pile onto the engine it shows least loaded
+    (measured on two vLLM engines); each router balancing its own share balances the sum.
     """
 
     name = "kv_prefix"
@@ -49,6 +78,7 @@ class CachedPrefixScorer(StatelessScorer):
         self.indexer = settings.indexer
         self.max_pending = settings.prefix.affinity_max_pending
         self.max_pending_tokens = settings.prefix.affinity_max_pending_tokens
+        self.tokens_per_request = settings.prefix.affinity_tokens_per_request
         self.batches = settings.batches
         self.tokenizer = ""
 
@@ -96,6 +126,8 @@ class CachedPrefixScorer(StatelessScorer):
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
         overlaps = self.overlaps(cands, ctx)
+        held = ctx.kv.held if ctx.kv is not None else {}
+        cached = [0.0] * len(cands)  # prompt tokens each holds (approximate: bytes / 4)
         approx = None  # the approximate hashes, made only if some candidate needs them
         n = 0
         now = ctx.now
@@ -105,10 +137,19 @@ class CachedPrefixScorer(StatelessScorer):
                 if approx is None:
                     approx = ctx.prefix
                     n = len(approx)
-                share = ep.prefix_index.match(approx) / n if n else 0.0
+                matched = ep.prefix_index.match(approx) if n else 0
+                share = matched / n if n else 0.0
+                cached[i] = matched * approx.block / _BYTES_PER_TOKEN
+            else:
+                cached[i] = held.get(ep.id, 0)
             if share and self.too_busy(ep, now):
-                share = 0.0
+                share = cached[i] = 0.0
             out[i] = share
+        if self.tokens_per_request and any(out):
+            loads = [ep.inflight for ep in cands]
+            for i, worth in enumerate(worth_their_load(loads, cached, self.tokens_per_request)):
+                if not worth:
+                    out[i] = 0.0
 
     def too_busy(self, ep: EndpointRuntime, now: float) -> bool:
         """Past the affinity limit: too many requests pending, or too many uncached

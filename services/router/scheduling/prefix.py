@@ -39,6 +39,10 @@ class PrefixConfig(cfg.ConfigStruct):
     # ... and the uncached prompt tokens queued there (estimated), past which it gives
     # way too: about half a second of prefill for a mid-size model on one GPU. 0: off.
     affinity_max_pending_tokens: int = 8192
+    # ... and, relative to the least-loaded candidate, the prefill one more request there
+    # is worth: a warm engine keeps its affinity only while the prompt tokens it holds
+    # beyond that candidate's pay for its extra requests at this rate. 0: off.
+    affinity_tokens_per_request: int = 512
 
 
 class PromptBlocks:
