@@ -140,6 +140,7 @@ class ControlPlaneSource:
         if self.presence is None:
             self.presence = Presence(nc, cfg.router_id, self._routers, demand=self._demand)
             self.presence.start()
+            self.gate.controller.on_adapter_wait = self.presence.demand_soon
         if not self.watchers:
             self._watch(projection.TENANTS_BUCKET, self.tenants)
         await self.watchers[0].snapshot_done.wait()
