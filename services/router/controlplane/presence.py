@@ -110,6 +110,7 @@ class Presence:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         demand: Callable[[], c.DemandSummary] | None = None,
+        urgent_demand: Callable[[], c.DemandSummary] | None = None,
     ):
         self.nc = nc
         self.router_id = router_id
@@ -117,6 +118,7 @@ class Presence:
         self.subject = subjects.router_presence(router_id)
         self.on_count = on_count
         self.demand = demand
+        self.urgent_demand = urgent_demand or demand  # what demand_soon publishes
         self.demand_subject = subjects.demand(router_id)
         self._demand_failing = False
         self.clock = clock
@@ -233,14 +235,15 @@ class Presence:
         while True:
             await self._demand_due.wait()
             self._demand_due.clear()
-            await self._publish_demand()
+            await self._publish_demand(self.urgent_demand)
             await asyncio.sleep(DEMAND_SOON_GAP)
 
-    async def _publish_demand(self) -> None:
-        if self.demand is None or not self.nc.is_connected:
+    async def _publish_demand(self, make: Callable[[], c.DemandSummary] | None = None) -> None:
+        make = make or self.demand
+        if make is None or not self.nc.is_connected:
             return
         try:
-            await self.nc.publish(self.demand_subject, c.encode(self.demand()))
+            await self.nc.publish(self.demand_subject, c.encode(make()))
             self._demand_failing = False
         except Exception as exc:  # the next tick sends a fresh one
             if not self._demand_failing:
