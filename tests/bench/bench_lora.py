@@ -1,10 +1,14 @@
 """LoRA placement against loading wherever a request lands: adapter loads and TTFT.
 
-Run: .venv/bin/python tests/bench/bench_lora.py [--seconds 60] [--rate 40]
+Run: .venv/bin/python tests/bench/bench_lora.py [--warmup 60] [--seconds 120] [--rate 50]
+(~8 min; --dump FILE writes the placed run's AdaptersPlaced events)
 
-The same open-loop traffic (Poisson arrivals at --rate requests/s for --seconds, each a
-streamed chat request for one of 40 adapters drawn from a Zipf distribution of exponent
-1.0, seeded, so both modes see the same sequence) goes to two routers in two modes:
+The same open-loop traffic (Poisson arrivals at --rate requests/s, each a streamed chat
+request for one of 40 adapters drawn from a Zipf distribution of exponent 1.0, the usual
+model of popularity across tenants, seeded, so both modes see the same sequence) goes to
+two routers in two modes. The first --warmup seconds are not measured: the leader smooths
+each adapter's demand with a 30 s half-life, so the first minute is a placement learning
+what is popular (which a fleet does once), not its steady state. Then --seconds measured:
 
 - placed: the local cluster `llmgw dev` runs (real reconcilers, agents, routers), a
   base model of 4 sim replicas with 4 adapter slots each (--max-loras 4) and the 40
@@ -64,7 +68,8 @@ MAX_TOKENS = 4
 @dataclass
 class Outcome:
     ttfts: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # "<adapter>@<offset>: <what>"
+    start: float = field(default_factory=time.monotonic)
 
 
 def schedule(seconds: float, rate: float, seed: int = 22) -> list[tuple[float, str]]:
@@ -89,6 +94,7 @@ async def one_request(
         "stream": True,
     }
     started = time.monotonic()
+    who = f"{adapter}@{started - out.start:.1f}s"
     try:
         async with http.stream(
             "POST",
@@ -97,7 +103,7 @@ async def one_request(
             headers={"Authorization": f"Bearer {key}"},
         ) as resp:
             if resp.status_code != 200:
-                out.errors.append(f"{adapter}: {resp.status_code} {(await resp.aread())[:200]!r}")
+                out.errors.append(f"{who}: {resp.status_code} {(await resp.aread())[:200]!r}")
                 return
             first = None
             async for line in resp.aiter_lines():  # read to the end: the engine finishes it
@@ -105,31 +111,39 @@ async def one_request(
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("model") != adapter:
-                    out.errors.append(f"{adapter}: answered as {chunk.get('model')!r}")
+                    out.errors.append(f"{who}: answered as {chunk.get('model')!r}")
                     return
                 if any(ch.get("delta", {}).get("content") for ch in chunk.get("choices", [])):
                     first = time.monotonic() - started
             if first is None:
-                out.errors.append(f"{adapter}: the stream ended without content")
+                out.errors.append(f"{who}: the stream ended without content")
             else:
                 out.ttfts.append(first)
     except httpx.HTTPError as exc:
-        out.errors.append(f"{adapter}: {type(exc).__name__}: {exc}")
+        out.errors.append(f"{who}: {type(exc).__name__}: {exc}")
 
 
-async def drive(routers: list[str], key: str, plan: list[tuple[float, str]]) -> Outcome:
-    """Send each planned request at its time (open loop: a slow answer delays nobody)."""
-    out = Outcome()
+async def drive(
+    routers: list[str], key: str, plan: list[tuple[float, str]], warmup: float, metrics: list[str]
+) -> tuple[Outcome, float]:
+    """Send each planned request at its time (open loop: a slow answer delays nobody); the
+    requests sent from `warmup` on are measured, and the loads counted from then on."""
+    warm, out = Outcome(), Outcome()
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     async with httpx.AsyncClient(timeout=90, limits=limits) as http:
-        start = time.monotonic()
-        tasks = []
+        start = warm.start = out.start = time.monotonic()
+        tasks, before = [], None
         for n, (offset, adapter) in enumerate(plan):
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            if before is None and offset >= warmup:
+                before = await asyncio.to_thread(loads, metrics)
             router = routers[n % len(routers)]
-            tasks.append(asyncio.create_task(one_request(http, router, key, adapter, n, out)))
+            into = out if offset >= warmup else warm
+            tasks.append(asyncio.create_task(one_request(http, router, key, adapter, n, into)))
         await asyncio.gather(*tasks)
-    return out
+    for err in warm.errors[:3]:
+        print(f"  (warm-up) {err[:160]}")
+    return out, await asyncio.to_thread(loads, metrics) - (before or 0.0)
 
 
 def loads(metrics_urls: list[str]) -> float:
@@ -139,7 +153,9 @@ def loads(metrics_urls: list[str]) -> float:
     )
 
 
-def run_baseline(tmp: Path, plan: list[tuple[float, str]]) -> tuple[Outcome, float]:
+def run_baseline(
+    tmp: Path, plan: list[tuple[float, str]], warmup: float, dump: None = None
+) -> tuple[Outcome, float]:
     sims = [start_sim("--lora-on-demand", model=BASE, **SIM_ARGS) for _ in range(REPLICAS)]
     routers = []
     try:
@@ -153,9 +169,8 @@ def run_baseline(tmp: Path, plan: list[tuple[float, str]]) -> tuple[Outcome, flo
             ],
         }
         routers = [start_router(tmp, yaml.safe_dump(config)) for _ in range(2)]
-        before = loads([s.url for s in sims])
-        out = asyncio.run(drive([f"{r.url}/v1" for r in routers], "none", plan))
-        return out, loads([s.url for s in sims]) - before
+        urls = [f"{r.url}/v1" for r in routers]
+        return asyncio.run(drive(urls, "none", plan, warmup, [s.url for s in sims]))
     finally:
         for r in routers:
             r.stop()
@@ -187,7 +202,23 @@ def placed_catalog(cluster) -> dict:
     return catalog
 
 
-def run_placed(tmp: Path, plan: list[tuple[float, str]]) -> tuple[Outcome, float]:
+def listed(router: str, key: str) -> set[str]:
+    body = httpx.get(f"{router}/models", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    return {m["id"] for m in body.json()["data"]}
+
+
+def placements(cluster) -> list[dict]:
+    """Every AdaptersPlaced of the run, for reading what the leader did and why."""
+    out, seq = [], 1
+    while batch := ck.api(cluster, f"/api/events?from_seq={seq}&limit=1000"):
+        out += [e for e in batch if e["type"].endswith("adapters.placed")]
+        seq = batch[-1]["seq"] + 1
+    return out
+
+
+def run_placed(
+    tmp: Path, plan: list[tuple[float, str]], warmup: float, dump: Path | None = None
+) -> tuple[Outcome, float]:
     cluster = ck.start_cluster(tmp / "cluster")
     try:
         ck.apply_catalog(cluster, placed_catalog(cluster))
@@ -199,10 +230,18 @@ def run_placed(tmp: Path, plan: list[tuple[float, str]]) -> tuple[Outcome, float
                 60,
                 "the routers to see the 4 replicas",
             )
+        for router in cluster.info["routers"]:  # the adapters' routes, or 404 until then
+            ck.wait(
+                lambda r=router: set(ADAPTERS) <= listed(r, cluster.info["api_key"]),
+                60,
+                "the routers to list the adapters",
+            )
         metrics = [u.removesuffix("/v1") for u in urls]
-        before = loads(metrics)
-        out = asyncio.run(drive(cluster.info["routers"], cluster.info["api_key"], plan))
-        return out, loads(metrics) - before
+        key = cluster.info["api_key"]
+        out, loaded = asyncio.run(drive(cluster.info["routers"], key, plan, warmup, metrics))
+        if dump is not None:
+            dump.write_text(json.dumps(placements(cluster), indent=1))
+        return out, loaded
     finally:
         cluster.stop()
 
@@ -218,17 +257,28 @@ def row(name: str, out: Outcome, loaded: float) -> tuple[str, float, float, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    parser.add_argument("--seconds", type=float, default=120.0, help="measured, after --warmup")
+    parser.add_argument("--warmup", type=float, default=60.0, help="traffic not measured")
+    parser.add_argument("--rate", type=float, default=50.0, help="requests per second")
+    parser.add_argument("--dump", type=Path, help="write the placed run's AdaptersPlaced here")
     args = parser.parse_args()
-    plan = schedule(args.seconds, args.rate)
+    plan = schedule(args.warmup + args.seconds, args.rate)
+    measured = sum(1 for offset, _ in plan if offset >= args.warmup)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, run in (("baseline", run_baseline), ("placed", run_placed)):
-            print(f"running {name}: {len(plan)} requests over {args.seconds:.0f} s ...")
-            out, loaded = run(Path(tmp), plan)
-            for err in out.errors[:3]:
-                print("   ", err)
+            print(
+                f"running {name}: {len(plan)} requests over {args.warmup + args.seconds:.0f} s, "
+                f"the last {measured} measured ..."
+            )
+            dump = args.dump if name == "placed" else None
+            out, loaded = run(Path(tmp), plan, args.warmup, dump)
+            kinds: dict[str, int] = {}
+            for err in out.errors:
+                kind = err.split(": ", 1)[1][:40]
+                kinds[kind] = kinds.get(kind, 0) + 1
+            for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
+                print(f"  ! {n} x {kind}")
             rows.append(row(name, out, loaded))
     print()
     print(
