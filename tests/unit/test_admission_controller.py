@@ -321,3 +321,18 @@ def test_a_stored_response_call_of_a_tenant_removed_meanwhile_is_refused():
     with pytest.raises(AdmissionRejected) as err:
         c.admit_stored(gone)
     assert err.value.reason == "invalid_api_key"
+
+
+def test_a_request_starting_to_wait_for_an_unheld_adapter_says_so_at_once():
+    # The leader loads an adapter from the demand summary that shows requests waiting for
+    # it; the router publishes that summary when this hook fires, not on its next tick.
+    c, ep, _ = make(Clock())
+    calls = []
+    c.on_adapter_wait = lambda: calls.append("now")
+    p = c.directory.by_name["p"]
+    served = c.admit(p, "m", (ep,), 10, adapter=True)  # a holder: it flows
+    assert served.state == GRANTED and calls == []
+    waiting = [c.admit(p, "lora", (), 10, cold=True, adapter=True) for _ in range(2)]
+    assert [t.state for t in waiting] == [QUEUED, QUEUED] and calls == ["now", "now"]
+    c.admit(p, "scaled-to-zero", (), 10, cold=True)  # a model's own wait: the autoscaler's
+    assert calls == ["now", "now"]

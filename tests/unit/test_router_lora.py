@@ -215,6 +215,10 @@ async def test_a_request_for_an_adapter_nobody_holds_waits_then_goes_when_one_do
     own = await g.admit(Request(), view.resolve("llama"), g.authenticate({}))
     assert own.state == GRANTED
     own.release()
+    # The urgent summary sent as it starts waiting shows it waiting and leaves its arrival
+    # to the next: the leader may never read the urgent one (it keeps a router's latest).
+    urgent = summary("r1", g.controller, view, take_arrivals=False).models["llama"].adapters
+    assert urgent["a1"] == c.AdapterDemand(requests=0, in_flight=0, waiting=1)
     # The demand summary shows the adapter waiting, under its model.
     demand = summary("r1", g.controller, view).models["llama"].adapters
     assert demand["a1"] == c.AdapterDemand(requests=1, in_flight=0, waiting=1)

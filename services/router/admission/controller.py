@@ -132,6 +132,9 @@ class Controller:
             batches=batches,
         )
         self.queues: dict[str, list[BandQueue]] = {}  # pool name -> one queue per band
+        # Called when a request starts waiting for an adapter no replica holds: the leader
+        # places it from the demand summary, so that summary should not wait for its tick.
+        self.on_adapter_wait: Callable[[], None] | None = None
         self.queued = 0
         self.directory = Directory([], self.band_index)
         self._tenants: Sequence[TenantSpec] = ()
@@ -267,6 +270,8 @@ class Controller:
         ticket.deadline = now + spec.queue_ttl_seconds
         queue.push(ticket)
         self.queued += 1
+        if adapter and pool.cold and self.on_adapter_wait is not None:
+            self.on_adapter_wait()
         return ticket
 
     def admit_stored(self, tenant: Tenant) -> Ticket:

@@ -65,21 +65,29 @@ def model_demand(controller: Controller, model: str, endpoints: Any, now: float)
     )
 
 
-def adapter_demand(controller: Controller, adapter: str) -> c.AdapterDemand:
-    """One adapter's demand from its admission pool; the arrivals counted are taken."""
+def adapter_demand(controller: Controller, adapter: str, take: bool = True) -> c.AdapterDemand:
+    """One adapter's demand from its admission pool; the arrivals counted are taken, or
+    left for the next summary (`take` False: requests 0)."""
     pool = controller.detector.pools.get(adapter)
     if pool is None:
         return c.AdapterDemand()
-    requests, pool.arrived = pool.arrived, 0
+    requests = 0
+    if take:
+        requests, pool.arrived = pool.arrived, 0
     # Held because no replica holds it (queued behind busy holders is not that: the
     # leader reads this as "load it somewhere now").
     waiting = sum(q.depth for q in controller.queues.get(adapter, ())) if pool.cold else 0
     return c.AdapterDemand(requests=requests, in_flight=pool.active, waiting=waiting)
 
 
-def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummary:
+def summary(
+    router_id: str, controller: Controller, view: Any, take_arrivals: bool = True
+) -> c.DemandSummary:
     """This router's demand for every model its view routes (aliases are not models;
-    adapters are counted under their model)."""
+    adapters are counted under their model). An urgent summary, sent between ticks because
+    requests started waiting for an adapter, leaves the adapters' arrivals to the next
+    (`take_arrivals` False): the leader keeps only each router's latest summary, so one
+    replaced before the leader read it would lose the requests it took."""
     now = controller.clock()
     models = {}
     for name, canonical in view.models():
@@ -91,5 +99,5 @@ def summary(router_id: str, controller: Controller, view: Any) -> c.DemandSummar
     for route in view.adapters():
         demand = models.get(route.adapter_of)
         if demand is not None:
-            demand.adapters[route.name] = adapter_demand(controller, route.name)
+            demand.adapters[route.name] = adapter_demand(controller, route.name, take_arrivals)
     return c.DemandSummary(router_id=router_id, process=os.getpid(), models=models)

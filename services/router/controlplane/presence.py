@@ -25,7 +25,10 @@ outage for one TTL: the time every live router needs to put itself again.
 On the same ticks (about once a second) the router publishes its demand
 summary (admission/demand.py) on core NATS, `subjects.demand(router_id)`, for
 the reconciler's autoscaler. It is not persisted: a summary missed is replaced
-by the next one, and the leader forgets a router whose summaries stop.
+by the next one, and the leader forgets a router whose summaries stop. When a
+request starts waiting for a LoRA adapter no replica holds (`demand_soon`), a
+summary goes out at once, at most one per DEMAND_SOON_GAP: the leader places the
+adapter as soon as a summary says so, and the request waits for it meanwhile.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from llmgw.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10.0
+# A burst of requests starting to wait is one summary, not one each.
+DEMAND_SOON_GAP = 0.1
 
 
 class LiveRouters:
@@ -105,6 +110,7 @@ class Presence:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         demand: Callable[[], c.DemandSummary] | None = None,
+        urgent_demand: Callable[[], c.DemandSummary] | None = None,
     ):
         self.nc = nc
         self.router_id = router_id
@@ -112,6 +118,7 @@ class Presence:
         self.subject = subjects.router_presence(router_id)
         self.on_count = on_count
         self.demand = demand
+        self.urgent_demand = urgent_demand or demand  # what demand_soon publishes
         self.demand_subject = subjects.demand(router_id)
         self._demand_failing = False
         self.clock = clock
@@ -128,6 +135,8 @@ class Presence:
         )
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._soon_task: asyncio.Task | None = None
+        self._demand_due = asyncio.Event()
 
     # ------------------------------------------------------------ watch side
 
@@ -170,11 +179,18 @@ class Presence:
     def start(self) -> None:
         self._report()
         self.watcher.start()
-        self._task = asyncio.get_running_loop().create_task(self._announce(), name="presence")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._announce(), name="presence")
+        self._soon_task = loop.create_task(self._demand_when_due(), name="presence-demand")
+
+    def demand_soon(self) -> None:
+        """Publish the demand summary now rather than on the next tick."""
+        self._demand_due.set()
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
-        self._task = None
+        await cancel_and_wait(self._soon_task)
+        self._task = self._soon_task = None
         await self.watcher.stop()
         if self.nc.is_connected:
             # Leave the count at once, so the others' shares grow without waiting a TTL.
@@ -215,11 +231,19 @@ class Presence:
                 self._report()
                 await self._publish_demand()
 
-    async def _publish_demand(self) -> None:
-        if self.demand is None or not self.nc.is_connected:
+    async def _demand_when_due(self) -> None:
+        while True:
+            await self._demand_due.wait()
+            self._demand_due.clear()
+            await self._publish_demand(self.urgent_demand)
+            await asyncio.sleep(DEMAND_SOON_GAP)
+
+    async def _publish_demand(self, make: Callable[[], c.DemandSummary] | None = None) -> None:
+        make = make or self.demand
+        if make is None or not self.nc.is_connected:
             return
         try:
-            await self.nc.publish(self.demand_subject, c.encode(self.demand()))
+            await self.nc.publish(self.demand_subject, c.encode(make()))
             self._demand_failing = False
         except Exception as exc:  # the next tick sends a fresh one
             if not self._demand_failing:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 
@@ -138,8 +139,15 @@ class ControlPlaneSource:
             self.kv_events = KvEventFeed(self.view, index, nc, metrics=self.metrics)
             await self.kv_events.start()
         if self.presence is None:
-            self.presence = Presence(nc, cfg.router_id, self._routers, demand=self._demand)
+            self.presence = Presence(
+                nc,
+                cfg.router_id,
+                self._routers,
+                demand=self._demand,
+                urgent_demand=functools.partial(self._demand, take_arrivals=False),
+            )
             self.presence.start()
+            self.gate.controller.on_adapter_wait = self.presence.demand_soon
         if not self.watchers:
             self._watch(projection.TENANTS_BUCKET, self.tenants)
         await self.watchers[0].snapshot_done.wait()
@@ -177,9 +185,9 @@ class ControlPlaneSource:
         assert self.samples is not None
         self.metrics.load_samples.inc((self.samples.handle(msg.data),))
 
-    def _demand(self):
+    def _demand(self, take_arrivals: bool = True):
         assert self.view is not None
-        return demand.summary(self.config.router_id, self.gate.controller, self.view)
+        return demand.summary(self.config.router_id, self.gate.controller, self.view, take_arrivals)
 
     def _routers(self, live: int) -> None:
         self.metrics.live_routers.set((), float(live))
