@@ -164,3 +164,11 @@ def test_when_every_holder_had_unloaded_it_the_client_gets_503_with_retry_after_
     err = w.outcome()
     assert (err.status, err.reason) == (503, "adapter_not_loaded")
     assert dict(err.headers)[b"retry-after"] == b"5"
+    # The next request finds no holder to try: the same answer, not a bare no_endpoint.
+    again = Context(0.0, "a1", exclude=[], key=2)
+    again.adapter = "a1"
+    w = Walk(route, v.route, 3, again.exclude, lambda c, r: None)
+    assert w.next(again, past_total=False) is None
+    err = w.outcome()
+    assert (err.status, err.reason) == (503, "adapter_not_loaded")
+    assert dict(err.headers)[b"retry-after"] == b"5"

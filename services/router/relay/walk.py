@@ -18,9 +18,10 @@ with the request id.
 A LoRA adapter's request answered 404 by an engine the projection lists as holding the
 adapter (`adapter_missing`) met a replica that unloaded it before its agent's report
 reached this router: the 404 is an attempt failure like a 5xx, and the next attempt goes
-to another holder. When none is left the client gets the 503 `adapter_not_loaded`
-admission gives an adapter no replica loads in time, never the engine's 404, which
-would read as "this model does not exist".
+to another holder. When none is left (or a later request finds the listed holders so
+refuted) the client gets the 503 `adapter_not_loaded` admission gives an adapter no
+replica loads in time, never the engine's 404, which would read as "this model does not
+exist", nor a bare `no_endpoint`.
 """
 
 from __future__ import annotations
@@ -155,6 +156,14 @@ class Walk:
         """The error the client gets once the walk is over without an answer."""
         route = self.route
         if not self.failures:
+            if route.adapter_of and any(route.name not in ep.adapters for ep in route.endpoints):
+                # Listed as holders, but each said it unloaded the adapter (upstream.py).
+                return RouterError(
+                    ADAPTER_MISSING_STATUS,
+                    "adapter_not_loaded",
+                    f"adapter '{route.name}' is not loaded on any replica now; it is being moved",
+                    headers=[(b"retry-after", _seconds(ADAPTER_RETRY_AFTER))],
+                )
             chain = route.fallbacks
             return RouterError(
                 503,
