@@ -171,13 +171,22 @@ async def test_a_replica_listed_as_holding_an_adapter_it_unloaded_never_costs_a_
             metrics = (await http.get(router.admin_url + "/metrics")).text
             assert misses_on_s1(metrics) == 1
 
-            # A new record listing only s1: the router believes it again, and when it is the
-            # only holder and answers 404, the client hears "not loaded, retry", not 404.
+            # A new record listing only s1: the router believes it again. When the only
+            # holder answers 404, the request waits for the next one rather than failing.
             await put_model(js, record(sims, {"s1": ["a1"]}))
             await wait_for(lambda: s1_holds_a1(http), timeout=30, what="s1 listed with a1 again")
-            refused = await http.post("/v1/chat/completions", json=chat_n("a1", 99))
-            assert refused.status_code == 503, refused.text
-            assert refused.json()["error"]["code"] == "adapter_not_loaded"
-            assert refused.headers["retry-after"] == "5"
+            waiting = asyncio.create_task(http.post("/v1/chat/completions", json=chat_n("a1", 99)))
+
+            async def s1_refuted_a1() -> bool:
+                return not await s1_holds_a1(http)
+
+            await wait_for(s1_refuted_a1, timeout=30, what="s1's 404 for a1 seen")
+            assert not waiting.done()
+            # The leader moved a1 to s0: the waiting request is answered there.
+            await put_model(js, record(sims, {"s0": ["a1"]}))
+            answer = await asyncio.wait_for(waiting, 30)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-llmgw-endpoint"] == "s0"
+            assert answer.json()["model"] == "a1"
     finally:
         assert router.stop() == 0, router.log_tail()

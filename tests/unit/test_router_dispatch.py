@@ -1,9 +1,12 @@
 """The dispatch walk: which endpoints and fallbacks a request tries, and what the
 client hears when none answered. Pure: no sockets, no clock."""
 
+import asyncio
+
 from llmgw.contracts import AdapterRoute, Endpoint, ModelEndpoints
 from llmgw.router.endpoints.view import EndpointView
 from llmgw.router.relay.walk import Failure, Walk, adapter_missing, retry_after
+from llmgw.router.request.holder import HolderWait
 from llmgw.router.scheduling.pipeline import Context
 
 BUSY = Failure("upstream_overloaded", "the engine answered 429", 429, retry_after=7)
@@ -172,3 +175,17 @@ def test_when_every_holder_had_unloaded_it_the_client_gets_503_with_retry_after_
     err = w.outcome()
     assert (err.status, err.reason) == (503, "adapter_not_loaded")
     assert dict(err.headers)[b"retry-after"] == b"5"
+
+
+async def test_a_request_waits_for_the_adapters_next_holder_or_gives_up_after_its_wait():
+    v, _ = adapter_view()
+    for ep in v.endpoints.values():
+        ep.adapters = frozenset()  # both said they unloaded a1
+    holders = HolderWait(v)
+    assert await holders.holder("a1", 0.05) is None
+    waiting = asyncio.create_task(holders.holder("a1", 30))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    v.replace([holders_of_a1()])  # a new record: the projection lists them again
+    route = await asyncio.wait_for(waiting, 5)
+    assert route is not None and route.name == "a1"
