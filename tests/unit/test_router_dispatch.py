@@ -183,6 +183,11 @@ async def test_a_request_waits_for_the_adapters_next_holder_or_gives_up_after_it
         ep.adapters = frozenset()  # both said they unloaded a1
     holders = HolderWait(v)
     assert await holders.holder("a1", 0.05) is None
+    # A holder listed already is no reason to walk again: only a change of the view is.
+    v.replace([holders_of_a1()])
+    assert await holders.holder("a1", 0.05) is None
+    for ep in v.endpoints.values():
+        ep.adapters = frozenset()
     waiting = asyncio.create_task(holders.holder("a1", 30))
     await asyncio.sleep(0.01)
     assert not waiting.done()

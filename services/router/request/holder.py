@@ -34,13 +34,12 @@ class HolderWait:
             changed.set_result(None)
 
     async def holder(self, adapter: str, seconds: float) -> ModelRoute | None:
-        """The adapter's route once an endpoint holds it, or None after `seconds`."""
+        """The adapter's route once a change of the view lists an endpoint holding it, or
+        None after `seconds`. Only a change counts: the caller found none to try in the
+        view as it is (a holder whose circuit is open, say), and would again at once."""
         loop = asyncio.get_running_loop()
         until = loop.time() + seconds
         while True:
-            route = self.view.route(adapter)
-            if route is not None and any(adapter in ep.adapters for ep in route.endpoints):
-                return route
             left = until - loop.time()
             if left <= 0:
                 return None
@@ -51,3 +50,6 @@ class HolderWait:
                 await asyncio.wait_for(asyncio.shield(self._changed), left)
             except TimeoutError:
                 return None
+            route = self.view.route(adapter)
+            if route is not None and any(adapter in ep.adapters for ep in route.endpoints):
+                return route
