@@ -19,9 +19,10 @@ A LoRA adapter's request answered 404 by an engine the projection lists as holdi
 adapter (`adapter_missing`) met a replica that unloaded it before its agent's report
 reached this router: the 404 is an attempt failure like a 5xx, and the next attempt goes
 to another holder. When none is left (or a later request finds the listed holders so
-refuted) the client gets the 503 `adapter_not_loaded` admission gives an adapter no
+refuted) the outcome is the 503 `adapter_not_loaded` admission gives an adapter no
 replica loads in time, never the engine's 404, which would read as "this model does not
-exist", nor a bare `no_endpoint`.
+exist", nor a bare `no_endpoint`; the handler first waits for a next holder
+(request/holder.py).
 """
 
 from __future__ import annotations
