@@ -122,3 +122,71 @@ async def test_adapter_requests_reach_holders_wait_for_a_load_and_unknown_ones_g
     finally:
         await sub.unsubscribe()
         assert router.stop() == 0, router.log_tail()
+
+
+def chat_n(model: str, n: int) -> dict:
+    """Distinct bodies: the scheduler breaks ties by the request's hash, so these spread."""
+    return {"model": model, "messages": [{"role": "user", "content": f"hi {n}"}], "max_tokens": 4}
+
+
+async def test_a_replica_listed_as_holding_an_adapter_it_unloaded_never_costs_a_client_a_404(
+    nats, sims, tmp_path
+):
+    # The projection still lists s1 as holding a1, as it does between the agent's unload
+    # and its report reaching the routers; s1 answers 404 for a1 like vLLM after an unload.
+    js = nats.jetstream()
+    await bus.provision(js)
+    await put_model(js, record(sims, {"s0": ["a1"], "s1": ["a1"]}))
+    url = nats.connected_url.geturl()
+    router = start_router(tmp_path, f"log_level: warning\nnats_url: '{url}'\nrouter_id: r2\n")
+
+    async def s1_holds_a1(http) -> bool:
+        body = (await http.get(router.admin_url + "/debug/endpoints")).json()
+        return any(e["id"] == "s1" and "a1" in e["adapters"] for e in body["endpoints"])
+
+    def misses_on_s1(http_text: str) -> float:
+        for line in http_text.splitlines():
+            if line.startswith("llmgw_router_upstream_errors_total{") and (
+                'endpoint="s1"' in line and 'kind="adapter_not_loaded"' in line
+            ):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+            await wait_for(lambda: s1_holds_a1(http), timeout=30, what="s1 listed with a1")
+            n = 0
+            while await s1_holds_a1(http):
+                assert n < 40, "no request was ever scheduled on s1"
+                answer = await http.post("/v1/chat/completions", json=chat_n("a1", n))
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-llmgw-endpoint"] == "s0"
+                assert answer.json()["model"] == "a1"
+                n += 1
+            # s1 said it does not hold a1: the router sends it no more a1 requests.
+            for m in range(n, n + 10):
+                answer = await http.post("/v1/chat/completions", json=chat_n("a1", m))
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-llmgw-endpoint"] == "s0"
+            metrics = (await http.get(router.admin_url + "/metrics")).text
+            assert misses_on_s1(metrics) == 1
+
+            # A new record listing only s1: the router believes it again. When the only
+            # holder answers 404, the request waits for the next one rather than failing.
+            await put_model(js, record(sims, {"s1": ["a1"]}))
+            await wait_for(lambda: s1_holds_a1(http), timeout=30, what="s1 listed with a1 again")
+            waiting = asyncio.create_task(http.post("/v1/chat/completions", json=chat_n("a1", 99)))
+
+            async def s1_refuted_a1() -> bool:
+                return not await s1_holds_a1(http)
+
+            await wait_for(s1_refuted_a1, timeout=30, what="s1's 404 for a1 seen")
+            assert not waiting.done()
+            # The leader moved a1 to s0: the waiting request is answered there.
+            await put_model(js, record(sims, {"s0": ["a1"]}))
+            answer = await asyncio.wait_for(waiting, 30)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-llmgw-endpoint"] == "s0"
+            assert answer.json()["model"] == "a1"
+    finally:
+        assert router.stop() == 0, router.log_tail()

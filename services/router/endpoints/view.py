@@ -307,9 +307,10 @@ class EndpointView:
                     ep = old_endpoints.get(spec.id)
                     if ep is None or ep.url != spec.url.rstrip("/"):
                         ep = EndpointRuntime(spec, self.settings)
+                    if ep.spec is not spec:  # a new record: the adapters a relay refuted
+                        ep.adapters = frozenset(spec.adapters)  # (upstream.py) come back
                     ep.spec = spec
                     ep.headers = resolve_headers(spec.upstream)
-                    ep.adapters = frozenset(spec.adapters)
                     endpoints[spec.id] = ep
                 served.setdefault(spec.id, set()).add(rec.model)
                 if spec.state is not EndpointState.READY:

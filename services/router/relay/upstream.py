@@ -29,7 +29,14 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.relay import continuation
 from llmgw.router.relay.circuit import Verdict
 from llmgw.router.relay.continuation import Sent
-from llmgw.router.relay.walk import BROKEN_STATUS, BUSY, TIMEOUT_STATUS, Failure, retry_after
+from llmgw.router.relay.walk import (
+    BROKEN_STATUS,
+    BUSY,
+    TIMEOUT_STATUS,
+    Failure,
+    adapter_missing,
+    retry_after,
+)
 from llmgw.router.request import body as rq
 from llmgw.router.request.exchange import Exchange
 from llmgw.router.request.guard import DeadlinePassed
@@ -128,7 +135,8 @@ class Upstream:
         verdict: Verdict,
     ) -> aiohttp.ClientResponse | Failure:
         """POST the request: the engine's response, or the Failure its status says
-        (a 5xx, or busy: 408 and 429), its body then read and the connection released."""
+        (a 5xx, busy: 408 and 429, or a 404 for an adapter it no longer holds), its body
+        then read and the connection released."""
         resp = await self.session.post(  # type: ignore[union-attr]
             ep.target(path),
             data=body,
@@ -136,6 +144,8 @@ class Upstream:
             timeout=self.connect_timeout(route.deadlines.connect),
         )
         status = resp.status
+        if status == 404 and route.adapter_of:
+            return await _adapter_missing(ep, route.name, resp)
         if status < 500 and status not in BUSY:
             return resp
         busy = status < 500
@@ -388,6 +398,26 @@ def _failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failur
         BROKEN_STATUS,
         detail=f"endpoint {endpoint} broke the connection: {exc.__class__.__name__}",
     ), True
+
+
+async def _adapter_missing(
+    ep: EndpointRuntime, adapter: str, resp: aiohttp.ClientResponse
+) -> aiohttp.ClientResponse | Failure:
+    """A 404 for an adapter request: the engine unloaded the adapter before its agent's
+    report reached us. This router stops sending the adapter there until the projection
+    sends the endpoint's record again (endpoints/view.py keeps a record's adapters as
+    refuted here); the engine is healthy, so no verdict."""
+    try:
+        body = await resp.read()  # kept by aiohttp: a 404 of another kind is relayed whole
+    except BaseException:
+        resp.close()
+        raise
+    failure = adapter_missing(adapter, ep.id, resp.status, body)
+    if failure is None:
+        return resp
+    resp.release()
+    ep.adapters = ep.adapters - {adapter}
+    return failure
 
 
 def _tracked(route: ModelRoute, req: rq.Parsed, body: bytes) -> Sent | None:

@@ -10,9 +10,19 @@ cut after its first byte and to be continued (`Failure.resume`) gets a fresh
 The failure policy: when every attempt ended because an engine was busy (429)
 or timed the request out (408), the client gets that status and the soonest
 Retry-After an engine gave, so code that catches `RateLimitError` and backs
-off does the right thing. Otherwise the last failure's status. Messages for
+off does the right thing. Otherwise the last failure's status (and its
+Retry-After, when it has one). Messages for
 the client never name an endpoint or quote an engine's body; the log does,
 with the request id.
+
+A LoRA adapter's request answered 404 by an engine the projection lists as holding the
+adapter (`adapter_missing`) met a replica that unloaded it before its agent's report
+reached this router: the 404 is an attempt failure like a 5xx, and the next attempt goes
+to another holder. When none is left (or a later request finds the listed holders so
+refuted) the outcome is the 503 `adapter_not_loaded` admission gives an adapter no
+replica loads in time, never the engine's 404, which would read as "this model does not
+exist", nor a bare `no_endpoint`; the handler first waits for a next holder
+(request/holder.py).
 """
 
 from __future__ import annotations
@@ -26,6 +36,10 @@ from llmgw.router.scheduling.pipeline import Context
 TIMEOUT_STATUS = 504
 BROKEN_STATUS = 502
 BUSY = (408, 429)  # engine answers that mean "not now", relayed as they are
+ADAPTER_MISSING_STATUS = 503
+# Seconds a client is told to wait when every holder had unloaded its adapter: as long as
+# admission tells one whose adapter was not loaded in time (placement acts within seconds).
+ADAPTER_RETRY_AFTER = 5.0
 
 
 class Failure:
@@ -143,6 +157,14 @@ class Walk:
         """The error the client gets once the walk is over without an answer."""
         route = self.route
         if not self.failures:
+            if route.adapter_of and any(route.name not in ep.adapters for ep in route.endpoints):
+                # Listed as holders, but each said it unloaded the adapter (upstream.py).
+                return RouterError(
+                    ADAPTER_MISSING_STATUS,
+                    "adapter_not_loaded",
+                    f"adapter '{route.name}' is not loaded on any replica now; it is being moved",
+                    headers=[(b"retry-after", _seconds(ADAPTER_RETRY_AFTER))],
+                )
             chain = route.fallbacks
             return RouterError(
                 503,
@@ -163,7 +185,25 @@ class Walk:
             last = next(f for f in reversed(self.failures) if f.status == status)
             return RouterError(status, last.kind, last.message + after, headers=headers)
         last = self.failures[-1]
-        return RouterError(last.status, last.kind, last.message + after)
+        headers = []
+        if last.retry_after is not None:
+            headers.append((b"retry-after", _seconds(last.retry_after)))
+        return RouterError(last.status, last.kind, last.message + after, headers=headers)
+
+
+def adapter_missing(adapter: str, endpoint: str, status: int, body: bytes) -> Failure | None:
+    """The Failure of an engine's answer saying it does not hold `adapter` (a 404 naming
+    it: vLLM's "The model `a1` does not exist."), None for any other answer. A 404 that
+    does not name the adapter (an unknown path, say) is the engine's to tell the client."""
+    if status != 404 or adapter.encode() not in body:
+        return None
+    return Failure(
+        "adapter_not_loaded",
+        f"adapter '{adapter}' is not loaded on any replica that was tried; it is being moved",
+        ADAPTER_MISSING_STATUS,
+        detail=f"endpoint {endpoint} does not hold adapter {adapter}: {body[:300]!r}",
+        retry_after=ADAPTER_RETRY_AFTER,
+    )
 
 
 def _seconds(wait: float) -> bytes:

@@ -43,6 +43,7 @@ from llmgw.router.request import body as rq
 from llmgw.router.request import kinds, tenancy
 from llmgw.router.request.exchange import Exchange, request_id
 from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
+from llmgw.router.request.holder import HOLDER_WAIT_SECONDS, HolderWait
 from llmgw.router.request.stored import StoredResponses
 from llmgw.router.scheduling.pipeline import Context, request_key
 
@@ -110,6 +111,7 @@ class Proxy:
         self._time = time.monotonic
         self._ltime = time.monotonic
         self.upstream = Upstream(metrics, self._time)
+        self.holders = HolderWait(view)
         self.stored = StoredResponses(self)
         self.upstream.on_response_id = self.stored.remember
 
@@ -270,7 +272,18 @@ class Proxy:
             ctx.now = self._time()
             ep = walk.next(ctx, ltime() >= total_at)
             if ep is None:
-                raise walk.outcome()
+                err = walk.outcome()
+                held = None
+                if err.reason == "adapter_not_loaded" and not ex.started:
+                    wait = min(HOLDER_WAIT_SECONDS, total_at - ltime())
+                    held = await self.holders.holder(route.name, wait)
+                if held is None:
+                    raise err
+                # A fresh walk on the adapter's new holders; those that refuted it are
+                # not among them until the projection lists them again.
+                ctx.exclude.clear()
+                walk = Walk(held, self.view.route, walk.per_model, ctx.exclude, walk.prepare)
+                continue
             current = walk.current
             assert current is not None
             if current.name != model:
