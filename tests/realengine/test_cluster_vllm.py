@@ -234,7 +234,10 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
     # stream the dying engine had begun continues on the other one: nothing fails, and
     # every stream has its max_tokens tokens (kit.Traffic checks the usage).
     assert failures == [], failures[:5]
-    assert moved >= 1  # the victim's streams were continued, not lucky
+    # Not asserted: moved >= 1. Whether the victim had sent a byte of any stream when the
+    # kill landed is the real engine's timing (a loaded CI box ran 106 requests through it
+    # with 0 migrated and 0 failed: the killed requests were still in prefill and retried).
+    # tests/e2e/test_router_migration.py pins the migration itself on sims.
 
 
 def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model, capsys):
@@ -267,7 +270,8 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
         f"{len(traffic.failures())} failed, {moved} streams migrated",
     )
     assert traffic.failures() == [], traffic.failures()[:5]  # none cut at the deadline
-    assert moved >= 1  # streams did outlive it: the stopped engine's were handed over
+    # Not asserted: moved >= 1 (see the kill test): on a loaded box the retired engine's
+    # streams may all end inside its drain; the sim e2e test pins the hand-over itself.
     [sid] = stopped
     seq = [s["state"] for s in statuses(cluster) if s["shard_id"] == sid]
     assert "draining" in seq and seq.index("draining") < seq.index("stopped"), seq
