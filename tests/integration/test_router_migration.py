@@ -114,15 +114,13 @@ async def test_an_error_event_from_the_engine_is_continued_not_relayed(client):
         b'data: {"error": {"message": "engine core died", "code": 500}}\n\n',
         b"data: [DONE]\n\n",
     ]
-    async with fake_engines("a", "b", events=broken) as engines:
+    # the delay gives the test time to mend the other engine before the cut: sent at
+    # once, the continuation could reach the other engine while it is still broken
+    async with fake_engines("a", "b", events=broken, delay=0.2) as engines:
         async with running_router(migrating(engines)) as r:
-            task = asyncio.create_task(_post(client, r.url, CHAT))
-            async with asyncio.timeout(5):
-                while not any(e.seen for e in engines):
-                    await asyncio.sleep(0.002)
-            for e in engines:
-                e.events = None if not e.seen else broken
-            status, raw = await task
+            _, (status, raw) = await stream_and_mend(
+                client, r.url, CHAT, engines, events=None, delay=0.0
+            )
     got, last = chunks(raw)
     assert status == 200 and last == b"data: [DONE]" and "error" not in raw.decode()
     assert text_of(got).startswith("t0 t1 t0 ")
