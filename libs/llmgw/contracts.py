@@ -280,6 +280,48 @@ class MigrationSpec(msgspec.Struct, kw_only=True):
     max: int = 0
 
 
+# Disaggregated prefill/decode (docs/disaggregation.md): the role a replica of such a
+# model plays. "" is an aggregated replica, which does both.
+PD_ROLES = ("prefill", "decode")
+
+
+class ConnectorSpec(msgspec.Struct, kw_only=True):
+    """How prefill engines hand their KV cache to decode engines: a vLLM KV connector.
+
+    `ExampleConnector` (vLLM's own, CPU-capable) writes each prompt's KV blocks under
+    `shared_path`, which every prefill and decode node must see as the same folder, and
+    finds them again by prompt content. `extra` is passed through as the connector's
+    `kv_connector_extra_config` (NixlConnector and others take their settings there).
+    """
+
+    kind: str = "ExampleConnector"  # vLLM's kv_connector name
+    shared_path: str = ""  # ExampleConnector's shared_storage_path
+    extra: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+
+
+class PoolSpec(msgspec.Struct, kw_only=True):
+    """One pool (prefill or decode) of a disaggregated model: its count and profile."""
+
+    replicas: int = 1
+    autoscale: AutoscaleSpec | None = None  # set: the pool's count follows its own demand
+    profile: ServingProfile | None = None  # None: the model's profile
+
+
+class DisaggregationSpec(msgspec.Struct, kw_only=True):
+    """A model served by separate prefill and decode pools (docs/disaggregation.md).
+
+    A router sends a request's prompt to a prefill engine first (max_tokens 1, asking
+    for remote decode), then the request with the returned `kv_transfer_params` to a
+    decode engine, which loads the prompt's KV instead of computing it. A prompt shorter
+    than `min_prompt_tokens` skips the prefill leg and is served by a decode engine alone.
+    """
+
+    prefill: PoolSpec = msgspec.field(default_factory=PoolSpec)
+    decode: PoolSpec = msgspec.field(default_factory=PoolSpec)
+    connector: ConnectorSpec = msgspec.field(default_factory=ConnectorSpec)
+    min_prompt_tokens: int = 0
+
+
 class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     publisher: ClassVar[str] = "operator"
     subject_kind: ClassVar[str] = "model"
@@ -301,6 +343,9 @@ class ModelDeclared(Message, kw_only=True, tag="catalog.model.declared"):
     # `replicas` is only where it starts (`autoscale.min`).
     autoscale: AutoscaleSpec | None = None
     migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)
+    # Set: the model is served by a prefill pool and a decode pool instead of
+    # `replicas` aggregated replicas (which, with `autoscale`, must then be unset).
+    disaggregation: DisaggregationSpec | None = None
 
 
 class ModelRemoved(Message, kw_only=True, tag="catalog.model.removed"):
@@ -427,6 +472,7 @@ class PlacementDecided(Message, kw_only=True, tag="control.placement.decided"):
     # True when the replica takes over shards a node already runs (a node that came
     # back): the shards keep their state, and replay checks them instead of re-placing.
     adopted: bool = False
+    role: str = ""  # prefill | decode for a disaggregated model's pools; "": aggregated
     # The leader term that published it (0: before terms existed). The fold refuses a
     # control event of a term older than one it has already folded.
     term: int = 0
@@ -440,6 +486,7 @@ class PlacementFailed(Message, kw_only=True, tag="control.placement.failed"):
     model: str
     replica_id: str
     based_on_seq: int
+    role: str = ""  # prefill | decode for a disaggregated model's pools; "": aggregated
     verdicts: list[NodeVerdict] = msgspec.field(default_factory=list)
     # The nodes `verdicts` leaves out, grouped; empty: `verdicts` names every node.
     verdict_groups: list[VerdictGroup] = msgspec.field(default_factory=list)
@@ -613,6 +660,10 @@ class StartShard(Message, kw_only=True, tag="cmd.shard.start"):
     profile: ServingProfile
     gpus: list[str]
     served_model_name: str = ""
+    # A disaggregated model's pool: the agent launches the engine with the connector
+    # as kv_producer (prefill) or kv_consumer (decode). "": aggregated, no connector.
+    role: str = ""
+    connector: ConnectorSpec | None = None
     # Multi-node replicas: rank and rendezvous for engines that span nodes.
     nnodes: int = 1
     node_rank: int = 0
@@ -773,6 +824,7 @@ class Endpoint(msgspec.Struct, kw_only=True):
     upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)
     max_loras: int = 0  # adapter slots; 0: serves no adapter
     adapters: list[str] = msgspec.field(default_factory=list)  # held now, as its agent reports
+    role: str = ""  # prefill | decode (a disaggregated model's pools); "": aggregated
 
 
 class AdapterRoute(msgspec.Struct, kw_only=True):
@@ -812,6 +864,9 @@ class ModelEndpoints(Message, kw_only=True, tag="projection.model"):
     term: int = 0
     adapters: list[AdapterRoute] = msgspec.field(default_factory=list)  # declared on this base
     migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)
+    # Set: the endpoints carry roles and routers run the two-leg prefill/decode
+    # protocol (docs/disaggregation.md); None: every endpoint serves whole requests.
+    disaggregation: DisaggregationSpec | None = None
 
 
 class TenantRecord(Message, kw_only=True, tag="projection.tenant"):

@@ -104,6 +104,7 @@ class Model(Base):
     owned_by: Mapped[str] = mapped_column(Text)
     api_kinds: Mapped[list[Any]]
     migration: Mapped[Json]
+    disaggregation: Mapped[Json | None]
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
 
@@ -193,6 +194,7 @@ class PlacementFailure(Base):
     event_id: Mapped[str] = mapped_column(Text)
     event_ts: Mapped[float]
     term: Mapped[int] = mapped_column(BigInteger, server_default="0")  # the leader's
+    role: Mapped[str] = mapped_column(Text, server_default="")  # prefill | decode | ""
 
 
 # ------------------------------------------------------------------ event-derived logs
