@@ -18,7 +18,9 @@ import msgspec
 from llmgw import certs, tlsconfig
 from llmgw import config as cfg
 from llmgw.contracts import (
+    PD_ROLES,
     DeadlineSpec,
+    DisaggregationSpec,
     Endpoint,
     EndpointState,
     MigrationSpec,
@@ -43,6 +45,9 @@ class ModelConfig(cfg.ConfigStruct):
     api_kinds: list[str] = msgspec.field(default_factory=list)  # empty: every API kind
     max_model_len: int | None = None  # GET /v1/models says so; else asked of the engines
     migration: MigrationSpec = msgspec.field(default_factory=MigrationSpec)  # docs/router.md
+    # Set: the model's endpoints carry roles (prefill | decode) and requests take the
+    # two-leg route (docs/disaggregation.md).
+    disaggregation: DisaggregationSpec | None = None
 
 
 class EndpointConfig(cfg.ConfigStruct):
@@ -54,6 +59,7 @@ class EndpointConfig(cfg.ConfigStruct):
     state: EndpointState = EndpointState.READY
     max_running: int | None = None
     upstream: UpstreamSpec = msgspec.field(default_factory=UpstreamSpec)  # headers to it
+    role: str = ""  # prefill | decode: its pool in a disaggregated model; "": aggregated
 
 
 class ModelDefaults(cfg.ConfigStruct):
@@ -207,6 +213,10 @@ def validate(config: RouterConfig) -> list[str]:
             problems.append(f"{where}: url {ep.url!r} is not an http(s) URL with a host")
         if not ep.models:
             problems.append(f"{where}: serves no models (models is empty)")
+        if ep.role and ep.role not in PD_ROLES:
+            problems.append(
+                f"{where}: role {ep.role!r} is not one of {', '.join(PD_ROLES)} (or empty)"
+            )
     for i, m in enumerate(config.models):
         if m.migration.max < 0:
             problems.append(
@@ -319,6 +329,7 @@ def projection(config: RouterConfig) -> list[ModelEndpoints]:
                     engine=ep.engine,
                     max_running=ep.max_running,
                     upstream=ep.upstream,
+                    role=ep.role,
                 )
             )
     records = []
@@ -337,6 +348,7 @@ def projection(config: RouterConfig) -> list[ModelEndpoints]:
                 api_kinds=list(m.api_kinds),
                 max_model_len=m.max_model_len,
                 migration=m.migration,
+                disaggregation=m.disaggregation,
             )
         )
     return records
