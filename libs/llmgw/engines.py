@@ -62,6 +62,20 @@ VLLM_RUNTIME_LORA = RuntimeLora(
 
 
 @dataclass(frozen=True)
+class PdConnector:
+    """How an engine takes part in prefill/decode disaggregation (docs/disaggregation.md).
+
+    A StartShard with a role (prefill | decode) on an engine without this trait is refused
+    before launch: it would serve as an aggregated engine and every request would pay its
+    prefill twice."""
+
+    # The engine is launched with the connector (vLLM's --kv-transfer-config) and reads or
+    # writes the KV in the connector's shared folder, which the agent makes sure it can
+    # write. False: it answers the protocol from the requests' kv_transfer_params alone.
+    launch_flags: bool
+
+
+@dataclass(frozen=True)
 class EngineTraits:
     name: str
     # Publishes KV cache events that the agent relays: routers index its blocks from them
@@ -81,6 +95,8 @@ class EngineTraits:
     # Loads LoRA adapters at run time (profile.max_loras > 0 turns it on), and how; None:
     # a profile with adapter slots is refused before launch.
     runtime_lora: RuntimeLora | None = None
+    # Serves a disaggregated model's prefill or decode pool, and how; None: it cannot.
+    pd_connector: PdConnector | None = None
 
 
 ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
@@ -94,11 +110,14 @@ ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
             installed_module=None,
             sim_tokens=False,
             runtime_lora=VLLM_RUNTIME_LORA,
+            pd_connector=PdConnector(launch_flags=True),
         ),
         # Its KV events and metrics read from SGLang's source (docs/agent.md). SGLang has
         # runtime adapters too (`--enable-lora --max-loras-per-batch N`, POST
         # /load_lora_adapter and /unload_lora_adapter with vLLM's body, no /v1 prefix), but
-        # the agent does not drive them yet: a profile with adapter slots is refused.
+        # the agent does not drive them yet: a profile with adapter slots is refused. Its
+        # own disaggregation (--disaggregation-mode, Mooncake/NIXL transfer) speaks another
+        # protocol (a bootstrap room, not kv_transfer_params): no prefill or decode role.
         "sglang": EngineTraits(
             name="sglang",
             kv_events=True,
@@ -120,6 +139,8 @@ ENGINES: MappingProxyType[str, EngineTraits] = MappingProxyType(
             runtime_lora=RuntimeLora(
                 load_path="/v1/load_lora_adapter", unload_path="/v1/unload_lora_adapter"
             ),
+            # It needs no flag: a request's kv_transfer_params say which leg it is.
+            pd_connector=PdConnector(launch_flags=False),
         ),
     }
 )

@@ -8,6 +8,7 @@ override anything the adapter chose.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -152,6 +153,29 @@ def kv_events_off_reason(profile: c.ServingProfile) -> str:
     return ""
 
 
+# vLLM's kv_role for each role of a disaggregated model's pools.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def kv_transfer_args(cmd: c.StartShard) -> list[str]:
+    """vLLM's `--kv-transfer-config` for a prefill or decode shard; none when aggregated.
+
+    The connector's `shared_path` is ExampleConnector's `shared_storage_path`; `extra` is
+    merged over it, so a connector with other settings (NixlConnector's) names them there."""
+    if not cmd.role or cmd.connector is None:
+        return []
+    extra: dict[str, object] = {}
+    if cmd.connector.shared_path:
+        extra["shared_storage_path"] = cmd.connector.shared_path
+    extra.update(cmd.connector.extra)
+    config = {
+        "kv_connector": cmd.connector.kind,
+        "kv_role": KV_ROLES[cmd.role],
+        "kv_connector_extra_config": extra,
+    }
+    return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
 def lora_args(p: c.ServingProfile) -> list[str]:
     """Adapter slots, for vLLM and the simulator alike; none without slots."""
     if p.max_loras <= 0:
@@ -217,6 +241,7 @@ def vllm(cmd: c.StartShard, ctx: LaunchContext) -> LaunchSpec:
     argv += lora_args(p)
     if not kv_events_off_reason(p):
         argv += kv_events_args(ctx)
+    argv += kv_transfer_args(cmd)
     argv += p.engine_args
     head = is_head(cmd)
     env = {**_gpu_env(ctx), **lora_env(p)}

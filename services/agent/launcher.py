@@ -22,7 +22,7 @@ from pathlib import Path
 from llmgw import contracts as c
 from llmgw.engines import ENGINES
 
-from . import procs, validate
+from . import connector_folder, procs, validate
 from .config import AgentConfig, parse_port_range
 from .inventory import Inventory
 from .kvrelay import EngineRelay, KvRelays
@@ -166,6 +166,7 @@ class Launcher:
             process_count=probe.process_count if probe else (lambda uuid: None),
             engine_missing=lambda engine: self.engines.get(engine),
             path_exists=lambda path: Path(path).expanduser().exists(),
+            folder_unwritable=connector_folder.unwritable,
         )
 
     def _free_port(self) -> int | None:

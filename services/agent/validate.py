@@ -7,6 +7,7 @@ which engines and paths exist) are passed in.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class NodeFacts:
     # None when the engine can run here, else why not.
     engine_missing: Callable[[str], str | None] = lambda engine: None
     path_exists: Callable[[str], bool] = lambda path: True
+    # None when an engine can write KV into this folder (made if missing), else why not.
+    folder_unwritable: Callable[[str], str | None] = lambda path: None
 
 
 class Refusal(str):
@@ -67,6 +70,48 @@ def _adapter_slots_refusal(p: c.ServingProfile) -> Refusal | None:
     return None
 
 
+def _pd_role_refusal(cmd: c.StartShard) -> Refusal | None:
+    """A prefill or decode shard needs an engine that takes part in disaggregation:
+    checked before whether the engine is installed, as no install would mend it."""
+    if not cmd.role:
+        return None
+    if cmd.role not in c.PD_ROLES:
+        return Refusal(
+            "pd_role", f"role must be one of {', '.join(c.PD_ROLES)} (or none), got {cmd.role!r}"
+        )
+    if ENGINES[cmd.profile.engine].pd_connector is None:
+        able = ", ".join(n for n, t in ENGINES.items() if t.pd_connector)
+        return Refusal(
+            "pd_unsupported",
+            f"a {cmd.role} shard needs an engine that serves disaggregated prefill/decode "
+            f"({able}); {cmd.profile.engine} does not",
+        )
+    return None
+
+
+def _connector_refusal(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
+    """An engine launched with the connector needs one, and a shared folder it can write."""
+    trait = ENGINES[cmd.profile.engine].pd_connector
+    if not cmd.role or trait is None or not trait.launch_flags:
+        return None
+    if cmd.connector is None:
+        return Refusal("pd_connector", f"a {cmd.role} shard needs a connector, none was given")
+    path = cmd.connector.shared_path
+    if path and not posixpath.isabs(path):
+        # The engine runs in the agent's state folder and expands no "~": a relative path
+        # would name another folder there than on the other engines' nodes.
+        return Refusal(
+            "pd_connector", f"the connector's shared_path must be absolute, got {path!r}"
+        )
+    why = facts.folder_unwritable(path) if path else None
+    if why:
+        return Refusal(
+            "pd_connector",
+            f"the connector's shared folder {path} is not writable on node {facts.node}: {why}",
+        )
+    return None
+
+
 def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
     """None when the shard may launch, else the first reason it may not."""
     p = cmd.profile
@@ -75,6 +120,9 @@ def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
             "unknown_engine",
             f"unknown engine {p.engine!r} (this agent runs: {', '.join(sorted(ADAPTERS))})",
         )
+    role = _pd_role_refusal(cmd)
+    if role is not None:
+        return role
     missing = facts.engine_missing(p.engine)
     if missing:
         return Refusal(
@@ -140,6 +188,9 @@ def check(cmd: c.StartShard, facts: NodeFacts) -> Refusal | None:
     slots = _adapter_slots_refusal(p)
     if slots is not None:
         return slots
+    folder = _connector_refusal(cmd, facts)
+    if folder is not None:
+        return folder
     if cmd.nnodes > 1:
         if not 0 <= cmd.node_rank < cmd.nnodes:
             return Refusal(

@@ -1,5 +1,7 @@
 """Engine launch adapters: the exact command lines and environments, pinned."""
 
+import json
+
 import pytest
 
 from llmgw import contracts as c
@@ -209,3 +211,60 @@ def test_the_simulator_gets_the_same_adapter_slot_flags():
     spec = launch.sim(start(profile=profile), CTX)
     i = spec.argv.index("--enable-lora")
     assert spec.argv[i : i + 5] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
+
+
+def connector(**kw) -> c.ConnectorSpec:
+    return c.ConnectorSpec(kind="ExampleConnector", shared_path="/shared/kv", **kw)
+
+
+def kv_transfer_config(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize(
+    ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")]
+)
+def test_a_pd_role_launches_vllm_with_its_kv_connector(role, kv_role):
+    spec = launch.vllm(start(role=role, connector=connector()), CTX)
+    assert kv_transfer_config(spec.argv) == {
+        "kv_connector": "ExampleConnector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"shared_storage_path": "/shared/kv"},
+    }
+
+
+def test_the_connectors_extra_settings_are_merged_over_the_shared_path():
+    cmd = start(
+        role="decode",
+        connector=connector(extra={"shared_storage_path": "/other", "backends": "UCX", "n": 2}),
+    )
+    extra = kv_transfer_config(launch.vllm(cmd, CTX).argv)["kv_connector_extra_config"]
+    assert extra == {"shared_storage_path": "/other", "backends": "UCX", "n": 2}
+
+
+def test_a_connector_without_a_shared_path_names_none():
+    cmd = start(role="prefill", connector=c.ConnectorSpec(kind="NixlConnector"))
+    config = kv_transfer_config(launch.vllm(cmd, CTX).argv)
+    assert config["kv_connector"] == "NixlConnector" and config["kv_connector_extra_config"] == {}
+
+
+def test_the_operators_engine_args_still_win_over_the_kv_connector():
+    profile = c.ServingProfile(
+        engine="vllm",
+        model_ref="org/m",
+        gpus_per_shard=2,
+        engine_args=["--kv-transfer-config", '{"kv_connector":"Mine","kv_role":"kv_both"}'],
+    )
+    argv = launch.vllm(start(profile=profile, role="prefill", connector=connector()), CTX).argv
+    assert argv.count("--kv-transfer-config") == 2
+    assert launch.flag_value(argv, "--kv-transfer-config") == profile.engine_args[1]
+
+
+def test_an_aggregated_shard_gets_no_kv_connector():
+    assert "--kv-transfer-config" not in launch.vllm(start(connector=connector()), CTX).argv
+
+
+def test_the_simulator_needs_no_flag_for_its_role():
+    # It answers the protocol from each request's kv_transfer_params.
+    cmd = start(engine="sim", role="prefill", connector=connector())
+    assert launch.sim(cmd, CTX).argv == launch.sim(start(engine="sim"), CTX).argv

@@ -21,11 +21,14 @@ def test_records_round_trip(tmp_path):
         cmd = c.StartShard(
             key="k", node="n", shard_id="s1", model="m", replica_id="r",
             profile=c.ServingProfile(engine="sim"), gpus=["g0"],
+            # A re-adopted or relaunched engine keeps its place in a disaggregated model.
+            role="decode", connector=c.ConnectorSpec(shared_path="/kv", extra={"n": 2}),
         )  # fmt: skip
         sd.save(record(keys=["k"], start=cmd, pid=123, port=8100, drain_deadline=5.0))
         sd.save(record("org/model:shard 2", state=c.ShardState.FAILED, reason="boom"))
         got = {r.shard_id: r for r in sd.load_all()}
-        assert got["s1"].start == cmd and got["s1"].pid == 123 and got["s1"].keys == ["k"]
+        assert got["s1"].start == cmd and got["s1"].start.connector.extra == {"n": 2}
+        assert got["s1"].pid == 123 and got["s1"].keys == ["k"]
         assert got["org/model:shard 2"].reason == "boom" and got["org/model:shard 2"].terminal
         assert got["s1"].info().state is c.ShardState.READY
     finally:

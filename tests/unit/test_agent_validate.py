@@ -114,3 +114,70 @@ def test_negative_adapter_slots_are_refused_naming_the_field():
     refusal = check(start(max_loras=-1), facts())
     assert refusal is not None and refusal.check == "profile_range"
     assert "profile.max_loras" in refusal
+
+
+def pd_start(role="prefill", engine="vllm", shared_path="/shared/kv") -> c.StartShard:
+    cmd = start(engine=engine)
+    cmd.role = role
+    cmd.connector = c.ConnectorSpec(shared_path=shared_path)
+    return cmd
+
+
+def test_a_prefill_or_decode_shard_on_an_engine_with_a_connector_passes():
+    for role in c.PD_ROLES:
+        for engine in ("vllm", "sim"):
+            assert check(pd_start(role, engine), facts()) is None
+
+
+def test_a_role_on_an_engine_without_the_pd_trait_is_refused_before_launch():
+    refusal = check(pd_start("decode", "sglang"), facts())
+    assert refusal is not None and refusal.check == "pd_unsupported"
+    assert refusal == (
+        "a decode shard needs an engine that serves disaggregated prefill/decode "
+        "(vllm, sim); sglang does not"
+    )
+
+
+def test_an_unknown_role_is_refused_naming_the_roles():
+    refusal = check(pd_start("both"), facts())
+    assert refusal is not None and refusal.check == "pd_role"
+    assert "role must be one of prefill, decode (or none), got 'both'" in refusal
+
+
+def test_a_vllm_role_without_a_connector_is_refused():
+    cmd = pd_start()
+    cmd.connector = None
+    refusal = check(cmd, facts())
+    assert refusal is not None and "a prefill shard needs a connector" in refusal
+
+
+def test_the_connector_folder_must_be_absolute():
+    refusal = check(pd_start(shared_path="kv"), facts())
+    assert refusal is not None and refusal.check == "pd_connector"
+    assert "shared_path must be absolute, got 'kv'" in refusal
+
+
+def test_a_connector_folder_the_engine_could_not_write_is_refused_with_why():
+    asked = []
+
+    def unwritable(path):
+        asked.append(path)
+        return "Read-only file system"
+
+    refusal = check(pd_start(), facts(folder_unwritable=unwritable))
+    assert asked == ["/shared/kv"]
+    assert refusal is not None and refusal.check == "pd_connector"
+    assert refusal == (
+        "the connector's shared folder /shared/kv is not writable on node n1: Read-only file system"
+    )
+
+
+def test_the_simulators_folder_is_not_probed():
+    # The simulator reads no folder: an unwritable one must not stop it.
+    assert check(pd_start(engine="sim"), facts(folder_unwritable=lambda p: "no")) is None
+
+
+def test_the_missing_trait_is_the_reason_even_where_the_engine_is_not_installed():
+    # Installing SGLang would not mend it: that reason must not hide this one.
+    refusal = check(pd_start("prefill", "sglang"), facts(engine_missing=lambda e: "not found"))
+    assert refusal is not None and refusal.check == "pd_unsupported"

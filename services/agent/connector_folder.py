@@ -1,0 +1,27 @@
+"""The KV connector's shared folder, made ready before a prefill or decode engine starts.
+
+vLLM's ExampleConnector writes each prompt's KV under this folder while the prefill
+engine runs the prompt (a folder per prompt, a safetensors file per layer), and the
+decode engine reads it back from there. vLLM does not look at the folder when it
+starts: a folder it cannot write shows only at the first prefill, inside the engine's
+forward pass (docs/disaggregation.md has what happens then). So the agent makes the
+folder when it is missing and writes a file there first; a shard that could not write
+fails before launch with the reason, and the reconciler hears it in the shard status.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def unwritable(path: str) -> str | None:
+    """None when a file can be written in `path` (made first if missing), else why not."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".llmgw-probe-"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None

@@ -1,0 +1,21 @@
+"""The connector's shared folder: made when missing, and why not when it cannot be written."""
+
+from llmgw.agent import connector_folder
+
+
+def test_a_missing_folder_is_made_and_left_empty(tmp_path):
+    folder = tmp_path / "a" / "kv"
+    assert connector_folder.unwritable(str(folder)) is None
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the probe file is gone
+
+
+def test_an_existing_folder_keeps_what_it_holds(tmp_path):
+    (tmp_path / "prompt-hash").mkdir()
+    assert connector_folder.unwritable(str(tmp_path)) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["prompt-hash"]
+
+
+def test_a_path_through_a_file_says_why(tmp_path):
+    (tmp_path / "file").write_text("")
+    # Root writes through any permission bits; a file in the path stops everyone.
+    assert connector_folder.unwritable(str(tmp_path / "file" / "kv")) == "Not a directory"
