@@ -219,3 +219,21 @@ class Traffic:
             self.outcomes.append(Outcome(t0, time.monotonic(), stream, error))
             if error:
                 await asyncio.sleep(0.05)
+
+
+def samples_by(url: str, name: str, label: str) -> dict[str, float]:
+    """One metric's samples on an engine's /metrics page, summed by one label's value
+    (e.g. vllm:prompt_tokens_by_source_total by source); "" for samples without it."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                key = s.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def total(url: str, name: str) -> float:
+    """A counter's value on an engine's /metrics page, all its series together."""
+    return sum(samples_by(url, name, "").values())

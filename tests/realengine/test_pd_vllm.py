@@ -1,0 +1,286 @@
+"""Prefill/decode disaggregation on real vLLM CPU engines, launched by the agent.
+
+An in-process agent on real NATS launches a prefill vLLM (kv_producer) and a decode
+vLLM (kv_consumer) on the tiny model with vLLM's ExampleConnector and a shared folder
+the agent makes. The test sends the protocol's two legs as a router does: the prompt to
+P with max_tokens 1 and kv_transfer_params asking for remote decode, then the request
+to D. D's /metrics prove it loaded the prompt's full blocks from the folder instead of
+computing them (vllm:external_prefix_cache_hits_total and
+vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}), and its greedy text
+equals what P computes alone for the same request (the aggregated answer). A prompt
+sent to D with no prefill loads nothing.
+
+Then the failures, each measured and printed (docs/disaggregation.md, "Real engines on
+CPU", records them): a StartShard whose folder cannot be written, the prefill engine
+killed mid-request and relaunched by a new StartShard (its connector flags kept), the
+decode engine killed mid-answer, and the shared folder made unwritable under the
+running prefill engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw import bus, subjects
+from llmgw import contracts as c
+from llmgw.agent import procs
+from llmgw.dev import catalog as devcatalog
+from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
+from tests.realengine import kit
+
+pytestmark = pytest.mark.real_engine
+
+S = c.ShardState
+NODE = "n-pd-vllm"
+SLOW = 600.0  # two vLLM starts at once on two shared cores
+# The prefill leg's kv_transfer_params, as vLLM's own proxy sends them.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+@pytest.fixture
+async def watch(nats) -> AsyncIterator[Watch]:
+    await bus.provision(nats.jetstream())
+    yield await Watch().start(nats, "llmgw.evt.agent.>", subjects.LOAD_ALL)
+
+
+def report(capsys, line: str) -> None:
+    with capsys.disabled():
+        print(f"\n[real_engine] {line}", flush=True)
+
+
+def prompt(tag: str) -> str:
+    """About 350 tokens of the tiny model (its blocks are 128 tokens on CPU); the tag
+    first, so no two prompts share a block."""
+    body = " ".join(
+        f"the prefill engine computes prompt {i} and hands its blocks to the decode engine"
+        for i in range(8)
+    )
+    return f"{tag}: {body}"
+
+
+async def complete(url: str, text: str, max_tokens: int, **extra) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as http:
+        return await http.post(
+            f"{url}/v1/completions",
+            json={
+                "model": kit.MODEL,
+                "prompt": text,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **kit.NO_EOS,
+                **extra,
+            },
+        )
+
+
+async def prefill_leg(url: str, text: str) -> httpx.Response:
+    return await complete(url, text, 1, kv_transfer_params=REMOTE_DECODE)
+
+
+async def sources(url: str) -> dict[str, float]:
+    """D's prompt tokens by where they came from, and its external hits ("hits")."""
+    by = await asyncio.to_thread(kit.samples_by, url, BY_SOURCE, "source")
+    return {**by, "hits": await asyncio.to_thread(kit.total, url, EXTERNAL_HITS)}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def pd_start(model: Path, shared: Path, shard_id: str, role: str, gpu: int, key: str = ""):
+    return c.StartShard(
+        key=key or f"start-{shard_id}",
+        node=NODE,
+        shard_id=shard_id,
+        model=kit.MODEL,
+        replica_id=f"r-{shard_id}",
+        profile=c.ServingProfile(**devcatalog.vllm_profile(str(model))),
+        gpus=[f"GPU-fake-{NODE}-{gpu}"],
+        role=role,
+        connector=c.ConnectorSpec(shared_path=str(shared)),
+    )
+
+
+def kv_transfer_config(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+async def test_a_decode_vllm_loads_the_prompt_a_prefill_vllm_computed(
+    nats, nats_url, watch, vllm_python, tiny_model, tmp_path, monkeypatch, capsys
+):
+    for name, value in devcatalog.VLLM_CPU_ENV.items():
+        monkeypatch.setenv(name, value)
+    shared = tmp_path / "kv"  # missing: the agent makes it
+    js = nats.jetstream()
+    cfg = agent_config(
+        NODE,
+        nats_url,
+        tmp_path / "state",
+        fake_gpus="3x80GiB",
+        vllm_command=devcatalog.vllm_command(vllm_python),
+        ready_timeout_seconds=SLOW,
+    )
+    async with running_agent(cfg) as agent:
+        t0 = time.monotonic()
+        await bus.publish(js, pd_start(tiny_model, shared, "p", "prefill", 0))
+        await bus.publish(js, pd_start(tiny_model, shared, "d", "decode", 1))
+        p = (await watch.wait_for(status("p", S.READY), timeout=SLOW)).url
+        d = (await watch.wait_for(status("d", S.READY), timeout=SLOW)).url
+        report(capsys, f"prefill and decode vLLM ready {time.monotonic() - t0:.1f}s after start")
+        assert shared.is_dir()
+        roles = {s: kv_transfer_config(agent.shards[s].rec.argv)["kv_role"] for s in "pd"}
+        assert roles == {"p": "kv_producer", "d": "kv_consumer"}
+
+        await _two_legs(p, d, shared, capsys)
+        await _unwritable_at_start(js, watch, tiny_model, tmp_path)
+        p = await _prefill_killed(js, watch, agent, tiny_model, shared, p, d, capsys)
+        await _decode_killed(watch, agent, p, d, capsys)
+        await _folder_unwritable_while_serving(watch, shared, p, capsys)
+
+
+async def _two_legs(p: str, d: str, shared: Path, capsys) -> None:
+    block = int(
+        next(
+            iter(await asyncio.to_thread(kit.samples_by, d, "vllm:cache_config_info", "block_size"))
+        )
+    )
+    text = prompt("pd")
+    before = await sources(d)
+    t0 = time.monotonic()
+    first = await prefill_leg(p, text)
+    prefill_s = time.monotonic() - t0
+    assert first.status_code == 200, first.text
+    n = first.json()["usage"]["prompt_tokens"]
+    # ExampleConnector finds the KV by prompt content: it returns no parameters.
+    report(
+        capsys,
+        f"prefill leg: {prefill_s * 1000:.0f} ms, kv_transfer_params "
+        f"{first.json().get('kv_transfer_params')!r}, {len(os.listdir(shared))} folder(s)",
+    )
+    t0 = time.monotonic()
+    second = await complete(d, text, 16)
+    decode_s = time.monotonic() - t0
+    assert second.status_code == 200, second.text
+    got = delta(await sources(d), before)
+    # Only full blocks of the prompt less its last token are saved and loaded.
+    full = (n - 2) // block * block
+    report(
+        capsys, f"{n}-token prompt, block {block}: D's {got} (decode leg {decode_s * 1000:.0f} ms)"
+    )
+    assert full > 0
+    assert got == {"hits": full, "external_kv_transfer": full, "local_compute": n - full}
+    alone = await complete(p, text, 16)
+    assert second.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+
+    before = await sources(d)
+    control = await complete(d, prompt("no prefill"), 16)
+    assert control.status_code == 200
+    got = delta(await sources(d), before)
+    assert "hits" not in got and "external_kv_transfer" not in got, got
+
+
+async def _unwritable_at_start(js, watch: Watch, model: Path, tmp_path: Path) -> None:
+    """A shard whose folder cannot be made fails before launch, with the reason."""
+    (tmp_path / "file").write_text("")
+    bad = pd_start(model, tmp_path / "file" / "kv", "u", "prefill", 2)
+    await bus.publish(js, bad)
+    failed = await watch.wait_for(status("u", S.FAILED))
+    assert "shared folder" in failed.reason and "Not a directory" in failed.reason
+    assert watch.states("u") == [S.FAILED]  # nothing was launched
+
+
+async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
+    """P dies during a prefill leg: the leg fails at the client; D, sent the request
+    next, computes what the folder does not hold. Then a new StartShard relaunches P with
+    its connector; its new URL is returned."""
+    text = prompt("killed")
+    leg = asyncio.create_task(prefill_leg(p, text))
+    await asyncio.sleep(0.05)
+    seen = len(watch.messages)
+    procs.signal_group(agent.shards["p"].rec.pid, signal.SIGKILL)
+    try:
+        answer = await leg
+        outcome = f"HTTP {answer.status_code}"
+    except httpx.HTTPError as exc:
+        outcome = f"{type(exc).__name__}"
+    failed = await watch.wait_for(status("p", S.FAILED), after=seen, timeout=60)
+    before = await sources(d)
+    after_kill = await complete(d, text, 16)
+    assert after_kill.status_code == 200, after_kill.text
+    report(
+        capsys,
+        f"P killed mid-leg: client saw {outcome}; agent: {failed.reason!r}; "
+        f"D then served it with {delta(await sources(d), before)}",
+    )
+
+    seen = len(watch.messages)
+    t0 = time.monotonic()
+    await bus.publish(js, pd_start(model, shared, "p", "prefill", 0, key="start-p-again"))
+    ready = await watch.wait_for(status("p", S.READY), after=seen, timeout=SLOW)
+    report(capsys, f"P relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
+    assert kv_transfer_config(agent.shards["p"].rec.argv)["kv_role"] == "kv_producer"
+    return ready.url  # the port may be another
+
+
+async def _folder_unwritable_while_serving(watch, shared, p, capsys) -> None:
+    """The folder becomes a file under a running prefill engine: its next prefill leg
+    cannot save the prompt's KV. (ExampleConnector saves every prompt it computes whatever
+    its kv_role, so a decode engine computing a prompt fares the same.)"""
+    moved = shared.with_name("kv.moved")
+    os.rename(shared, moved)
+    shared.write_text("")
+    seen = len(watch.messages)
+    t0 = time.monotonic()
+    try:
+        leg = await prefill_leg(p, prompt("unwritable"))
+        outcome = f"HTTP {leg.status_code} {leg.text[:300]}"
+    except httpx.HTTPError as exc:
+        outcome = type(exc).__name__
+    took = time.monotonic() - t0
+    # vLLM's worker raises in the forward pass (NotADirectoryError), its engine core dies
+    # and the server exits (with status 0): the agent reports the shard failed.
+    failed = await watch.wait_for(status("p", S.FAILED), after=seen, timeout=60)
+    report(
+        capsys,
+        f"folder unwritable under P: its prefill leg {outcome} in {took:.1f}s; "
+        f"agent: {failed.reason!r}",
+    )
+    shared.unlink()
+    os.rename(moved, shared)
+    assert outcome.startswith("HTTP 500") and "EngineCore" in outcome, outcome
+
+
+async def _decode_killed(watch, agent, p, d, capsys) -> None:
+    """D dies mid-answer: the client's request fails; P keeps serving."""
+    answer = asyncio.create_task(complete(d, prompt("decode killed"), 600))
+    await asyncio.sleep(1.0)
+    seen = len(watch.messages)
+    procs.signal_group(agent.shards["d"].rec.pid, signal.SIGKILL)
+    try:
+        got = await answer
+        outcome = f"HTTP {got.status_code}"
+    except httpx.HTTPError as exc:
+        outcome = type(exc).__name__
+    failed = await watch.wait_for(status("d", S.FAILED), after=seen, timeout=60)
+    report(capsys, f"D killed mid-answer: client saw {outcome}; agent: {failed.reason!r}")
+    assert outcome != "HTTP 200"
+    still = await prefill_leg(p, prompt("after decode killed"))
+    assert still.status_code == 200
