@@ -424,12 +424,19 @@ class EndpointView:
         out = {}
         for name, rec in records.items():
             old = self._routes.get(name)
-            if old is not None and old.pipeline.spec == rec.scheduling:
+            if (
+                old is not None
+                and old.pipeline.spec == rec.scheduling
+                and old.pipeline.disaggregation == rec.disaggregation
+            ):
                 out[name] = old.pipeline
                 continue
             try:
                 out[name] = scheduling.Pipeline(
-                    rec.scheduling, self.settings.scheduling, observer=self.observer
+                    rec.scheduling,
+                    self.settings.scheduling,
+                    observer=self.observer,
+                    disaggregation=rec.disaggregation,
                 )
             except Exception as exc:  # a plugin failing to start fails its own model only
                 problems.append(f"model {name!r}: scheduling: cannot build its pipeline: {exc}")
