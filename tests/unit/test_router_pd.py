@@ -231,3 +231,29 @@ def test_the_view_builds_the_two_profiles_for_a_disaggregated_record_only():
     assert set(pd.pipeline.profiles) == {PREFILL, DECODE}
     assert pd.pipeline.disaggregation == DisaggregationSpec(min_prompt_tokens=64)
     assert set(plain.pipeline.profiles) == {DEFAULT}
+
+
+def test_an_adapter_of_a_disaggregated_model_is_never_answered_by_a_prefill_engine():
+    from llmgw.contracts import AdapterRoute, ModelEndpoints
+
+    view = EndpointView()
+    view.replace(
+        [
+            ModelEndpoints(
+                model="pd",
+                endpoints=[
+                    Endpoint(id="p1", url="http://p1", role=PREFILL, adapters=["a1"]),
+                    Endpoint(id="d1", url="http://d1", role=DECODE, adapters=["a1"]),
+                ],
+                adapters=[AdapterRoute(name="a1")],
+                disaggregation=DisaggregationSpec(),
+            )
+        ]
+    )
+    route = view.route("a1")
+    assert route is not None and route.pipeline.disaggregation is not None
+    for key in range(16):
+        c = sc.Context(NOW, "a1", key=key)
+        c.adapter = "a1"
+        assert route.pipeline.pick(route.endpoints, c).id == "d1"
+        assert route.pipeline.pick_prefill(route.endpoints, c).id == "p1"

@@ -392,11 +392,19 @@ class EndpointView:
         self, base: ModelRoute, problems: list[str]
     ) -> scheduling.Pipeline | None:
         spec = lora.adapter_spec(base.pipeline.spec)
+        # A disaggregated model's adapters go its two legs too: a prefill engine holding
+        # the adapter must never answer a client.
+        disaggregation = base.pipeline.disaggregation
         old = self._adapter_pipelines.get(base.name)
-        if old is not None and old.spec == spec:
+        if old is not None and old.spec == spec and old.disaggregation == disaggregation:
             return old
         try:
-            return scheduling.Pipeline(spec, self.settings.scheduling, observer=self.observer)
+            return scheduling.Pipeline(
+                spec,
+                self.settings.scheduling,
+                observer=self.observer,
+                disaggregation=disaggregation,
+            )
         except Exception as exc:  # as in _pipelines: its adapters fail alone
             problems.append(f"model {base.name!r}: adapters: cannot build their pipeline: {exc}")
             return None
