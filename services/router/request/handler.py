@@ -7,7 +7,8 @@ with one upstream attempt each (relay/upstream.py) until one answers or nothing
 is left; the client side of all this is one `Exchange` (exchange.py). A declared tenant's
 request is rewritten for it before it goes upstream (tenancy.py: its stored
 responses' ids, its cache salt). Calls about a stored Responses API answer go
-their own way (stored.py).
+their own way (stored.py). A disaggregated model's request first takes its prefill
+leg (relay/disagg.py), then walks the decode endpoints as any request walks.
 
 Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
