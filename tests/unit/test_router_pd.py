@@ -231,6 +231,9 @@ def test_the_view_builds_the_two_profiles_for_a_disaggregated_record_only():
     assert set(pd.pipeline.profiles) == {PREFILL, DECODE}
     assert pd.pipeline.disaggregation == DisaggregationSpec(min_prompt_tokens=64)
     assert set(plain.pipeline.profiles) == {DEFAULT}
+    # An operator reading /debug/endpoints sees which pool each endpoint is in.
+    roles = {ep.id: ep.describe(NOW, 1.0)["role"] for ep in view.endpoints.values()}
+    assert roles == {"p1": PREFILL, "d1": DECODE, "a1": ""}
 
 
 def test_an_adapter_of_a_disaggregated_model_is_never_answered_by_a_prefill_engine():

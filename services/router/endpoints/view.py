@@ -131,6 +131,7 @@ class EndpointRuntime:
             "scrape_error": self.scrape_error,
             "prefix_blocks": len(self.prefix_index),
             "adapters": sorted(self.adapters),
+            "role": self.spec.role,  # prefill | decode; "": aggregated
         }
         if load is not None:
             out["load"] = {
