@@ -50,6 +50,7 @@ def test_prefill_body_asks_for_one_whole_token_and_a_remote_decode():
             "stream_options": {"include_usage": True},
             "max_tokens": 200,
             "max_completion_tokens": 200,
+            "min_tokens": 20,
             "temperature": 0.3,
         }
     ).encode()
@@ -57,6 +58,7 @@ def test_prefill_body_asks_for_one_whole_token_and_a_remote_decode():
     assert out["stream"] is False
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1
     assert "stream_options" not in out
+    assert "min_tokens" not in out  # above the one token asked: vLLM would refuse it
     assert out["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,

@@ -5,8 +5,9 @@ decode engines, so a long prompt stops stalling other requests' decoding (see
 docs/disaggregation.md). The protocol is vLLM's own (its disaggregated_serving proxy):
 
 1. the prefill leg: the client's body with `stream: false`, `max_tokens: 1` (and
-   `max_completion_tokens: 1` when set), no `stream_options`, and `kv_transfer_params`
-   asking for remote decode (`REMOTE_DECODE`), to a prefill endpoint;
+   `max_completion_tokens: 1` when set), no `stream_options` or `min_tokens`, and
+   `kv_transfer_params` asking for remote decode (`REMOTE_DECODE`), to a prefill
+   endpoint;
 2. the prefill engine answers with the `kv_transfer_params` that locate the prompt's KV
    (NixlConnector: engine, blocks, host, port) or null (ExampleConnector finds the KV
    by the prompt's content);
@@ -90,6 +91,7 @@ def prefill_body(body: bytes) -> bytes:
     engine to keep the prompt's KV for a remote decode."""
     top = rq.top_keys(body)
     top.pop("stream_options", None)
+    top.pop("min_tokens", None)  # vLLM refuses a min_tokens above max_tokens
     values: dict[str, object] = {"stream": False, "max_tokens": 1}
     if "max_completion_tokens" in top:
         values["max_completion_tokens"] = 1
