@@ -152,6 +152,7 @@ async def test_a_decode_vllm_loads_the_prompt_a_prefill_vllm_computed(
         await _two_legs(p, d, shared, capsys)
         await _unwritable_at_start(js, watch, tiny_model, tmp_path)
         p = await _prefill_killed(js, watch, agent, tiny_model, shared, p, d, capsys)
+        d = await _partial_folder(js, watch, tiny_model, shared, p, d, capsys)
         await _decode_killed(watch, agent, p, d, capsys)
         await _folder_unwritable_while_serving(watch, shared, p, capsys)
 
@@ -238,6 +239,36 @@ async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
     report(capsys, f"P relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
     assert kv_transfer_config(agent.shards["p"].rec.argv)["kv_role"] == "kv_producer"
     return ready.url  # the port may be another
+
+
+async def _partial_folder(js, watch, model, shared, p, d, capsys) -> str:
+    """What the decode engine does with the folder of a prefill engine killed between two
+    layers' writes (ExampleConnector writes one file per layer as the forward pass goes):
+    made here by removing the last layer's file after a whole prefill leg. D dies of it;
+    a new StartShard relaunches it, and its URL is returned."""
+    text = prompt("partial")
+    before = set(os.listdir(shared))
+    assert (await prefill_leg(p, text)).status_code == 200
+    (folder,) = set(os.listdir(shared)) - before
+    layers = sorted(os.listdir(shared / folder))
+    os.remove(shared / folder / layers[-1])
+    seen = len(watch.messages)
+    try:
+        got = await complete(d, text, 16)
+        outcome = f"HTTP {got.status_code} {got.text[:200]}"
+    except httpx.HTTPError as exc:
+        outcome = type(exc).__name__
+    # D finds the prompt's folder, its worker fails to load the missing layer, its engine
+    # core dies and the server exits (status 0): the agent reports the shard failed.
+    failed = await watch.wait_for(status("d", S.FAILED), after=seen, timeout=60)
+    report(capsys, f"a folder missing {layers[-1]}: D answered {outcome}; agent: {failed.reason!r}")
+    assert outcome.startswith("HTTP 500") and "EngineCore" in outcome, outcome
+    seen = len(watch.messages)
+    await bus.publish(js, pd_start(model, shared, "d", "decode", 1, key="start-d-again"))
+    t0 = time.monotonic()
+    ready = await watch.wait_for(status("d", S.READY), after=seen, timeout=SLOW)
+    report(capsys, f"D relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
+    return ready.url
 
 
 async def _folder_unwritable_while_serving(watch, shared, p, capsys) -> None:
