@@ -33,8 +33,8 @@ Why 2 prefill + 2 decode (--prefill 2): the long prompts' compute is 1/s x 0.86 
 one engine. On a single prefill engine the prompts queue at 86 % utilisation and TTFT p90
 goes up several times; two keep it near 43 %, while decode is cheap to batch (two engines
 hold every stream at ~35 ms a step). With one decode engine, that engine computes every
-chat's prompt and streams every token, and its ITL p99 suffers. `--prefill 1` and
-`--prefill 3` show the other splits (docs/disaggregation.md has the figures).
+chat's prompt beside ~20 streams and its ITL p99 is higher. `--prefill 1` and `--prefill 3`
+show the other splits (docs/disaggregation.md, Benchmark, has the figures).
 
 Measured at the client: decode ITL = the gaps between consecutive content events of the
 chat streams; TTFT = send to first content event, over all requests. Target (issue #23):
