@@ -8,7 +8,8 @@ to D. D's /metrics prove it loaded the prompt's full blocks from the folder inst
 computing them (vllm:external_prefix_cache_hits_total and
 vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}), and its greedy text
 equals what P computes alone for the same request (the aggregated answer). A prompt
-sent to D with no prefill loads nothing.
+sent to D with no prefill loads nothing. The simulator, sent the same two legs, answers
+with vLLM's keys and counts on D's counters under vLLM's names and sources.
 
 Then the failures, each measured and printed (docs/disaggregation.md, "Real engines on
 CPU", records them): a StartShard whose folder cannot be written, the prefill engine
@@ -29,13 +30,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent import procs
 from llmgw.dev import catalog as devcatalog
+from llmgw.dev.simkit import sim_in_process
 from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
-from tests.realengine import kit
+from tests.realengine import kit, parity
 
 pytestmark = pytest.mark.real_engine
 
@@ -52,6 +55,7 @@ REMOTE_DECODE = {
     "remote_port": None,
 }
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
@@ -150,6 +154,7 @@ async def test_a_decode_vllm_loads_the_prompt_a_prefill_vllm_computed(
         assert roles == {"p": "kv_producer", "d": "kv_consumer"}
 
         await _two_legs(p, d, shared, capsys)
+        await _sim_answers_as_vllm(p, d, capsys)
         await _unwritable_at_start(js, watch, tiny_model, tmp_path)
         p = await _prefill_killed(js, watch, agent, tiny_model, shared, p, d, capsys)
         d = await _partial_folder(js, watch, tiny_model, shared, p, d, capsys)
@@ -196,6 +201,61 @@ async def _two_legs(p: str, d: str, shared: Path, capsys) -> None:
     assert control.status_code == 200
     got = delta(await sources(d), before)
     assert "hits" not in got and "external_kv_transfer" not in got, got
+
+
+# The differences the simulator means to have on these two legs, with why.
+KNOWN = {
+    "prefill:$.kv_transfer_params": "the sim answers as NixlConnector does (where the "
+    "prompt's blocks are); ExampleConnector answers null and finds them by content",
+    "*usage.prompt_tokens_details": "the sim reports cached prompt tokens, as vLLM does with "
+    "--enable-prompt-tokens-details",
+}
+
+
+def _counter_shape(page: str) -> dict[str, list[str]]:
+    """D's P/D counters on a /metrics page: each one's label names, and the sources."""
+    out: dict[str, list[str]] = {}
+    for fam in text_string_to_metric_families(page):
+        for smp in fam.samples:
+            if smp.name in (EXTERNAL_HITS, EXTERNAL_QUERIES, BY_SOURCE):
+                names = sorted(set(smp.labels) - {"model_name", "engine"})
+                out[smp.name] = names
+                if smp.name == BY_SOURCE:
+                    out.setdefault("sources", []).append(smp.labels["source"])
+    out["sources"] = sorted(out.get("sources", []))
+    return out
+
+
+async def _sim_answers_as_vllm(p: str, d: str, capsys) -> None:
+    """The same two legs to the simulator (its prefill answer passed on, as a router
+    does): the answers and the decode engine's counters have vLLM's shape."""
+    text = prompt("shapes")
+    legs = {}
+    pages = {}
+    async with sim_in_process(served_model_name=[kit.MODEL]) as sim:
+        for name, (pre, dec) in {"vllm": (p, d), "sim": (sim.url, sim.url)}.items():
+            first = (await prefill_leg(pre, text)).json()
+            params = first.get("kv_transfer_params")
+            extra = {"kv_transfer_params": params} if params else {}
+            second = (await complete(dec, text, 16, **extra)).json()
+            legs[name] = (first, second)
+            async with httpx.AsyncClient(timeout=30) as http:
+                pages[name] = (await http.get(f"{dec}/metrics")).text
+    diffs = []
+    for i, leg in enumerate(("prefill", "decode")):
+        sim_shape, vllm_shape = (parity.shape(legs[n][i]) for n in ("sim", "vllm"))
+        diffs += parity.diff_shapes(leg, sim_shape, vllm_shape)
+    nulls, expected, unexpected = parity.classify(diffs, KNOWN)
+    report(
+        capsys,
+        f"sim vs vLLM on the two legs: {len(nulls)} null-only fields, known "
+        f"{[str(d) for d, _ in expected]}",
+    )
+    assert unexpected == [], [str(d) for d in unexpected]
+    assert "kv_transfer_params" in legs["vllm"][0] and legs["sim"][0]["kv_transfer_params"]
+    shapes = {name: _counter_shape(page) for name, page in pages.items()}
+    report(capsys, f"D's P/D counters: vLLM {shapes['vllm']}, sim {shapes['sim']}")
+    assert shapes["sim"] == shapes["vllm"], shapes
 
 
 async def _unwritable_at_start(js, watch: Watch, model: Path, tmp_path: Path) -> None:
