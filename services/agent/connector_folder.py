@@ -18,6 +18,8 @@ from pathlib import Path
 def unwritable(path: str) -> str | None:
     """None when a file can be written in `path` (made first if missing), else why not."""
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        return "it is a file, not a folder"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".llmgw-probe-"):

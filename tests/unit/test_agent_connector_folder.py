@@ -19,3 +19,8 @@ def test_a_path_through_a_file_says_why(tmp_path):
     (tmp_path / "file").write_text("")
     # Root writes through any permission bits; a file in the path stops everyone.
     assert connector_folder.unwritable(str(tmp_path / "file" / "kv")) == "Not a directory"
+
+
+def test_a_file_where_the_folder_should_be_says_so(tmp_path):
+    (tmp_path / "kv").write_text("")
+    assert connector_folder.unwritable(str(tmp_path / "kv")) == "it is a file, not a folder"
