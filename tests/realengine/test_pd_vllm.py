@@ -23,20 +23,26 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw import bus, subjects
 from llmgw import contracts as c
 from llmgw.agent import procs
+from llmgw.agent.state import StateDir
 from llmgw.dev import catalog as devcatalog
+from llmgw.dev.routerkit import metric_sum
 from llmgw.dev.simkit import sim_in_process
+from tests.e2e import clusterkit as ck
 from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
 from tests.realengine import kit, parity
 
@@ -375,3 +381,258 @@ async def _decode_killed(watch, agent, p, d, capsys) -> None:
     assert outcome != "HTTP 200"
     still = await prefill_leg(p, prompt("after decode killed"))
     assert still.status_code == 200
+
+
+# ---------------------------------------------------------------- the whole cluster
+
+PD_MODEL = devcatalog.VLLM_MODEL
+# Short liveness and retry timings, as in test_cluster_vllm.
+CLUSTER_ENV = {
+    "LLMGW_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "LLMGW_ACTOR__UNREACHABLE_AFTER": "5",
+    "LLMGW_ACTOR__LOST_AFTER": "15",
+    "LLMGW_ACTOR__COMMAND_RETRY_INITIAL": "0.5",
+    "LLMGW_ACTOR__REPLACE_BACKOFF_INITIAL": "0.5",
+}
+
+
+def pd_catalog(model: Path, shared: Path) -> dict:
+    return {
+        "models": [
+            {
+                "name": PD_MODEL,
+                "profile": devcatalog.vllm_profile(str(model)),
+                "disaggregation": {
+                    "prefill": {"replicas": 1},
+                    "decode": {"replicas": 1},
+                    "connector": {"kind": "ExampleConnector", "shared_path": str(shared)},
+                },
+            }
+        ]
+    }
+
+
+def pools(cluster) -> dict[str, dict]:
+    """The ready endpoint of each role, as the projection has it."""
+    return {e.get("role", ""): e for e in ck.ready_endpoints(cluster, PD_MODEL)}
+
+
+def engine_pid(cluster, url: str) -> int:
+    for name in ("agent-1", "agent-2"):
+        for rec in StateDir(Path(cluster.info["data_dir"]) / name).load_all():
+            if rec.url.rstrip("/") == url.rstrip("/") and not rec.terminal:
+                return rec.pid
+    raise AssertionError(f"no live shard record for {url}")
+
+
+def router_counter(cluster, name: str, **labels: str) -> float:
+    text = httpx.get(cluster.info["router_admin"][0] + "/metrics", timeout=10).text
+    return metric_sum(text, name, **labels)
+
+
+def wait_pools(cluster, gone: frozenset[str] = frozenset()) -> dict[str, dict]:
+    """Until one endpoint of each pool, of no replica in `gone`, is ready and the router
+    has both."""
+
+    def ready():
+        p = pools(cluster)
+        fresh = all(e["replica_id"] not in gone for e in p.values())
+        return p.keys() >= {"prefill", "decode"} and fresh and p
+
+    got = ck.wait(ready, SLOW, "a ready prefill and decode endpoint")
+    urls = {got["prefill"]["url"], got["decode"]["url"]}
+    ck.wait(
+        lambda: ck.router_endpoint_urls(cluster.info["router_admin"][0], PD_MODEL) >= urls,
+        60,
+        "the router to see both pools",
+    )
+    return got
+
+
+def routed(cluster, text: str, max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(
+        f"{cluster.info['routers'][0]}/completions",
+        json={
+            "model": PD_MODEL,
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **kit.NO_EOS,
+        },
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def pd_cluster(vllm_python, tiny_model, tmp_path):
+    first = tmp_path / "catalog.yaml"
+    first.write_text(yaml.safe_dump({"models": []}))
+    cluster = ck.start_cluster(
+        tmp_path / "cluster", env=CLUSTER_ENV, reconcilers=1, routers=1, engine="vllm",
+        vllm_python=vllm_python, model_path=str(tiny_model), catalog=first,
+        ready_timeout=60.0, engine_port_base=random.randrange(20200, 23000, 200),
+    )  # fmt: skip
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_through_the_router_the_decode_engine_skips_the_prefill(
+    pd_cluster, tiny_model, tmp_path, capsys
+):
+    shared = tmp_path / "kv"
+    t0 = time.monotonic()
+    ck.apply_catalog(pd_cluster, pd_catalog(tiny_model, shared))
+    got = wait_pools(pd_cluster)
+    report(capsys, f"llmgw apply -> both pools ready, routed: {time.monotonic() - t0:.1f}s")
+    d = got["decode"]["url"].rstrip("/")
+    block = int(next(iter(kit.samples_by(d, "vllm:cache_config_info", "block_size"))))
+    before = kit.total(d, EXTERNAL_HITS)
+    legs = router_counter(pd_cluster, "llmgw_router_pd_legs_total", leg="prefill", outcome="ok")
+    answer = routed(pd_cluster, prompt("routed"))
+    assert answer.status_code == 200, answer.text
+    assert answer.headers.get("x-llmgw-endpoint") == got["decode"]["shard_id"]
+    n = answer.json()["usage"]["prompt_tokens"]
+    hits = kit.total(d, EXTERNAL_HITS) - before
+    report(capsys, f"through the router: a {n}-token prompt, {hits:.0f} tokens loaded by D")
+    assert hits == (n - 2) // block * block > 0
+    after = router_counter(pd_cluster, "llmgw_router_pd_legs_total", leg="prefill", outcome="ok")
+    assert after == legs + 1
+
+    _routed_prefill_killed(pd_cluster, got, shared, capsys)
+    got = wait_pools(pd_cluster)
+    _routed_decode_killed(pd_cluster, got, capsys)
+    got = wait_pools(pd_cluster)
+    _routed_folder_unwritable(pd_cluster, got, shared, capsys)
+
+
+def _counters(cluster) -> dict[str, float]:
+    out = {}
+    for reason in ("prefill_failed", "no_prefill_endpoint", "prefill_refused"):
+        out[reason] = router_counter(cluster, "llmgw_router_pd_fallbacks_total", reason=reason)
+    return out
+
+
+def _half_written(shared: Path, before: set[str]) -> list[str]:
+    """The prompt folders made since `before` that hold fewer layer files than the
+    others: what a prefill engine killed between two layers' writes leaves."""
+    layers = max(len(os.listdir(shared / f)) for f in before)
+    return [f for f in set(os.listdir(shared)) - before if len(os.listdir(shared / f)) < layers]
+
+
+def _routed_prefill_killed(cluster, got: dict, shared: Path, capsys) -> None:
+    """P killed as a routed request reaches it. The router serves the request whole on
+    the decode engine, and so every request until P's replacement is ready; but a P
+    killed between two layers' writes leaves a half-written folder, and D, computing the
+    prompt, finds it, takes it as a hit and dies loading it: then the client gets a 502."""
+    folders = set(os.listdir(shared))
+    before = _counters(cluster)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(routed, cluster, prompt("router, P killed"))
+        time.sleep(0.1)
+        os.killpg(engine_pid(cluster, got["prefill"]["url"]), signal.SIGKILL)
+        first = answer.result()
+    t0 = time.monotonic()
+    gap = routed(cluster, prompt("router, no P"))
+    half = _half_written(shared, folders)
+    report(
+        capsys,
+        f"router, P killed mid-request: HTTP {first.status_code}; the next request HTTP "
+        f"{gap.status_code}; fallbacks {delta(_counters(cluster), before)}; "
+        f"{len(half)} half-written folder(s)",
+    )
+    gone = {got["prefill"]["replica_id"]}
+    if half:
+        assert first.status_code == 502 and "upstream_500" in first.text, first.text
+        ck.wait(lambda: _failed(cluster, {got["decode"]["shard_id"]}), 60, "D's failure")
+        gone.add(got["decode"]["replica_id"])
+    else:
+        assert first.status_code == 200 and gap.status_code == 200, (first.text, gap.text)
+    wait_pools(cluster, gone=frozenset(gone))
+    report(capsys, f"a new prefill replica routed {time.monotonic() - t0:.1f}s after the kill")
+
+
+def _routed_decode_killed(cluster, got: dict, capsys) -> None:
+    """D killed mid-stream: what the client's stream ends with, and a request while no
+    decode engine is ready."""
+    body = {"model": PD_MODEL, "prompt": prompt("router, D killed"), "max_tokens": 600,
+            "stream": True, **kit.NO_EOS}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{cluster.info['routers'][0]}/completions", json=body,
+                      timeout=120) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 3:
+                    os.killpg(engine_pid(cluster, got["decode"]["url"]), signal.SIGKILL)
+    t0 = time.monotonic()
+    gap = routed(cluster, prompt("router, no D"))
+    report(
+        capsys,
+        f"router, D killed mid-stream: {len(events)} events, the last two "
+        f"{[e[:200] for e in events[-2:]]}; a request with no decode engine: "
+        f"HTTP {gap.status_code} {gap.text[:200]}",
+    )
+    # No migration on this model: the router ends the stream with its in-band error.
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]", events[-2:]
+    assert gap.status_code == 502, gap.text
+    wait_pools(cluster, gone=frozenset({got["decode"]["replica_id"]}))
+    report(capsys, f"a new decode replica routed {time.monotonic() - t0:.1f}s after the kill")
+
+
+def _routed_folder_unwritable(cluster, got: dict, shared: Path, capsys) -> None:
+    """The folder becomes a file: a routed request, and what the agents say of the
+    engines started to replace those it took down."""
+    moved = shared.with_name("kv.moved")
+    os.rename(shared, moved)
+    shared.write_text("")
+    try:
+        before = _counters(cluster)
+        answer = routed(cluster, prompt("router, folder unwritable"))
+        report(
+            capsys,
+            f"router, folder unwritable: HTTP {answer.status_code} "
+            f"{answer.text[:200]}; fallbacks {delta(_counters(cluster), before)}",
+        )
+        assert answer.status_code == 502, answer.text
+        # P's prefill leg failed (its engine died of it), so the router served the
+        # request whole on D, which computed the prompt, could not save it either, and died.
+        dead = {got[r]["shard_id"] for r in ("prefill", "decode")}
+        gone = ck.wait(
+            lambda: (r := _failed(cluster, dead)).keys() == dead and r, 60, "both engines' end"
+        )
+        report(capsys, f"both engines went: {gone}")
+        assert set(gone.values()) == {"the engine exited with code 0"}, gone
+        refused = ck.wait(lambda: next((s for s in _statuses(cluster)
+                                        if "not writable" in s.get("reason", "")), None),
+                          120, "a replacement refused for its folder")  # fmt: skip
+        report(capsys, f"a replacement's status: {refused['state']} {refused['reason']!r}")
+        assert refused["state"] == "failed"
+        assert refused["reason"].endswith(
+            "is not writable on node " + refused["node"] + ": it is a file, not a folder"
+        )
+    finally:
+        shared.unlink()
+        os.rename(moved, shared)
+
+
+def _failed(cluster, shard_ids: set[str]) -> dict[str, str]:
+    """The reason each of these shards failed, of those that did."""
+    return {
+        s["shard_id"]: s["reason"]
+        for s in _statuses(cluster)
+        if s["shard_id"] in shard_ids and s["state"] == "failed"
+    }
+
+
+def _statuses(cluster) -> list[dict]:
+    res = ck.cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
+    assert res.returncode == 0, res.stderr
+    out = []
+    for line in res.stdout.splitlines():
+        ev = json.loads(line)
+        ev = ev.get("event") or ev
+        if ev.get("type") == "shard.status" and ev.get("model") == PD_MODEL:
+            out.append(ev)
+    return out
