@@ -35,6 +35,10 @@ upstream's own, measured directly in the same round. Every round runs direct,
 llmgw and vllm-router in turn (interleaved, so a noisy neighbour hits all three
 alike); a round's ratios compare figures from the same few seconds, and the
 verdict takes the median round (every round is printed: the spread is the noise).
+Each 64-client run also counts the CPU seconds the router's processes used
+(psutil: all workers, all threads): requests per CPU second is the per-core
+figure that other load on the machine does not distort (it is printed, with
+its ratio; the verdict stays on req/s as the targets state them).
 
 Targets: llmgw's req/s >= 1.5x vllm-router's; added p50 at one client <= vllm-router's
 + 0.05 ms; added p99 <= vllm-router's; no errors.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -61,6 +66,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _router_bench as rb  # noqa: E402
@@ -182,15 +188,28 @@ def profile(router: rb.Proc, seconds: int, out: Path) -> None:
     print(f"\n{text}\nflame graph: {flame}\nraw stacks: {raw}")
 
 
+def cpu_seconds(proc: rb.Proc) -> float:
+    """User + system CPU of a router's processes (all workers, all threads) so far."""
+    total = 0.0
+    for pid in proc.pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def run_rounds(targets: dict[str, rb.Proc], rounds: int, seconds: float):
-    """Per round, per target: (64-client result, 1-client result), in interleaved turns."""
-    results: dict[str, list[tuple[rb.WrkResult, rb.WrkResult]]] = {n: [] for n in targets}
+    """Per round, per target: (64-client result, 1-client result, requests per CPU
+    second at 64 clients), in interleaved turns."""
+    results: dict[str, list[tuple[rb.WrkResult, rb.WrkResult, float]]] = {n: [] for n in targets}
     for i in range(rounds):
         for name, proc in targets.items():
             url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
+            cpu = cpu_seconds(proc)
             many = rb.wrk(url, CLIENTS, seconds, 2, HEADERS)
+            per_cpu = many.requests / max(1e-9, cpu_seconds(proc) - cpu)
             one = rb.wrk(url, 1, seconds, 1, HEADERS)
-            results[name].append((many, one))
+            results[name].append((many, one, per_cpu))
         print(f"round {i + 1}/{rounds} done", flush=True)
     return results
 
@@ -199,6 +218,7 @@ def report(results) -> bool:
     direct, ours, peer = results["direct"], results["llmgw"], results["vllm-router"]
     n = len(direct)
     ratio = [ours[i][0].rps / peer[i][0].rps for i in range(n)]
+    cpu_ratio = [ours[i][2] / peer[i][2] for i in range(n)]
     added = {
         name: (
             [r[i][1].p50_ms - direct[i][1].p50_ms for i in range(n)],
@@ -207,20 +227,27 @@ def report(results) -> bool:
         for name, r in (("llmgw", ours), ("vllm-router", peer))
     }
     med = statistics.median
-    print(f"\n{'path':<12} {'req/s@64':>9} {'p50@1 ms':>9} {'p99@1 ms':>9} "
+    print(f"\n{'path':<12} {'req/s@64':>9} {'req/cpu-s':>9} {'p50@1 ms':>9} {'p99@1 ms':>9} "
           f"{'added p50':>9} {'added p99':>9}   (medians of {n} rounds)")  # fmt: skip
     for name, r in results.items():
         a50, a99 = added.get(name, ([0.0], [0.0]))
-        print(f"{name:<12} {med(x[0].rps for x in r):>9.0f} {med(x[1].p50_ms for x in r):>9.3f} "
-              f"{med(x[1].p99_ms for x in r):>9.3f} {med(a50):>9.3f} {med(a99):>9.3f}")  # fmt: skip
-    print("by round (req/s@64  p50/p99@1):")
+        print(f"{name:<12} {med(x[0].rps for x in r):>9.0f} {med(x[2] for x in r):>9.0f} "
+              f"{med(x[1].p50_ms for x in r):>9.3f} {med(x[1].p99_ms for x in r):>9.3f} "
+              f"{med(a50):>9.3f} {med(a99):>9.3f}")  # fmt: skip
+    print("by round (req/s@64  req/cpu-s@64  p50/p99@1):")
     for name, r in results.items():
-        each = "  ".join(f"{x[0].rps:.0f} {x[1].p50_ms:.3f}/{x[1].p99_ms:.3f}" for x in r)
+        each = "  ".join(
+            f"{x[0].rps:.0f} {x[2]:.0f} {x[1].p50_ms:.3f}/{x[1].p99_ms:.3f}" for x in r
+        )
         print(f"  {name:<12} {each}")
     print(f"llmgw / vllm-router req/s by round: {' '.join(f'{x:.2f}' for x in ratio)}")
+    print(
+        f"llmgw / vllm-router requests per CPU second by round (neighbours' load cancels out): "
+        f"{' '.join(f'{x:.2f}' for x in cpu_ratio)}, median {med(cpu_ratio):.2f}"
+    )
     ours50, ours99 = med(added["llmgw"][0]), med(added["llmgw"][1])
     peer50, peer99 = med(added["vllm-router"][0]), med(added["vllm-router"][1])
-    errors = sum(x.errors for r in results.values() for pair in r for x in pair)
+    errors = sum(many.errors + one.errors for r in results.values() for many, one, _ in r)
     verdicts = [
         (f"req/s ratio {med(ratio):.2f} >= {TARGET_RPS_RATIO}", med(ratio) >= TARGET_RPS_RATIO),
         (
