@@ -38,7 +38,9 @@ verdict takes the median round (every round is printed: the spread is the noise)
 Each 64-client run also counts the CPU seconds the router's processes used
 (psutil: all workers, all threads): requests per CPU second is the per-core
 figure that other load on the machine does not distort (it is printed, with
-its ratio; the verdict stays on req/s as the targets state them).
+its ratio; the verdict stays on req/s as the targets state them); at one client
+the same count gives each router's CPU microseconds per request, the part of its
+added latency that is its own work rather than waiting for a core.
 
 Targets: llmgw's req/s >= 1.5x vllm-router's; added p50 at one client <= vllm-router's
 + 0.05 ms; added p99 <= vllm-router's; no errors.
@@ -200,16 +202,20 @@ def cpu_seconds(proc: rb.Proc) -> float:
 
 def run_rounds(targets: dict[str, rb.Proc], rounds: int, seconds: float):
     """Per round, per target: (64-client result, 1-client result, requests per CPU
-    second at 64 clients), in interleaved turns."""
-    results: dict[str, list[tuple[rb.WrkResult, rb.WrkResult, float]]] = {n: [] for n in targets}
+    second at 64 clients, CPU microseconds per request at 1 client), in interleaved turns."""
+    results: dict[str, list[tuple[rb.WrkResult, rb.WrkResult, float, float]]] = {
+        n: [] for n in targets
+    }
     for i in range(rounds):
         for name, proc in targets.items():
             url = f"http://127.0.0.1:{proc.port}/v1/chat/completions"
             cpu = cpu_seconds(proc)
             many = rb.wrk(url, CLIENTS, seconds, 2, HEADERS)
             per_cpu = many.requests / max(1e-9, cpu_seconds(proc) - cpu)
+            cpu = cpu_seconds(proc)
             one = rb.wrk(url, 1, seconds, 1, HEADERS)
-            results[name].append((many, one, per_cpu))
+            us_per_req = 1e6 * (cpu_seconds(proc) - cpu) / max(1, one.requests)
+            results[name].append((many, one, per_cpu, us_per_req))
         print(f"round {i + 1}/{rounds} done", flush=True)
     return results
 
@@ -228,16 +234,16 @@ def report(results) -> bool:
     }
     med = statistics.median
     print(f"\n{'path':<12} {'req/s@64':>9} {'req/cpu-s':>9} {'p50@1 ms':>9} {'p99@1 ms':>9} "
-          f"{'added p50':>9} {'added p99':>9}   (medians of {n} rounds)")  # fmt: skip
+          f"{'added p50':>9} {'added p99':>9} {'cpu us@1':>8}   (medians of {n} rounds)")  # fmt: skip
     for name, r in results.items():
         a50, a99 = added.get(name, ([0.0], [0.0]))
         print(f"{name:<12} {med(x[0].rps for x in r):>9.0f} {med(x[2] for x in r):>9.0f} "
               f"{med(x[1].p50_ms for x in r):>9.3f} {med(x[1].p99_ms for x in r):>9.3f} "
-              f"{med(a50):>9.3f} {med(a99):>9.3f}")  # fmt: skip
-    print("by round (req/s@64  req/cpu-s@64  p50/p99@1):")
+              f"{med(a50):>9.3f} {med(a99):>9.3f} {med(x[3] for x in r):>8.0f}")  # fmt: skip
+    print("by round (req/s@64  req/cpu-s@64  p50/p99@1 ms  cpu us per request@1):")
     for name, r in results.items():
         each = "  ".join(
-            f"{x[0].rps:.0f} {x[2]:.0f} {x[1].p50_ms:.3f}/{x[1].p99_ms:.3f}" for x in r
+            f"{x[0].rps:.0f} {x[2]:.0f} {x[1].p50_ms:.3f}/{x[1].p99_ms:.3f} {x[3]:.0f}" for x in r
         )
         print(f"  {name:<12} {each}")
     print(f"llmgw / vllm-router req/s by round: {' '.join(f'{x:.2f}' for x in ratio)}")
@@ -247,7 +253,7 @@ def report(results) -> bool:
     )
     ours50, ours99 = med(added["llmgw"][0]), med(added["llmgw"][1])
     peer50, peer99 = med(added["vllm-router"][0]), med(added["vllm-router"][1])
-    errors = sum(many.errors + one.errors for r in results.values() for many, one, _ in r)
+    errors = sum(many.errors + one.errors for r in results.values() for many, one, _, _ in r)
     verdicts = [
         (f"req/s ratio {med(ratio):.2f} >= {TARGET_RPS_RATIO}", med(ratio) >= TARGET_RPS_RATIO),
         (
