@@ -1,7 +1,7 @@
 """LoRA placement against loading wherever a request lands: adapter loads and TTFT.
 
 Run: .venv/bin/python tests/bench/bench_lora.py [--warmup 60] [--seconds 120] [--rate 50]
-(~8 min; --dump FILE writes the placed run's AdaptersPlaced events)
+(~8 min; --dump FILE writes the placed run's AdaptersPlaced events and adapter reports)
 
 The same open-loop traffic (Poisson arrivals at --rate requests/s, each a streamed chat
 request for one of 40 adapters drawn from a Zipf distribution of exponent 1.0, the usual
@@ -214,11 +214,17 @@ def listed(router: str, key: str) -> set[str]:
     return {m["id"] for m in body.json()["data"]}
 
 
-def placements(cluster) -> list[dict]:
-    """Every AdaptersPlaced of the run, for reading what the leader did and why."""
+def adapter_events(cluster) -> list[dict]:
+    """Every AdaptersPlaced of the run, for reading what the leader did and why, and every
+    agent report of what an engine holds, for how long a decision took to be held."""
     out, seq = [], 1
     while batch := ck.api(cluster, f"/api/events?from_seq={seq}&limit=1000"):
-        out += [e for e in batch if e["type"].endswith("adapters.placed")]
+        out += [
+            e
+            for e in batch
+            if e["type"].endswith("adapters.placed")
+            or (e["type"] == "shard.status" and e["event"].get("adapters") is not None)
+        ]
         seq = batch[-1]["seq"] + 1
     return out
 
@@ -247,7 +253,7 @@ def run_placed(
         key = cluster.info["api_key"]
         out, loaded = asyncio.run(drive(cluster.info["routers"], key, plan, warmup, metrics))
         if dump is not None:
-            dump.write_text(json.dumps(placements(cluster), indent=1))
+            dump.write_text(json.dumps(adapter_events(cluster), indent=1))
         return out, loaded
     finally:
         cluster.stop()
@@ -288,7 +294,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="measured, after --warmup")
     parser.add_argument("--warmup", type=float, default=60.0, help="traffic not measured")
     parser.add_argument("--rate", type=float, default=50.0, help="requests per second")
-    parser.add_argument("--dump", type=Path, help="write the placed run's AdaptersPlaced here")
+    parser.add_argument(
+        "--dump", type=Path, help="write the placed run's AdaptersPlaced and adapter reports here"
+    )
     args = parser.parse_args()
     plan = schedule(args.warmup + args.seconds, args.rate)
     measured = sum(1 for offset, _ in plan if offset >= args.warmup)
