@@ -96,14 +96,14 @@ class LoraController(Controller):
         self,
         state: ClusterState,
         demand: dict[str, dict[str, float]],
-        waiting: dict[str, set[str]],
+        queued: dict[str, dict[str, int]],
         wall: float,
     ) -> list[c.AdaptersPlaced]:
         """The placements that change some replica's adapters, one per base model."""
         out = []
         for model in placement.adapter_models(state):
             inp = placement.inputs_from(
-                state, model, demand.get(model, {}), waiting.get(model, set()), wall
+                state, model, demand.get(model, {}), queued.get(model, {}), wall
             )
             decided = placement.place(inp, self.tuning)
             before = inp.current.holdings if inp.current is not None else {}
@@ -116,7 +116,8 @@ class LoraController(Controller):
                     holdings=decided.holdings,
                     changes=decided.changes,
                     demand=inp.demand,
-                    waiting=sorted(inp.waiting),
+                    waiting=sorted(inp.queued),
+                    queued=inp.queued,
                     based_on_seq=state.last_seq,
                     explanation=decided.explanation(),
                 )
@@ -127,9 +128,9 @@ class LoraController(Controller):
         now, wall = self.monotonic(), self.clock()
         # Every pass counts the summaries, deciding or not: one left uncounted while the
         # fold catches up would be replaced by the router's next and its requests lost.
-        demand, asking = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
+        demand, queued = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         waiting = self._waiting_for_fold(state, now)
-        events = [] if waiting else self.decide(state, demand, asking, wall)
+        events = [] if waiting else self.decide(state, demand, queued, wall)
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)

@@ -4,8 +4,10 @@ Each router's summary says, per base model and adapter, how many requests arrive
 its previous summary and how many wait in admission because no replica holds the
 adapter. The placement must not follow every second's noise (a slot reshuffled on a
 burst is a load now and another when the burst ends), so requests per second are
-smoothed with an exponentially weighted moving average (half-life `HALF_LIFE`); requests
-waiting are added as they are, since a waiting request is demand that is failing now.
+smoothed with an exponentially weighted moving average (half-life `HALF_LIFE`). Requests
+waiting are kept apart, as a count: the placement weighs a queue against the requests an
+incumbent would see over a horizon (placement.py). Added to the rate, a tail adapter's
+queue outweighed a popular adapter's requests per second and evicted it.
 
 A summary is counted once, by its id: the leader reads the latest per router on every
 tick, and a router's summary read twice must not count twice. A router that published
@@ -16,10 +18,12 @@ ticks of a second and summaries of a second keep that rare.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeVar
 
 from llmgw import contracts as c
 
 HALF_LIFE = 30.0  # seconds for an old rate to weigh half
+V = TypeVar("V")
 
 
 class DemandSmoother:
@@ -31,8 +35,8 @@ class DemandSmoother:
 
     def update(
         self, summaries: Iterable[c.DemandSummary], now: float
-    ) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
-        """(base model -> adapter -> weighed demand, base model -> adapters waiting)."""
+    ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]]]:
+        """(base model -> adapter -> requests/s, base model -> adapter -> requests waiting)."""
         fresh = list(summaries)
         arrived: dict[tuple[str, str], int] = {}
         waiting: dict[tuple[str, str], int] = {}
@@ -55,17 +59,13 @@ class DemandSmoother:
                 )
         if dt > 0 or self._at is None:
             self._at = now
-        weighed: dict[str, dict[str, float]] = {}
-        for key in set(self.rates) | set(waiting):
-            value = self.rates.get(key, 0.0) + waiting.get(key, 0)
-            if value > 1e-6:
-                weighed.setdefault(key[0], {})[key[1]] = value
-        return weighed, _waiting_by_model(waiting)
+        return _by_model({k: v for k, v in self.rates.items() if v > 1e-6}), _by_model(
+            {k: n for k, n in waiting.items() if n > 0}
+        )
 
 
-def _waiting_by_model(waiting: dict[tuple[str, str], int]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for (model, adapter), n in waiting.items():
-        if n > 0:
-            out.setdefault(model, set()).add(adapter)
+def _by_model(values: dict[tuple[str, str], V]) -> dict[str, dict[str, V]]:
+    out: dict[str, dict[str, V]] = {}
+    for (model, adapter), value in values.items():
+        out.setdefault(model, {})[adapter] = value
     return out
