@@ -94,6 +94,16 @@ def test_a_popular_adapter_keeps_its_slot_against_a_short_tail_queue():
     assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("d", "unload")]
 
 
+def test_an_adapter_decided_but_not_yet_serving_keeps_the_requests_waiting_for_it():
+    # b was placed a while ago but the routers still see no holder: its 3 waiting requests
+    # count with its expected 1.5, so a queue of 4 does not take its slot; 5 does.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 0.3, "c": 3.0, "d": 1.0, "e": 0.1}
+    assert decide(adapters(*"abcde"), full, demand, waiting={"b": 3, "e": 4}).unplaced == ["e"]
+    p = decide(adapters(*"abcde"), full, demand, waiting={"b": 3, "e": 5})
+    assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("b", "unload")]
+
+
 def test_the_longest_queue_takes_the_one_slot_there_is():
     full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
     demand = {"a": 5.0, "b": 0.1, "c": 3.0, "d": 2.0, "e": 0.4, "f": 0.2}

@@ -154,11 +154,16 @@ class _Plan:
         open_ = [r for r in open_ if a not in self.held[r]]
         return min(open_, key=lambda r: (len(self.held[r]), r), default=None)
 
+    def expected(self, a: str) -> float:
+        """Requests a copy of `a` would get within the horizon, counting those waiting for
+        it still (decided, but not yet held where the routers see it)."""
+        return self.per_copy(a) * self.tuning.horizon + self.inp.queued.get(a, 0)
+
     def victim(
-        self, a: str, *, hold: float = 0.0, below: float | None = None
+        self, a: str, *, hold: float = 0.0, fewer_than: float | None = None
     ) -> tuple[str, str] | None:
         """The slot to give up for `a`: the least demand per copy among the incumbents
-        held at least `hold` seconds (with `below`: whose demand per copy is under it)."""
+        held at least `hold` seconds (with `fewer_than`: expecting fewer requests)."""
         out = []
         for rid in self.inp.replicas:
             if a in self.held[rid]:
@@ -168,7 +173,7 @@ class _Plan:
                     continue
                 if self.held_for(rid, inc) < hold:
                     continue
-                if below is not None and not self.per_copy(inc) < below:
+                if fewer_than is not None and not self.expected(inc) < fewer_than:
                     continue
                 out.append((self.per_copy(inc), -self.held_for(rid, inc), rid, inc))
         best = min(out, default=None)
@@ -216,8 +221,7 @@ def _place_waiting(plan: _Plan) -> list[str]:
         if rid is None:
             # Never an adapter that would queue more requests than this one has waiting:
             # they would wait next, and evict in turn.
-            below = queued[a] / plan.tuning.horizon
-            spot = plan.victim(a, hold=plan.tuning.waiting_hold, below=below)
+            spot = plan.victim(a, hold=plan.tuning.waiting_hold, fewer_than=queued[a])
             if spot is None:
                 unplaced.append(a)
                 continue
