@@ -48,6 +48,21 @@ def test_a_replica_that_no_longer_serves_gets_no_command():
     assert adapter_commands(log.state) == []
 
 
+def test_a_set_asked_for_again_after_another_is_a_new_command():
+    # An agent answers a key it has handled without redoing it: the second ask for [sql]
+    # must not reuse the first one's key, or the engine keeps what it holds.
+    log = ready_base()
+    log.append(c.AdapterDeclared(name="py", base="m", source="/l/py"))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}))
+    (first,) = adapter_commands(log.state)
+    log.append(status(log.state, "m-r1-s0", S.READY, adapters=["sql"]))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["py"]}))
+    log.append(status(log.state, "m-r1-s0", S.READY, adapters=["py"]))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}))
+    (again,) = adapter_commands(log.state)
+    assert again.adapters == first.adapters and again.key != first.key
+
+
 def summary(sid: str, requests: int, waiting: int = 0) -> c.DemandSummary:
     ad = c.AdapterDemand(requests=requests, waiting=waiting)
     return c.DemandSummary(id=sid, router_id="r1", models={"m": c.ModelDemand(adapters={"x": ad})})
