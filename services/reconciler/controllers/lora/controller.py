@@ -73,8 +73,9 @@ class LoraController(Controller):
         self.commands.clear()
 
     def _heard(self, summary: c.DemandSummary) -> None:
-        """Requests waiting for an adapter held nowhere: decide now, not on the next tick
-        (they wait in admission until an engine holds it)."""
+        """Count the summary's arrivals; with requests waiting for an adapter held nowhere,
+        decide now, not on the next tick (they wait in admission until an engine holds it)."""
+        self.smoother.heard(summary)
         holdings = self.ctx.state.adapter_holdings
         for model, md in summary.models.items():
             placed = holdings.get(model)
@@ -126,8 +127,8 @@ class LoraController(Controller):
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
         now, wall = self.monotonic(), self.clock()
-        # Every pass counts the summaries, deciding or not: one left uncounted while the
-        # fold catches up would be replaced by the router's next and its requests lost.
+        # Every pass moves the rates on, deciding or not (the arrivals were counted as
+        # they were heard, in _heard; the waiting are each router's latest).
         demand, queued = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         waiting = self._waiting_for_fold(state, now)
         events = [] if waiting else self.decide(state, demand, queued, wall)
