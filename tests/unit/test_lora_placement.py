@@ -104,10 +104,13 @@ def test_an_adapter_decided_but_not_yet_serving_keeps_the_requests_waiting_for_i
     assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("b", "unload")]
 
 
-def test_the_longest_queue_takes_the_one_slot_there_is():
+def test_the_queue_waiting_longest_takes_the_one_slot_there_is():
+    # e's 4 requests at 2 per second have been arriving for about 2 s, f's 2 at 0.1 per
+    # second for about 20 s: f goes first, or the rarest adapters, whose queues grow
+    # slowest, wait behind the others until their requests time out.
     full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
-    demand = {"a": 5.0, "b": 0.1, "c": 3.0, "d": 2.0, "e": 0.4, "f": 0.2}
-    p = decide(adapters(*"abcdef"), full, demand, waiting={"e": 2, "f": 5})
+    demand = {"a": 5.0, "b": 0.1, "c": 3.0, "d": 2.5, "e": 2.0, "f": 0.1}
+    p = decide(adapters(*"abcdef"), full, demand, waiting={"e": 4, "f": 2})
     assert [(x.adapter, x.action) for x in p.changes] == [("f", "load"), ("b", "unload")]
     assert p.unplaced == ["e"]
 

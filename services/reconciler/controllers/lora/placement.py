@@ -13,7 +13,8 @@ simulation against loading wherever a request lands. The rules, in order:
    dropping it would unload everything there the moment the node came back);
 2. a pinned adapter is held on `pinned` replicas whatever the demand;
 3. an adapter with requests waiting in admission and held nowhere gets a slot at
-   once, the longest queue first: a free one, or the slot of the least-demanded unpinned
+   once, the longest waiting first (its queue over its rate: how long n requests at r per
+   second have been arriving): a free one, or the slot of the least-demanded unpinned
    adapter that has been held at least `waiting_hold` seconds and would see fewer
    requests in the next `horizon` seconds (its requests per second per copy, times
    `horizon`) than the waiting adapter has waiting (none such: it waits, and the
@@ -21,7 +22,8 @@ simulation against loading wherever a request lands. The rules, in order:
    count against another: when a queue's length was added to a rate instead, a tail
    adapter's few waiting requests outweighed a popular adapter's rate, which was
    evicted, waited, and evicted another in turn (bench_lora: each of the ten most used
-   evicted 6-9 times a minute);
+   evicted 6-9 times a minute). The longest queue first left the rarest adapters, whose
+   queues grow slowest, behind the others until some of their requests timed out;
 4. otherwise an adapter below its share of replicas (its share of the demand, at least
    one copy while it has any) takes a free slot, or replaces an incumbent only when its
    demand per copy exceeds the incumbent's by `margin` and the incumbent has been held
@@ -55,7 +57,10 @@ MIN_HOLD = 30.0  # seconds an adapter stays before its slot can be taken for mor
 WAITING_HOLD = 1.5
 # An incumbent gives its slot to a queue longer than the requests it would see in this
 # many seconds: longer keeps slots for the popular adapters and makes the tail wait.
-HORIZON = 5.0
+HORIZON = 6.0
+# Requests per second assumed of an adapter with a queue but no rate measured yet, when
+# its queue's age is estimated (queue / rate): as rare as an adapter is taken to be.
+RARE_RATE = 0.05
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,11 @@ def _place_pinned(plan: _Plan) -> None:
 
 def _place_waiting(plan: _Plan) -> list[str]:
     unplaced, queued = [], plan.inp.queued
-    for a in sorted(queued, key=lambda a: (-queued[a], -plan.demand(a), a)):
+
+    def waited(a: str) -> float:
+        return queued[a] / max(plan.demand(a), RARE_RATE)
+
+    for a in sorted(queued, key=lambda a: (-waited(a), a)):
         if a not in plan.declared or plan.copies(a) > 0:
             continue
         rid = plan.free_replica(a)
