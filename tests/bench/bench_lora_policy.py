@@ -144,7 +144,7 @@ def main() -> int:
         f"{'hold':>5} {'horizon':>7} {'loads/1000':>10} {'mean':>6} {'p90':>6} {'p99':>6} "
         f"{'worst':>6} {'errors':>6} {'least mean':>10}"
     )
-    for hold, horizon in ((5.0, 5.0), (1.0, 4.0), (1.5, 5.0), (2.0, 4.0), (1.0, 6.0)):
+    for hold, horizon in ((5.0, 5.0), (1.0, 4.0), (1.5, 5.0), (1.5, 6.0), (2.0, 6.0), (1.5, 7.0)):
         for seed in (1, 2):
             r = run(pl.Tuning(waiting_hold=hold, horizon=horizon), args.seconds, args.loop, seed)
             least = least_mean_ttft(rates, SLOTS * len(REPLICAS), r["loads"] / 1000, SERVED)
