@@ -4,6 +4,7 @@ replayed each on its own, as pure decisions over folded events."""
 from __future__ import annotations
 
 from llmgw import contracts as c
+from llmgw.opcli import explain
 from llmgw.reconciler.audit import replay
 from llmgw.reconciler.controllers.projection import records
 from llmgw.reconciler.controllers.replicas import plan as reconcile
@@ -195,3 +196,59 @@ def test_replay_of_pool_placements_is_clean_and_a_wrong_role_is_reported():
 
 def _fields(ev: c.Message) -> dict:
     return {f: getattr(ev, f) for f in ev.__struct_fields__}
+
+
+def test_explain_shows_both_pools_the_connector_and_each_replicas_role():
+    sim = {"engine": "sim", "gpus_per_shard": 1, "shards_per_replica": 1}
+    data = {
+        "model": "m",
+        "declared": True,
+        "desired_replicas": 3,
+        "profile": sim,
+        "disaggregation": {
+            "connector": {"kind": "ExampleConnector", "shared_path": "/mnt/kv", "extra": {}},
+            "min_prompt_tokens": 64,
+        },
+        "pools": [
+            {
+                "role": "prefill",
+                "desired_replicas": 1,
+                "placed": 1,
+                "ready": 1,
+                "own_profile": False,
+                "profile": sim,
+            },
+            {
+                "role": "decode",
+                "desired_replicas": 2,
+                "placed": 2,
+                "ready": 1,
+                "own_profile": True,
+                "profile": {**sim, "gpus_per_shard": 2},
+            },
+        ],
+        "decisions": [
+            {
+                "replica_id": "m-decode-r1",
+                "role": "decode",
+                "seq": 7,
+                "based_on_seq": 5,
+                "outcome": "decided",
+                "assignments": [{"shard_index": 0, "node": "a", "gpus": ["g0"]}],
+                "verdicts": [{"node": "a", "fits": True, "reason": "chosen"}],
+            },
+        ],
+        "replicas": [{"replica_id": "m-decode-r1", "role": "decode", "state": "ready"}],
+    }
+    text = explain.render(data)
+    assert text[:5] == [
+        "m: 3 replica(s) wanted; engine sim, 1 GPU(s) per shard x 1 shard(s)",
+        "disaggregated: a prefill pool computes prompts, a decode pool generates",
+        "  prefill  1 wanted, 1 placed, 1 ready; engine sim, 1 GPU(s) per shard x 1 shard(s) "
+        "(the model's profile)",
+        "  decode   2 wanted, 2 placed, 1 ready; engine sim, 2 GPU(s) per shard x 1 shard(s) "
+        "(its own profile)",
+        "  connector ExampleConnector, shared path /mnt/kv",
+    ]
+    assert text[5] == "  prompts under 64 tokens skip prefill (decode pool alone)"
+    assert text[7].startswith("m-decode-r1 (decode)  seq 7, based on seq 5")
