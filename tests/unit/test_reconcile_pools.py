@@ -8,7 +8,7 @@ from llmgw.opcli import explain
 from llmgw.reconciler.audit import replay
 from llmgw.reconciler.controllers.projection import records
 from llmgw.reconciler.controllers.replicas import plan as reconcile
-from llmgw.reconciler.state import queries
+from llmgw.reconciler.state import checks, queries
 
 from ._cluster import Log, model, node, status
 
@@ -252,3 +252,16 @@ def test_explain_shows_both_pools_the_connector_and_each_replicas_role():
     ]
     assert text[5] == "  prompts under 64 tokens skip prefill (decode pool alone)"
     assert text[7].startswith("m-decode-r1 (decode)  seq 7, based on seq 5")
+
+
+def test_a_placement_for_an_unknown_role_is_refused_by_the_fold_checks():
+    log = Log().append(node("a", 1), pd_model())
+    ev = c.PlacementDecided(
+        model="m", replica_id="m-x-r1", based_on_seq=2, assignments=[], role="prefil"
+    )
+    assert checks.refusal(log.state, ev) == (
+        "role 'prefil' is not one of prefill, decode (or empty: aggregated)"
+    )
+    assert (
+        checks.refusal(log.state, c.PlacementDecided(**{**_fields(ev), "role": "decode"})) is None
+    )
