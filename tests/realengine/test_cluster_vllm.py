@@ -21,7 +21,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw import enginemetrics
 from llmgw.agent import procs as engine_procs
 from llmgw.agent.state import StateDir
 from llmgw.dev import catalog as devcatalog
@@ -114,9 +113,24 @@ def wait_routers(cluster, expected: set[str], timeout: float = 60) -> None:
     )
 
 
-def running(url: str) -> float:
-    body = httpx.get(f"{url}/metrics", timeout=10).content
-    return enginemetrics.gauges(body).get("vllm:num_requests_running", 0.0)
+def generated(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "vllm:generation_tokens_total"
+    )
+
+
+def generating(url: str) -> bool:
+    """The engine produced tokens in the last 50 ms: its streams have bytes out.
+
+    Not vllm:num_requests_running: that gauge keeps its last value while the engine is
+    idle, so a kill timed by it can land between requests (and migrate nothing)."""
+    before = generated(url)
+    time.sleep(0.05)
+    return generated(url) > before
 
 
 def migrations(cluster) -> int:
@@ -192,7 +206,7 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
     ) as traffic:
         kit.wait(lambda: traffic.ok() >= 8, 120, "traffic to flow")
         # Killed while it answers: its streams are the ones that must not be cut.
-        kit.wait(lambda: running(victim.url.rstrip("/")) > 0, 120, "the victim busy", 0.05)
+        kit.wait(lambda: generating(victim.url.rstrip("/")), 120, "the victim generating", 0)
         os.killpg(victim.pid, signal.SIGKILL)
 
         def failed():
@@ -249,7 +263,7 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
     ) as traffic:
         kit.wait(lambda: traffic.ok() >= 4, 300, "long streams to flow")
         # Whichever replica is retired, it has streams in flight when its drain begins.
-        kit.wait(lambda: all(running(u) > 0 for u in ready_urls(cluster)), 120, "both engines busy")
+        kit.wait(lambda: all(generating(u) for u in ready_urls(cluster)), 120, "both generating")
         t0 = time.monotonic()
         ck.apply_catalog(cluster, catalog(tiny_model, 1))
         ck.wait(lambda: len(ready_urls(cluster)) == 1, 120, "scale down to one replica")
