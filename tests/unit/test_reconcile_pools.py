@@ -8,6 +8,7 @@ from llmgw.opcli import explain
 from llmgw.reconciler.audit import replay
 from llmgw.reconciler.controllers.projection import records
 from llmgw.reconciler.controllers.replicas import plan as reconcile
+from llmgw.reconciler.controllers.replicas.backoff import ReplacementBackoff
 from llmgw.reconciler.state import checks, queries
 
 from ._cluster import Log, model, node, status
@@ -265,3 +266,21 @@ def test_a_placement_for_an_unknown_role_is_refused_by_the_fold_checks():
     assert (
         checks.refusal(log.state, c.PlacementDecided(**{**_fields(ev), "role": "decode"})) is None
     )
+
+
+def test_a_failing_pool_is_held_back_while_the_other_is_still_replaced():
+    log = Log().append(node("a", 4), pd_model(prefill=1, decode=1))
+    settle(log)
+    backoff = ReplacementBackoff(initial=5.0)
+    for rid in ("m-decode-r1", "m-prefill-r1"):
+        changes = log.apply(status(log.state, f"{rid}-s0", S.FAILED, reason="exit 1"))
+        backoff.observe(log.state, changes, 0.0)
+    log.append(*reconcile.decide(log.state, hold=backoff.held(0.0)).events)  # both retired
+    assert backoff.held(0.0) == {("m", "decode"), ("m", "prefill")}
+    # The prefill pool's profile works after all: only the decode pool waits.
+    log.append(*reconcile.decide(log.state, hold={("m", "decode")}).events)
+    backoff.observe(log.state, log.apply(status(log.state, "m-prefill-r2-s0", S.READY)), 1.0)
+    assert backoff.held(1.0) == {("m", "decode")}
+    assert sorted(placed(log)) == ["m-prefill-r2"]
+    plan = reconcile.decide(log.state, hold=backoff.held(6.0))
+    assert [(ev.replica_id, ev.role) for ev in plan.events] == [("m-decode-r2", "decode")]

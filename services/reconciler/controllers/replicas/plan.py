@@ -70,7 +70,7 @@ def decide(
     ts: float = 0.0,
     timings: CommandTimings | None = None,
     max_placements: int | None = None,
-    hold: set[str] = frozenset(),
+    hold: set[tuple[str, str]] = frozenset(),
 ) -> Plan:
     events, adopted = control_events(state, ts=ts, max_placements=max_placements, hold=hold)
     return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
@@ -94,14 +94,14 @@ class Scratch:
         *,
         ts: float = 0.0,
         max_placements: int | None = None,
-        hold: set[str] = frozenset(),
+        hold: set[tuple[str, str]] = frozenset(),
     ):
         self.base = state
         self.state = state
         self.seq = state.last_seq
         self.ts = ts  # stamps every event of the plan
         self.budget = max_placements if max_placements is not None else -1  # -1: unbounded
-        self.hold = hold  # models that get no new replicas in this plan
+        self.hold = hold  # pools (model, role) that get no new replicas in this plan
         self.unplaceable: set[Pool] = set()  # pools whose next replica failed to place
 
     def apply(self, event: c.Message) -> None:
@@ -144,7 +144,7 @@ def control_events(
     *,
     ts: float = 0.0,
     max_placements: int | None = None,
-    hold: set[str] = frozenset(),
+    hold: set[tuple[str, str]] = frozenset(),
 ) -> tuple[list[c.Message], set[str]]:
     """The control events the state calls for, and the ids of shards they adopt.
 
@@ -155,8 +155,8 @@ def control_events(
 
     `max_placements` bounds the placement attempts of one plan, so a big
     catalog change is decided in several short plans instead of one long one;
-    the rest follow once these are folded. Models in `hold` get no new
-    placements this time (their shards keep failing: see backoff.py).
+    the rest follow once these are folded. Pools (model, role) in `hold`
+    get no new placements this time (their shards keep failing: see backoff.py).
     """
     sc = Scratch(state, ts=ts, max_placements=max_placements, hold=hold)
     events = retire_removed(sc)
@@ -257,8 +257,8 @@ def roll_step(sc: Scratch, pool: Pool) -> list[c.Message]:
 
 def _missing(sc: Scratch, pool: Pool) -> int:
     """Replicas the pool still lacks in this plan: the desired count, plus the surge
-    replica while outdated ones run; none for a model held back."""
-    if pool.model in sc.hold:
+    replica while outdated ones run; none for a pool held back."""
+    if pool in sc.hold:
         return 0
     wanted = sc.state.desired_replicas(*pool) + (1 if outdated(sc.state, *pool) else 0)
     return max(0, wanted - len(sc.state.active_replicas(*pool)))
