@@ -284,3 +284,21 @@ def test_a_failing_pool_is_held_back_while_the_other_is_still_replaced():
     assert sorted(placed(log)) == ["m-prefill-r2"]
     plan = reconcile.decide(log.state, hold=backoff.held(6.0))
     assert [(ev.replica_id, ev.role) for ev in plan.events] == [("m-decode-r2", "decode")]
+
+
+def test_a_killed_prefill_engine_is_replaced_in_its_pool_and_decode_is_untouched():
+    log = Log().append(node("a", 4), pd_model(prefill=1, decode=2))
+    settle(log)
+    log.append(status(log.state, "m-prefill-r1-s0", S.FAILED, reason="exit -9"))
+    plan = reconcile.decide(log.state)
+    assert [(type(ev).__name__, ev.replica_id) for ev in plan.events] == [
+        ("ReplicaRetired", "m-prefill-r1"),
+        ("PlacementDecided", "m-prefill-r2"),
+    ]
+    assert plan.events[0].reason == "shard m-prefill-r1-s0 failed: exit -9; replaced"
+    log.append(*plan.events)
+    assert placed(log) == {
+        "m-prefill-r2": "prefill",
+        "m-decode-r1": "decode",
+        "m-decode-r2": "decode",
+    }
