@@ -10,6 +10,7 @@ from llmgw.reconciler.controllers.projection import records
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 from llmgw.reconciler.controllers.replicas.backoff import ReplacementBackoff
 from llmgw.reconciler.state import checks, queries
+from llmgw.reconciler.store import rows
 
 from ._cluster import Log, model, node, status
 
@@ -302,3 +303,14 @@ def test_a_killed_prefill_engine_is_replaced_in_its_pool_and_decode_is_untouched
         "m-decode-r1": "decode",
         "m-decode-r2": "decode",
     }
+
+
+def test_a_new_leader_loading_the_tables_keeps_the_pools_and_decides_nothing_new():
+    log = Log().append(node("a", 4), pd_model(prefill=1, decode=2))
+    settle(log)
+    table_rows = {n: list(r.values()) for n, r in rows.all_rows(log.state).items()}
+    loaded = rows.state_from_rows(table_rows, log.state.last_seq)
+    assert {r.replica_id: r.role for r in loaded.replicas.values()} == placed(log)
+    assert reconcile.decide(loaded).events == []
+    assert queries.next_replica_id(loaded, "m", "decode") == "m-decode-r3"
+    assert queries.next_replica_id(loaded, "m", "prefill") == "m-prefill-r2"
