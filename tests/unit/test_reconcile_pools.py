@@ -314,3 +314,16 @@ def test_a_new_leader_loading_the_tables_keeps_the_pools_and_decides_nothing_new
     assert reconcile.decide(loaded).events == []
     assert queries.next_replica_id(loaded, "m", "decode") == "m-decode-r3"
     assert queries.next_replica_id(loaded, "m", "prefill") == "m-prefill-r2"
+
+
+def test_replay_explain_of_a_pool_decision_shows_the_pool_and_its_profile():
+    decode_profile = c.ServingProfile(engine="sim", gpus_per_shard=2)
+    log = Log().append(node("a", 4), pd_model(prefill=1, decode=1, decode_profile=decode_profile))
+    settle(log)
+    seq = next(s for s, e in log.events if isinstance(e, c.PlacementDecided) and e.role == "decode")
+    lines = replay.render_inputs(replay.inputs_at(log.events, seq))
+    assert lines[0].startswith(f"seq {seq}: decision for m-decode-r1 of m")
+    assert lines[1] == "pool: decode"
+    assert lines[2].startswith("profile: engine sim, 2 GPU(s) per shard x 1 shard(s)")
+    assert lines[2].endswith("; 1 replica(s) wanted")
+    assert lines[-1] == "re-derived: placed on a[a-GPU-1,a-GPU-2]"
