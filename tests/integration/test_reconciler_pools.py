@@ -1,32 +1,35 @@
-"""A disaggregated model through the real reconciler (Postgres fold, operator API) on real
-NATS: both pools placed on simulated agents, roles in the router projection and in
-Postgres, one pool scaled down without touching the other, and a clean replay."""
+"""A disaggregated model through `llmgw apply` and the real reconciler (Postgres fold,
+operator API) on real NATS: both pools placed on simulated agents, roles in the router
+projection and in Postgres, one pool scaled down without touching the other, and a clean
+replay."""
 
 from __future__ import annotations
 
 import asyncio
 
-from llmgw import bus
 from llmgw import contracts as c
 from llmgw.opcli import apiclient, explain
 from llmgw.reconciler.audit import replay_cli
 from tests.integration.test_control_loop import NO_TLS, SimAgent, cli, real_reconciler, wait_kv
+from tests.integration.test_reconciler_apply import apply
 from tests.integration.test_rolling_update import api_until
 
 CONNECTOR = c.ConnectorSpec(kind="ExampleConnector", shared_path="/tmp/llmgw-kv")
 
 
-def pd_model(prefill: int, decode: int) -> c.ModelDeclared:
-    return c.ModelDeclared(
-        name="m",
-        replicas=0,
-        profile=c.ServingProfile(engine="sim"),
-        disaggregation=c.DisaggregationSpec(
-            prefill=c.PoolSpec(replicas=prefill),
-            decode=c.PoolSpec(replicas=decode, profile=c.ServingProfile(max_num_seqs=16)),
-            connector=CONNECTOR,
-        ),
-    )
+CATALOG = """
+models:
+  - name: m
+    profile: {engine: sim}
+    disaggregation:
+      prefill: {replicas: 1}
+      decode: {replicas: DECODE, profile: {engine: sim, max_num_seqs: 16}}
+      connector: {kind: ExampleConnector, shared_path: /tmp/llmgw-kv}
+"""
+
+
+def catalog(decode: int) -> str:
+    return CATALOG.replace("DECODE", str(decode))
 
 
 def roles(rec: c.ModelEndpoints | None, state: c.EndpointState) -> dict[str, str]:
@@ -37,21 +40,27 @@ def roles(rec: c.ModelEndpoints | None, state: c.EndpointState) -> dict[str, str
 READY = c.EndpointState.READY
 
 
-async def test_both_pools_placed_projected_scaled_apart_and_replayed(nats, database_url):
+async def test_both_pools_placed_projected_scaled_apart_and_replayed(
+    nats, nats_url, database_url, tmp_path, capsys
+):
     js = nats.jetstream()
     agents = [SimAgent(js, nats, f"node-{x}", n_gpus=2) for x in "ab"]
     async with real_reconciler(nats, database_url) as api:
         try:
             for a in agents:
                 await a.start()
-            await bus.publish(js, pd_model(prefill=1, decode=2))
+            assert await apply(tmp_path, catalog(decode=2), nats_url) == 0
             rec = await wait_kv(js, "m", lambda r: len(roles(r, READY)) == 3, "three ready")
             assert roles(rec, READY) == {
                 "m-prefill-r1": "prefill",
                 "m-decode-r1": "decode",
                 "m-decode-r2": "decode",
             }
-            assert rec.disaggregation == pd_model(1, 2).disaggregation
+            assert rec.disaggregation == c.DisaggregationSpec(
+                prefill=c.PoolSpec(replicas=1),
+                decode=c.PoolSpec(replicas=2, profile=c.ServingProfile(max_num_seqs=16)),
+                connector=CONNECTOR,
+            )
             decode_ep = next(e for e in rec.endpoints if e.role == "decode")
             assert decode_ep.max_running == 8  # the agent's report wins over the profile's 16
 
@@ -88,7 +97,9 @@ async def test_both_pools_placed_projected_scaled_apart_and_replayed(nats, datab
             assert "m-decode-r2 (decode)  seq " in text
 
             # The decode pool shrinks; the prefill replica is left as it was.
-            await bus.publish(js, pd_model(prefill=1, decode=1))
+            capsys.readouterr()
+            assert await apply(tmp_path, catalog(decode=1), nats_url) == 0
+            assert "model m: changed (disaggregation)" in capsys.readouterr().out
             rec = await wait_kv(
                 js,
                 "m",
