@@ -129,6 +129,11 @@ class FakeEngine:
     metrics_status: int = 200
     retry_after: str | None = None  # sent with a 408 / 429 / 503 status
     max_model_len: int = 4096  # what its /v1/models says
+    # A prefill engine's KV connector: asked for remote decode, a non-streamed answer
+    # carries NixlConnector-shaped `kv_transfer_params` ("nixl", naming this engine)
+    # or null ("example": ExampleConnector finds the KV by the prompt).
+    kv_connector: str = "nixl"
+    prefill_delay: float = 0.0  # seconds a prefill leg (asked for remote decode) takes
     seen: list[Seen] = field(default_factory=list)
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # Responses API answers
     active: int = 0  # requests being answered right now
@@ -293,6 +298,20 @@ class FakeEngine:
             }
         )
 
+    def _kv_params(self) -> dict[str, Any] | None:
+        """What a request asking for remote decode gets back as its kv_transfer_params."""
+        if self.kv_connector == "example":
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.name,
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": "127.0.0.1",
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await self._record(request)
         self.active += 1
@@ -307,22 +326,25 @@ class FakeEngine:
                 model, self.tokens, usage=bool(opts.get("include_usage"))
             )
             if not body.get("stream"):
-                return web.json_response(
-                    {
-                        "id": "chatcmpl-1",
-                        "object": "chat.completion",
-                        "created": 1,
-                        "model": model,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": f"from {self.name}"},
-                                "finish_reason": "stop",
-                            }
-                        ],
-                        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
-                    }
-                )
+                answer = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "created": 1,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": f"from {self.name}"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+                }
+                asked = body.get("kv_transfer_params")
+                if isinstance(asked, dict) and asked.get("do_remote_decode"):
+                    answer["kv_transfer_params"] = self._kv_params()
+                    await asyncio.sleep(self.prefill_delay)
+                return web.json_response(answer)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i, event in enumerate(events):
@@ -402,15 +424,29 @@ async def fast_upstream(port: int, host: str = "127.0.0.1") -> asyncio.AbstractS
 # ------------------------------------------------------------------ in-process router
 
 
-def config_for(engines: list[FakeEngine], model: str = "m", **overrides: Any):
+def config_for(
+    engines: list[FakeEngine],
+    model: str = "m",
+    *,
+    roles: dict[str, str] | None = None,
+    **overrides: Any,
+):
     """A RouterConfig routing `model` to these engines (ids are their names), with
-    deadlines short enough for tests; keyword arguments replace config keys."""
-    from llmgw.contracts import DeadlineSpec
+    deadlines short enough for tests; keyword arguments replace config keys.
+
+    `roles` (engine name -> prefill | decode; the others aggregated) makes the model
+    disaggregated, with the default `DisaggregationSpec`."""
+    from llmgw.contracts import DeadlineSpec, DisaggregationSpec
     from llmgw.router import config as rc
 
+    roles = roles or {}
+    disaggregation = DisaggregationSpec() if roles else None
     base = rc.RouterConfig(
-        models=[rc.ModelConfig(name=model)],
-        endpoints=[rc.EndpointConfig(id=e.name, url=e.url, models=[model]) for e in engines],
+        models=[rc.ModelConfig(name=model, disaggregation=disaggregation)],
+        endpoints=[
+            rc.EndpointConfig(id=e.name, url=e.url, models=[model], role=roles.get(e.name, ""))
+            for e in engines
+        ],
         model_defaults=rc.ModelDefaults(
             deadlines=DeadlineSpec(connect=1.0, headers=1.0, first_token=1.0, idle=1.0, total=5.0)
         ),

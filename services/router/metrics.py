@@ -231,6 +231,42 @@ class RequestSeries:
         ]
 
 
+class DisaggregationSeries:
+    """What the two-leg relay of a disaggregated model counts (relay/disagg.py): each
+    leg's attempts, the prefill leg's duration, and the requests served another way."""
+
+    def __init__(self) -> None:
+        self.pd_legs = Counter(
+            "llmgw_router_pd_legs_total",
+            "Attempts of a disaggregated request's legs, by model, leg (prefill, decode) "
+            "and outcome (ok, failed, refused).",
+            ("model", "leg", "outcome"),
+        )
+        self.pd_prefill_duration = Histogram(
+            "llmgw_router_pd_prefill_duration_seconds",
+            "Time from a prefill leg's start to the prefill engine's answer (every attempt "
+            "it took), for the prefill legs that succeeded.",
+            ("model",),
+            LATENCY_BUCKETS,
+        )
+        self.pd_fallbacks = Counter(
+            "llmgw_router_pd_fallbacks_total",
+            "Requests of a disaggregated model meant for the prefill leg and served whole "
+            "by a decode endpoint instead, by reason (no_prefill_endpoint, prefill_failed, "
+            "prefill_refused).",
+            ("model", "reason"),
+        )
+        self.pd_whole = Counter(
+            "llmgw_router_pd_whole_total",
+            "Requests of a disaggregated model that skip the prefill leg by design, by "
+            "reason (short_prompt, api_kind).",
+            ("model", "reason"),
+        )
+
+    def disaggregation_series(self) -> list[Series]:
+        return [self.pd_legs, self.pd_prefill_duration, self.pd_fallbacks, self.pd_whole]
+
+
 class SchedulingSeries:
     """What the scheduling pipeline reports of each pick (its `Observer`): the endpoints
     each filter dropped, and each scorer's value for the endpoint picked."""
@@ -403,12 +439,15 @@ class KvSeries:
         return [self.kv_events, self.kv_snapshots, self.kv_index_blocks]
 
 
-class RouterMetrics(RequestSeries, SchedulingSeries, EndpointSeries, FeedSeries, KvSeries):
+class RouterMetrics(
+    RequestSeries, DisaggregationSeries, SchedulingSeries, EndpointSeries, FeedSeries, KvSeries
+):
     """Every series the router exposes (see docs/router.md for what each means), declared
     by the part of the router that updates them; the registry lists them in that order."""
 
     def __init__(self) -> None:
         RequestSeries.__init__(self)
+        DisaggregationSeries.__init__(self)
         SchedulingSeries.__init__(self)
         EndpointSeries.__init__(self)
         FeedSeries.__init__(self)
@@ -420,6 +459,7 @@ class RouterMetrics(RequestSeries, SchedulingSeries, EndpointSeries, FeedSeries,
         self.registry = Registry(
             [
                 *self.request_series(),
+                *self.disaggregation_series(),
                 *self.scheduling_series(),
                 *self.endpoint_series(),
                 *self.feed_series(),

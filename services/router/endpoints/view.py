@@ -131,6 +131,7 @@ class EndpointRuntime:
             "scrape_error": self.scrape_error,
             "prefix_blocks": len(self.prefix_index),
             "adapters": sorted(self.adapters),
+            "role": self.spec.role,  # prefill | decode; "": aggregated
         }
         if load is not None:
             out["load"] = {
@@ -392,11 +393,19 @@ class EndpointView:
         self, base: ModelRoute, problems: list[str]
     ) -> scheduling.Pipeline | None:
         spec = lora.adapter_spec(base.pipeline.spec)
+        # A disaggregated model's adapters go its two legs too: a prefill engine holding
+        # the adapter must never answer a client.
+        disaggregation = base.pipeline.disaggregation
         old = self._adapter_pipelines.get(base.name)
-        if old is not None and old.spec == spec:
+        if old is not None and old.spec == spec and old.disaggregation == disaggregation:
             return old
         try:
-            return scheduling.Pipeline(spec, self.settings.scheduling, observer=self.observer)
+            return scheduling.Pipeline(
+                spec,
+                self.settings.scheduling,
+                observer=self.observer,
+                disaggregation=disaggregation,
+            )
         except Exception as exc:  # as in _pipelines: its adapters fail alone
             problems.append(f"model {base.name!r}: adapters: cannot build their pipeline: {exc}")
             return None
@@ -424,12 +433,19 @@ class EndpointView:
         out = {}
         for name, rec in records.items():
             old = self._routes.get(name)
-            if old is not None and old.pipeline.spec == rec.scheduling:
+            if (
+                old is not None
+                and old.pipeline.spec == rec.scheduling
+                and old.pipeline.disaggregation == rec.disaggregation
+            ):
                 out[name] = old.pipeline
                 continue
             try:
                 out[name] = scheduling.Pipeline(
-                    rec.scheduling, self.settings.scheduling, observer=self.observer
+                    rec.scheduling,
+                    self.settings.scheduling,
+                    observer=self.observer,
+                    disaggregation=rec.disaggregation,
                 )
             except Exception as exc:  # a plugin failing to start fails its own model only
                 problems.append(f"model {name!r}: scheduling: cannot build its pipeline: {exc}")

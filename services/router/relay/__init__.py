@@ -8,4 +8,6 @@ per-endpoint breaker fed by real traffic, given one verdict per attempt;
 that continues it on another replica), read as `ApiKind.continuation`: `upstream`
 feeds it what it relays and hands back a `resume` failure when a started stream
 breaks, and `walk` gives that continuation its attempts on the same model.
+`disagg` is a disaggregated model's prefill leg (its attempts on the prefill pool) and
+the body each decode attempt sends; the decode leg is then an attempt like any other.
 """

@@ -268,10 +268,13 @@ class Sent:
                 limit = _value(self.top, key)
                 if isinstance(limit, int):
                     values[key] = max(0 if key == "min_tokens" else 1, limit - self.tokens)
-        return self._body(values)
+        # A disaggregated request's KV was handed to the engine that died, for the first
+        # attempt's prompt: the continuation's engine computes its own (relay/disagg.py).
+        return self._body(values, without="kv_transfer_params")
 
-    def _body(self, values: dict[str, object]) -> bytes:
+    def _body(self, values: dict[str, object], without: str = "") -> bytes:
         top = dict(self.top)
+        top.pop(without, None)
         options = _value(top, "stream_options")
         options = dict(options) if isinstance(options, dict) else {}
         options.update(include_usage=True, continuous_usage_stats=True)

@@ -11,7 +11,7 @@ a terminal `event:` for the Responses API.
 
 An attempt is `_send` (the POST and its status: a busy or broken engine is a
 `walk.Failure` at once), then `_answer_whole` or `_relay`; whatever it raises
-is one `_failure_of` table. It gives the circuit breaker its verdict (healthy,
+is one `failure_of` table. It gives the circuit breaker its verdict (healthy,
 failed, or none when the engine was only busy or the client's budget ran out)
 and returns a `walk.Failure` when nothing reached the client.
 """
@@ -112,7 +112,7 @@ class Upstream:
                     await self._answer_whole(ex, ep, req, resp, verdict)
                     return None
             except (DeadlinePassed, aiohttp.ClientError) as exc:
-                failure, blames_engine = _failure_of(exc, ep.id, route.deadlines)
+                failure, blames_engine = failure_of(exc, ep.id, route.deadlines)
                 if blames_engine:
                     verdict.healthy = False
                 if not ex.started:
@@ -365,7 +365,7 @@ class Upstream:
         await ex.end_stream(rule.error_event(kind, message, status))
 
 
-def _failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failure, bool]:
+def failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failure, bool]:
     """What an attempt that raised `exc` failed of, and whether that blames the engine
     (a slow client's total budget says nothing of it)."""
     if isinstance(exc, DeadlinePassed):

@@ -7,7 +7,8 @@ with one upstream attempt each (relay/upstream.py) until one answers or nothing
 is left; the client side of all this is one `Exchange` (exchange.py). A declared tenant's
 request is rewritten for it before it goes upstream (tenancy.py: its stored
 responses' ids, its cache salt). Calls about a stored Responses API answer go
-their own way (stored.py).
+their own way (stored.py). A disaggregated model's request first takes its prefill
+leg (relay/disagg.py), then walks the decode endpoints as any request walks.
 
 Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
@@ -37,6 +38,7 @@ from llmgw import logs
 from llmgw.router.endpoints.view import EndpointView, ModelRoute
 from llmgw.router.http.errors import RouterError, error_body
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.relay import disagg
 from llmgw.router.relay.upstream import Upstream
 from llmgw.router.relay.walk import TIMEOUT_STATUS, Walk
 from llmgw.router.request import body as rq
@@ -268,6 +270,9 @@ class Proxy:
         model = route.name
         # The body names the model it goes to: rewritten once per model, not per attempt.
         body = req.body if req.model == model else rq.with_model(req, model)
+        legs = None
+        if route.pipeline.disaggregation is not None:
+            legs = await self._prefill_leg(ex, req, route, body, path, ctx)
         while True:
             ctx.now = self._time()
             ep = walk.next(ctx, ltime() >= total_at)
@@ -293,7 +298,11 @@ class Proxy:
                 body = req.body if req.model == model else rq.with_model(req, model)
             if walk.attempts > 1:
                 metrics.retries.inc((route.name,))
-            failure = await attempt(ex, ep, current, req, body, path)
+            if legs is None or current is not route or walk.resuming:
+                failure = await attempt(ex, ep, current, req, body, path)
+            else:
+                failure = await attempt(ex, ep, current, req, legs.body_for(ep, body), path)
+                legs.count(metrics, route, ep, failure)
             if failure is None:
                 return
             metrics.upstream_errors.inc((ep.id, failure.kind))
@@ -312,6 +321,20 @@ class Proxy:
                     "continuing the stream on another endpoint",
                     extra={"model": model, "endpoint": ep.id, "migration": ex.sent.migrations},
                 )
+
+    async def _prefill_leg(
+        self, ex: Exchange, req: rq.Parsed, route: ModelRoute, body: bytes, path: str, ctx: Context
+    ) -> disagg.Legs | None:
+        """A disaggregated model's request: its prefill leg, run now; None when the
+        request is served whole (relay/disagg.py says when)."""
+        why = disagg.skip_reason(route, req)
+        if why is not None:
+            self.metrics.pd_whole.inc((route.name, why))
+            return None
+        legs, fallback = await disagg.prefill(
+            self.upstream, ex, route, req, body, path, ctx, self.settings.attempts_per_model
+        )
+        return None if fallback is not None else legs
 
     def _prepare(self, req: rq.Parsed, headers: dict[bytes, bytes]):
         def prepare(ctx: Context, route: ModelRoute) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from llmgw.contracts import SchedulingSpec
+from llmgw.contracts import DisaggregationSpec, SchedulingSpec
 from llmgw.router.scheduling.cached import CachedPrefixScorer
 from llmgw.router.scheduling.filters import CircuitClosed, Ready, ServesModel
 from llmgw.router.scheduling.lora import HoldsAdapter, LoraAffinityScorer
@@ -36,7 +36,15 @@ from llmgw.router.scheduling.prefix import (
     PromptBlocks,
     block_hashes,
 )
-from llmgw.router.scheduling.profiles import DEFAULT, ProfileHandler, SingleProfile
+from llmgw.router.scheduling.profiles import (
+    DECODE,
+    DEFAULT,
+    PREFILL,
+    Disaggregated,
+    ProfileHandler,
+    SingleProfile,
+    decode_spec,
+)
 from llmgw.router.scheduling.scorers import (
     InflightScorer,
     KvScorer,
@@ -235,9 +243,10 @@ class Pipeline:
     """A model route's scheduling: its profiles, and the handler that runs them.
 
     Built from the route's scheduling section: one profile, `default`, run for every
-    request by `profiles.SingleProfile` (see `profiles` for what a second one is for).
-    What the request path prepares for the scorers (the prompt's blocks, the session)
-    is what some profile's scorers declare they need.
+    request by `profiles.SingleProfile`; a disaggregated model's (`disaggregation`
+    set) has the `prefill` and `decode` profiles instead, run by
+    `profiles.Disaggregated`. What the request path prepares for the scorers (the
+    prompt's blocks, the session) is what some profile's scorers declare they need.
     """
 
     def __init__(
@@ -246,11 +255,22 @@ class Pipeline:
         settings: Settings | None = None,
         *,
         observer: Observer | None = None,
+        disaggregation: DisaggregationSpec | None = None,
     ):
         settings = settings or Settings()
         self.spec = spec
-        self.profiles: dict[str, Profile] = {DEFAULT: Profile(spec, settings, observer)}
-        self.handler: ProfileHandler = SingleProfile()
+        self.disaggregation = disaggregation
+        self.profiles: dict[str, Profile]
+        self.handler: ProfileHandler
+        if disaggregation is None:
+            self.profiles = {DEFAULT: Profile(spec, settings, observer)}
+            self.handler = SingleProfile()
+        else:
+            self.profiles = {
+                PREFILL: Profile(spec, settings, observer),
+                DECODE: Profile(decode_spec(spec), settings, observer),
+            }
+            self.handler = Disaggregated()
         profiles = self.profiles.values()
         self.needs_prompt_blocks = any(p.needs_prompt_blocks for p in profiles)
         self.needs_session = any(p.needs_session for p in profiles)
@@ -266,3 +286,11 @@ class Pipeline:
     def pick(self, endpoints: Sequence[EndpointRuntime], ctx: Context) -> EndpointRuntime | None:
         """The endpoint for this request, or None when every one was filtered out."""
         return self.handler.pick(self.profiles, endpoints, ctx)
+
+    def pick_prefill(
+        self, endpoints: Sequence[EndpointRuntime], ctx: Context
+    ) -> EndpointRuntime | None:
+        """A disaggregated model's endpoint for a request's prefill leg (relay/disagg.py),
+        or None when no prefill endpoint can take it."""
+        assert isinstance(self.handler, Disaggregated)
+        return self.handler.pick_prefill(self.profiles, endpoints, ctx)
