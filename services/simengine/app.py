@@ -15,6 +15,7 @@ import os
 import secrets
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -22,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from llmgw import config as llmgw_config
-from llmgw.simengine import embeddings, kvevents, lora, responses, tokens, wire
+from llmgw.simengine import embeddings, kvevents, kvtransfer, lora, responses, tokens, wire
 from llmgw.simengine.config import FaultConfig, SimConfig
 from llmgw.simengine.driver import Driver
 from llmgw.simengine.engine import Engine, EngineParams, Request
@@ -65,6 +66,9 @@ def engine_params(cfg: SimConfig) -> EngineParams:
         prefill_per_token=cfg.prefill_ms_per_token / 1000,
         itl=cfg.itl_ms / 1000,
         itl_per_running=cfg.itl_ms_per_running / 1000,
+        kv_transfer=cfg.kv_transfer_ms / 1000,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
     )
 
 
@@ -107,6 +111,8 @@ class SimApp:
         self._created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
+        # What a prefill leg's answer names as this engine (vLLM's kv_transfer_config.engine_id).
+        self.engine_id = str(uuid.uuid4())
         self._base_models = [
             {
                 "id": name,
@@ -218,6 +224,7 @@ class SimApp:
         faults = self.faults.config
         adapter = None if job.model in self.parser.limits.served_names else job.model
         seed = tokens.salt_seed(job.cache_salt, adapter)
+        external = kvtransfer.is_decode_leg(job.kv_transfer)
         hashes = (
             tokens.block_hashes(job.prompt, cfg.block_size, seed)
             if cfg.enable_prefix_caching
@@ -235,6 +242,7 @@ class SimApp:
                 lora_name=adapter,
                 hang_after=faults.hang_after_tokens,
                 first_token_delay=faults.slow_first_token_ms / 1000,
+                external_prefill=external,
             )
             self.driver.submit(req)
             reqs.append(req)
@@ -359,8 +367,17 @@ class SimApp:
             [req.generated for req in reqs],
             [req.finished_reason for req in reqs],
             reqs[0].cached_tokens,
+            self._kv_transfer_answer(job, reqs[0], rid),
         )
         await _send_json(send, 200, body)
+
+    def _kv_transfer_answer(self, job: Job, req: Request, rid: str) -> dict | None:
+        """A prefill leg names the blocks its prompt left here; anything else gets null,
+        as vLLM's NixlConnector answers a decode leg."""
+        if not kvtransfer.is_prefill_leg(job.kv_transfer):
+            return None
+        computed = req.prompt_tokens + req.generated - 1
+        return kvtransfer.prefill_answer(self.engine_id, rid, req.final_blocks, computed)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answered at once: pooling has no decode, and the sim models no prefill for it."""

@@ -35,6 +35,13 @@ _FLAGS: list[tuple[str, str, type, str]] = [
         float,
         "decode step time added per running request",
     ),
+    ("--kv-transfer-ms", "kv_transfer_ms", float, "P/D decode leg: wait for the prompt's KV"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "with --enable-chunked-prefill: tokens one step may carry (default 2048)",
+    ),
     ("--seed", "seed", int, "seed for lorem text and fault decisions (default 0)"),
     (
         "--default-output-tokens",
@@ -118,6 +125,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="reuse cached prompt blocks (default on)",
     )
     parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill chunks share the decode steps, stalling running decodes (default off)",
+    )
+    parser.add_argument(
         "--enable-lora",
         action="store_true",
         help="accepted as vLLM's is; adapters are on when --max-loras is above 0",
@@ -140,6 +153,7 @@ def overrides(args: argparse.Namespace) -> dict:
     out["served_model_name"] = args.served_model_name
     out["mode"] = args.mode
     out["enable_prefix_caching"] = args.enable_prefix_caching
+    out["enable_chunked_prefill"] = args.enable_chunked_prefill
     out["lora_on_demand"] = args.lora_on_demand
     faults = {key: getattr(args, f"fault_{key}") for _, key, _, _ in _FAULT_FLAGS}
     out["faults"] = {k: v for k, v in faults.items() if v is not None}

@@ -50,6 +50,14 @@ class SimConfig(config.ConfigStruct):
     # One decode step (one token for every running request) = itl_ms + itl_ms_per_running * running.
     itl_ms: NonNegFloat = 0.0
     itl_ms_per_running: NonNegFloat = 0.0
+    # Prefill/decode disaggregation: a decode leg's wait for its prompt's KV (no prefill).
+    kv_transfer_ms: NonNegFloat = 0.0
+    # Prefill shares the decode steps, as vLLM's chunked prefill does: a step carries every
+    # decoding request's token plus prompt chunks up to max_num_batched_tokens, and lasts
+    # itl_ms + itl_ms_per_running * running + prompt tokens in it * prefill_ms_per_token.
+    # Off: each prefill runs on its own timer beside the decode steps.
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: PositiveInt = 2048
     mode: Literal["echo", "lorem"] = "lorem"
     seed: int = 0
     # Tokens a lorem request without max_tokens produces before its simulated end of sequence.
@@ -90,6 +98,17 @@ def validate(cfg: SimConfig) -> SimConfig:
     from llmgw.simengine.kvevents import parse_config
 
     parse_config(cfg.kv_events_config)  # raises ConfigError naming the field
+    if cfg.enable_chunked_prefill:
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise config.ConfigError(
+                f"max_num_batched_tokens = {cfg.max_num_batched_tokens} is below max_num_seqs = "
+                f"{cfg.max_num_seqs}: a step could not carry every running request's token"
+            )
+        if cfg.ttft_ms:
+            raise config.ConfigError(
+                "ttft_ms must be 0 with enable_chunked_prefill: a chunked prefill costs its "
+                "prompt tokens in the steps (prefill_ms_per_token), no fixed overhead"
+            )
     if any(not name for name in cfg.served_names):
         raise config.ConfigError("served_model_name: names must not be empty")
     return cfg

@@ -13,6 +13,13 @@ The model, in vLLM's terms:
   of the others, and ends with its first token;
 - decode proceeds in steps: every decoding request gets one token per step, and a step lasts
   itl + itl_per_running * running;
+- with `enable_chunked_prefill`, prefills stop running on their own timers and share the
+  decode steps instead (batch.py): a step carries every decoding request's next token plus
+  prompt chunks up to `max_num_batched_tokens`, and lasts longer by the chunks' compute, so a
+  long prompt stalls every running decode, as in vLLM;
+- a decode leg of prefill/decode disaggregation (`external_prefill`) takes its prompt's KV
+  from the prefill engine: no prefill compute, only `kv_transfer` before its first token, and
+  the tokens count as external hits, as vLLM's KV connector counts them;
 - a token that needs a new block and finds none preempts the most recently admitted running
   request (possibly itself): its blocks are freed, it goes back to the head of the queue, and
   on readmission it recomputes its prompt and the tokens generated so far;
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from llmgw.simengine import batch
 from llmgw.simengine.kvcache import BlockPool
 from llmgw.simengine.stats import Stats
 
@@ -48,6 +56,12 @@ class EngineParams:
     prefill_per_token: float = 0.0
     itl: float = 0.0
     itl_per_running: float = 0.0
+    # A decode leg's wait for its prompt's KV from the prefill engine.
+    kv_transfer: float = 0.0
+    # Prefill chunks share the decode steps under a token budget (batch.py); off: prefills
+    # run on their own timers, as the simulator always did.
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int = 2048
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +80,10 @@ class Request:
     # Faults: stop producing (but keep slot and blocks) after this many tokens; delay the first.
     hang_after: int | None = None
     first_token_delay: float = 0.0
+    # A decode leg (kv_transfer_params.do_remote_prefill): the prompt's KV comes from the
+    # prefill engine, on the first admission only (after a preemption it is recomputed, as
+    # vLLM clears do_remote_prefill once the transfer is done).
+    external_prefill: bool = False
 
     # Owned by the engine.
     state: State = State.WAITING
@@ -74,6 +92,12 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     prefilled: bool = False
+    # Chunked prefill: tokens of this admission's prefill still to compute, and when
+    # the request may join a step (a decode leg's KV transfer, a slow-first-token fault).
+    prefill_left: int = 0
+    ready_at: float = 0.0
+    # The blocks it held when it finished: a prefill leg's answer names them.
+    final_blocks: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finished_reason: str | None = None
@@ -101,6 +125,8 @@ class Engine:
         self._prefills: list[tuple[float, int, int, Request]] = []  # (done_at, seq, epoch, req)
         self._aborts: list[Request] = []
         self._decode_due: float | None = None
+        # Chunked prefill: the step in flight (planned when it starts, run when it is due).
+        self._step: batch.Step | None = None
         self._seq = 0
         # Told which prompt blocks became cached (simengine.kvevents.Publisher); None: off.
         self.kv_events: Any = None
@@ -129,6 +155,9 @@ class Engine:
                     self._finish(req, "abort", now)
                     touched.append(req)
             self._aborts.clear()
+        if self.params.enable_chunked_prefill:
+            self._step_chunked(now, touched)
+            return touched
         # Decode before completing prefills, so a fresh first token is not followed by a second
         # in the same step.
         if self._decode_due is not None and now >= self._decode_due:
@@ -144,6 +173,11 @@ class Engine:
         """When work next falls due (possibly already), or None when idle until a new input."""
         if self._aborts:
             return float("-inf")
+        if self.params.enable_chunked_prefill:
+            if self._step is not None:
+                return self._step.due
+            # Idle but for prefills not ready yet (a KV transfer, a slow first token).
+            return min((r.ready_at for r in self.running if r.prefill_left > 0), default=None)
         heap = self._prefills
         while heap and (heap[0][3].epoch != heap[0][2] or heap[0][3].state is not State.RUNNING):
             heapq.heappop(heap)
@@ -174,16 +208,45 @@ class Engine:
             self.waiting.popleft()
             self.pool.acquire(hits)
             req.blocks = hits + self.pool.allocate(total - len(hits))
-            req.cached_tokens = len(hits) * bs
-            self.stats.prefix_cache_queries += req.prompt_tokens
-            self.stats.prefix_cache_hits += req.cached_tokens
-            delay = p.ttft + (tokens - req.cached_tokens) * p.prefill_per_token
-            if not req.prefilled:
-                delay += req.first_token_delay
             req.state = State.RUNNING
             self.running[req] = None
-            self._seq += 1
-            heapq.heappush(self._prefills, (now + delay, self._seq, req.epoch, req))
+            self._start_prefill(req, len(hits) * bs, now)
+
+    def _start_prefill(self, req: Request, cached: int, now: float) -> None:
+        """Count the prompt's tokens by source and set the prefill going: on its own timer,
+        or (chunked prefill) as work for the coming steps."""
+        p = self.params
+        s = self.stats
+        s.prefix_cache_queries += req.prompt_tokens
+        s.prefix_cache_hits += cached
+        # vLLM counts the sources of a request's first scheduled prefill only.
+        first = req.epoch == 0
+        if first:
+            s.prompt_tokens_by_source["local_cache_hit"] += cached
+        delay = 0.0 if req.prefilled else req.first_token_delay
+        if req.external_prefill and first:
+            # Everything the local cache lacks comes from the prefill engine; vLLM still
+            # runs the last prompt token to get the first token's logits (one token).
+            external = req.prompt_tokens - cached
+            s.external_prefix_cache_queries += external
+            s.external_prefix_cache_hits += external
+            s.prompt_tokens_by_source["external_kv_transfer"] += external
+            req.cached_tokens = req.prompt_tokens
+            delay += p.kv_transfer
+            compute = 1
+        else:
+            req.cached_tokens = cached
+            compute = req.prompt_tokens + req.generated - cached
+            if first:
+                s.prompt_tokens_by_source["local_compute"] += compute
+            if not p.enable_chunked_prefill:
+                delay += p.ttft + compute * p.prefill_per_token
+        if p.enable_chunked_prefill:
+            req.prefill_left = compute
+            req.ready_at = now + delay
+            return
+        self._seq += 1
+        heapq.heappush(self._prefills, (now + delay, self._seq, req.epoch, req))
 
     def _complete_prefills(self, now: float, touched: list[Request]) -> None:
         heap = self._prefills
@@ -191,22 +254,48 @@ class Engine:
             _, _, epoch, req = heapq.heappop(heap)
             if req.epoch != epoch or req.state is not State.RUNNING:
                 continue
-            if self.params.enable_prefix_caching:
-                pairs = zip(req.blocks, req.block_hashes, strict=False)
-                new = [i for i, (b, h) in enumerate(pairs) if self.pool.register(b, h)]
-                if new and self.kv_events is not None:
-                    self.kv_events.stored(req, new)
-            if not req.prefilled:
-                req.prefilled = True
-                self.stats.prompt_tokens += req.prompt_tokens
-            if req.generated >= req.max_output:
-                self._finish(req, req.final_reason, now)
-                touched.append(req)
-            elif req.hang_after is None or req.generated < req.hang_after:
-                # The prefill's forward pass yields the next token.
-                self._emit(req, now, touched)
+            self._prefill_done(req, now, touched)
         if self._decoding and self._decode_due is None:
             self._decode_due = now + self.step_duration()
+
+    def _prefill_done(self, req: Request, now: float, touched: list[Request]) -> None:
+        if self.params.enable_prefix_caching:
+            pairs = zip(req.blocks, req.block_hashes, strict=False)
+            new = [i for i, (b, h) in enumerate(pairs) if self.pool.register(b, h)]
+            if new and self.kv_events is not None:
+                self.kv_events.stored(req, new)
+        if not req.prefilled:
+            req.prefilled = True
+            self.stats.prompt_tokens += req.prompt_tokens
+        if req.generated >= req.max_output:
+            self._finish(req, req.final_reason, now)
+            touched.append(req)
+        elif req.hang_after is None or req.generated < req.hang_after:
+            # The prefill's forward pass yields the next token.
+            self._emit(req, now, touched)
+
+    def _step_chunked(self, now: float, touched: list[Request]) -> None:
+        """Finish the step in flight if due, admit, then start the next one."""
+        step = self._step
+        if step is not None and now >= step.due:
+            self._step = None
+            for req in step.decodes:
+                # An earlier token of this step may have preempted it, or an abort ended it.
+                if req in self._decoding:
+                    self._emit(req, now, touched)
+            for chunk in step.chunks:
+                req = chunk.req
+                if req.epoch != chunk.epoch or req.state is not State.RUNNING:
+                    continue
+                req.prefill_left -= chunk.tokens
+                if req.prefill_left == 0:
+                    self._prefill_done(req, now, touched)
+        if self.waiting:
+            self._admit(now)
+        if self._step is None:
+            self._step = batch.plan(
+                self.params, now, len(self.running), self._decoding, self.running
+            )
 
     def _decode(self, now: float, touched: list[Request]) -> None:
         for req in list(self._decoding):
@@ -268,6 +357,7 @@ class Engine:
         if req.state is State.WAITING:
             self.waiting.remove(req)
         self.pool.release(req.blocks)
+        req.final_blocks = req.blocks
         req.blocks = []
         self.running.pop(req, None)
         self._stop_decoding(req)
@@ -295,4 +385,7 @@ class Engine:
             "generation_tokens": s.generation_tokens,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            "external_prefix_cache_queries": s.external_prefix_cache_queries,
+            "external_prefix_cache_hits": s.external_prefix_cache_hits,
+            "prompt_tokens_by_source": dict(s.prompt_tokens_by_source),
         }

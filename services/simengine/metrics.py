@@ -21,7 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from llmgw.simengine.engine import Engine
 from llmgw.simengine.lora import Adapters
-from llmgw.simengine.stats import FINISHED_REASONS, Histogram
+from llmgw.simengine.stats import FINISHED_REASONS, PROMPT_TOKEN_SOURCES, Histogram
 
 LABELS = ["model_name", "engine"]
 
@@ -123,6 +123,18 @@ class EngineCollector:
             s.prefix_cache_hits,
         )
         yield self._counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+            s.external_prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+            s.external_prefix_cache_hits,
+        )
+        yield self._counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
             s.preemptions,
@@ -138,6 +150,14 @@ class EngineCollector:
         yield self._counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens
         )
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=[*LABELS, "source"],
+        )
+        for source in PROMPT_TOKEN_SOURCES:
+            by_source.add_metric([*self.values, source], s.prompt_tokens_by_source[source])
+        yield by_source
         yield self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens
         )

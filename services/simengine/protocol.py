@@ -96,6 +96,8 @@ class _Common(msgspec.Struct, kw_only=True):
     # vLLM's extension: prefix-cache blocks of a salted request are shared only with
     # requests of the same salt (its first block's hash covers the salt).
     cache_salt: str | None = None
+    # vLLM's prefill/decode disaggregation parameters (see kvtransfer.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -150,6 +152,8 @@ class Job:
     # None: no logprobs.
     logprobs: int | None = None
     cache_salt: str | None = None
+    # The request's kv_transfer_params (None: it sent none).
+    kv_transfer: dict[str, Any] | None = None
 
     @property
     def pieces(self) -> list[str]:
@@ -309,6 +313,7 @@ class RequestParser:
             stream=bool(req.stream),
             include_usage=include_usage,
             cache_salt=req.cache_salt,
+            kv_transfer=req.kv_transfer_params,
         )
 
     def _output(

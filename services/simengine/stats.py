@@ -24,6 +24,8 @@ E2E_BUCKETS = (
 )  # fmt: skip
 
 FINISHED_REASONS = ("stop", "length", "abort")
+# vLLM's `source` label of vllm:prompt_tokens_by_source (v1/metrics/stats.PromptTokenStats).
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 class Histogram:
@@ -58,6 +60,13 @@ class Stats:
     # In tokens, as vLLM counts them: queries = prompt tokens looked up, hits = found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # A KV connector's hits (P/D decode legs): queries = prompt tokens the local cache lacked.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # Each request's prompt tokens by where its first prefill found them.
+    prompt_tokens_by_source: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+    )
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISHED_REASONS, 0))
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))

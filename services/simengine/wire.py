@@ -83,21 +83,24 @@ def full_response(
     generated: list[int],
     reasons: list[str],
     cached_tokens: int,
+    kv_transfer_params: dict | None = None,
 ) -> bytes:
-    """The whole answer: choice i has generated[i] tokens and ended for reasons[i]."""
+    """The whole answer: choice i has generated[i] tokens and ended for reasons[i]. A request
+    that carried `kv_transfer_params` gets the engine's answer to them (maybe null)."""
     make = _chat_choice if job.kind == "chat" else _completion_choice
     choices = [make(job, i, generated[i], reasons[i]) for i in range(len(job.outputs))]
-    return _encode(
-        {
-            "id": rid,
-            "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": created,
-            "model": job.model,
-            "choices": choices,
-            "system_fingerprint": FINGERPRINT,
-            "usage": usage(job, sum(generated), cached_tokens),
-        }
-    )
+    body = {
+        "id": rid,
+        "object": "chat.completion" if job.kind == "chat" else "text_completion",
+        "created": created,
+        "model": job.model,
+        "choices": choices,
+        "system_fingerprint": FINGERPRINT,
+        "usage": usage(job, sum(generated), cached_tokens),
+    }
+    if job.kv_transfer is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return _encode(body)
 
 
 class ChunkEncoder:
