@@ -87,6 +87,12 @@ async def test_both_pools_placed_projected_scaled_apart_and_replayed(
                 "m-decode-r1": "decode",
                 "m-decode-r2": "decode",
             }
+            eps = await asyncio.to_thread(apiclient.get_json, api, "/api/endpoints")
+            assert {e["shard_id"]: e["role"] for m in eps for e in m["endpoints"]} == {
+                "m-prefill-r1-s0": "prefill",
+                "m-decode-r1-s0": "decode",
+                "m-decode-r2-s0": "decode",
+            }
             code, text = await asyncio.to_thread(
                 cli, explain, model="m", output="table", all=False, api=api, token=None, **NO_TLS
             )
