@@ -30,7 +30,7 @@ from llmgw.config import host_port
 from llmgw.router.config import RouterConfig
 from llmgw.router.http.admin import LocalStats, MergedStats, admin_app
 from llmgw.router.http.app import public_app
-from llmgw.router.http.httplimits import BoundedHttpToolsProtocol
+from llmgw.router.http.cork import CorkedHttpToolsProtocol
 from llmgw.router.service import CONFIG_ENV, SNAPSHOT_ENV, RouterService, encode_config
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ class _Server(uvicorn.Server):
 
 _COMMON = {
     "loop": "uvloop",
-    "http": BoundedHttpToolsProtocol,  # httptools, with a bound on request heads
+    # httptools, with a bound on request heads and one write per loop turn
+    "http": CorkedHttpToolsProtocol,
     "log_config": None,
     "access_log": False,
     "server_header": False,

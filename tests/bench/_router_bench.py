@@ -50,11 +50,15 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def wrk(url: str, connections: int, seconds: float, threads: int = 1) -> WrkResult:
+def wrk(
+    url: str, connections: int, seconds: float, threads: int = 1, headers: dict | None = None
+) -> WrkResult:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (apt-get install -y wrk)")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(WRK_SCRIPT)
+        for name, value in (headers or {}).items():
+            f.write(f'wrk.headers["{name}"] = "{value}"\n')
     try:
         out = subprocess.run(
             [

@@ -179,3 +179,25 @@ def test_a_refusal_states_the_tenants_limit_and_this_routers_share():
     alone.acquire(0.0, 1)
     alone.acquire(0.0, 1)
     assert "(RPM): limit 2." in str(rejected(alone, 0.0))
+
+
+def test_reset_found_from_the_newest_second_agrees_with_the_full_scan():
+    # seconds_until_empty answers the reset header per request; it must say what
+    # the oldest-first scan says, with corrections (usage replacing estimates) mixed in.
+    import random
+
+    rng = random.Random(7)
+    w = MinuteWindow()
+    now = 1000.25
+    recorded: list[tuple[int, int]] = []
+    for _ in range(2000):
+        now += rng.choice((0.0, 0.01, 0.3, 1.0, 7.5, 61.0))
+        if recorded and rng.random() < 0.3:
+            sec, estimate = recorded.pop(rng.randrange(len(recorded)))
+            w.adjust(sec, rng.randint(0, estimate) - estimate, now)
+        else:
+            amount = rng.randint(0, 50)
+            recorded.append((w.add(now, amount), amount))
+        w.advance(now)
+        if w.total > 0:
+            assert w.seconds_until_empty(now) == w.seconds_until(now, 0)

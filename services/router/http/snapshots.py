@@ -22,6 +22,7 @@ import msgspec
 from llmgw.tasks import cancel_and_wait
 
 INTERVAL = 0.5
+WRITE_WAIT_SECONDS = 5.0  # a write that takes longer has lost the disk; the last one goes anyway
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -71,6 +72,7 @@ class Writer:
         self.directory = directory
         self.make = make
         self._task: asyncio.Task | None = None
+        self._writing: asyncio.Future | None = None
 
     def start(self) -> None:
         self.flush()
@@ -80,12 +82,24 @@ class Writer:
         with contextlib.suppress(OSError):
             write(self.directory, self.make())
 
+    def _write(self, snap: Snapshot) -> None:
+        with contextlib.suppress(OSError):
+            write(self.directory, snap)
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(INTERVAL)
-            self.flush()
+            snap = self.make()  # on the loop: the state it reads is the loop's
+            # The file write and rename leave the loop: on a busy disk they took
+            # milliseconds, twice a second, and every request in flight waited.
+            self._writing = asyncio.ensure_future(asyncio.to_thread(self._write, snap))
+            await asyncio.shield(self._writing)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        if self._writing is not None:
+            # A write still in its thread must land before the last one, not over it.
+            await asyncio.wait({self._writing}, timeout=WRITE_WAIT_SECONDS)
+            self._writing = None
         self.flush()
