@@ -534,13 +534,16 @@ class AdaptersPlaced(Message, kw_only=True, tag="control.adapters.placed"):
     # this decision (the whole set, not a diff: a replayed or missed event heals).
     holdings: dict[str, list[str]] = msgspec.field(default_factory=dict)
     changes: list[AdapterChange] = msgspec.field(default_factory=list)
-    demand: dict[str, float] = msgspec.field(default_factory=dict)  # per adapter, as weighed
+    # per adapter: requests per second, smoothed (before 2026-12-04: plus requests waiting)
+    demand: dict[str, float] = msgspec.field(default_factory=dict)
     based_on_seq: int = 0
     explanation: str = ""
     term: int = 0
     # Adapters with requests held in admission when it was decided (they are placed at
     # once): with `demand`, what replay re-derives the decision from.
     waiting: list[str] = msgspec.field(default_factory=list)
+    # How many requests each of those had waiting: what a slot is taken for (placement.py).
+    queued: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):

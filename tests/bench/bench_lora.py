@@ -1,7 +1,7 @@
 """LoRA placement against loading wherever a request lands: adapter loads and TTFT.
 
 Run: .venv/bin/python tests/bench/bench_lora.py [--warmup 60] [--seconds 120] [--rate 50]
-(~8 min; --dump FILE writes the placed run's AdaptersPlaced events)
+(~8 min; --dump FILE writes the placed run's AdaptersPlaced events and adapter reports)
 
 The same open-loop traffic (Poisson arrivals at --rate requests/s, each a streamed chat
 request for one of 40 adapters drawn from a Zipf distribution of exponent 1.0, the usual
@@ -31,7 +31,10 @@ adapter here (docs/agent.md), and a GPU engine loading a rank-16 adapter of a 7-
 from local disk takes a few hundred milliseconds too.
 
 Target (issue #22): placed loads per 1,000 requests at most a tenth of the baseline's,
-and placed mean TTFT no worse than the baseline's.
+and placed mean TTFT no worse than the baseline's. The last line printed is what no
+placement of the 16 slots can beat on this traffic (_lora_frontier.py): the least mean
+TTFT at a tenth of the baseline's loads, the fewest loads at the baseline's mean TTFT,
+and how far the placed run is from the least mean TTFT at its own loads.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _lora_frontier import least_loads, least_mean_ttft, zipf_rates  # noqa: E402
+
 from llmgw.dev.routerkit import metric_sum, start_router  # noqa: E402
 from llmgw.dev.simkit import start_sim  # noqa: E402
 from tests.e2e import clusterkit as ck  # noqa: E402
@@ -60,8 +66,9 @@ ADAPTERS = [f"tenant-{i:02d}" for i in range(40)]
 ZIPF_EXPONENT = 1.0
 REPLICAS, SLOTS = 4, 4
 LOAD_SECONDS = 0.3
-SIM_ARGS = {"itl_ms": 5, "ttft_ms": 20, "max_loras": SLOTS, "lora_load_seconds": LOAD_SECONDS}
-ENGINE_ARGS = ["--itl-ms", "5", "--ttft-ms", "20", "--lora-load-seconds", str(LOAD_SECONDS)]
+TTFT_MS = 20  # the sims' own time to first token: every request's least TTFT
+SIM_ARGS = {"itl_ms": 5, "ttft_ms": TTFT_MS, "max_loras": SLOTS, "lora_load_seconds": LOAD_SECONDS}
+ENGINE_ARGS = ["--itl-ms", "5", "--ttft-ms", str(TTFT_MS), "--lora-load-seconds", str(LOAD_SECONDS)]
 MAX_TOKENS = 4
 
 
@@ -207,11 +214,17 @@ def listed(router: str, key: str) -> set[str]:
     return {m["id"] for m in body.json()["data"]}
 
 
-def placements(cluster) -> list[dict]:
-    """Every AdaptersPlaced of the run, for reading what the leader did and why."""
+def adapter_events(cluster) -> list[dict]:
+    """Every AdaptersPlaced of the run, for reading what the leader did and why, and every
+    agent report of what an engine holds, for how long a decision took to be held."""
     out, seq = [], 1
     while batch := ck.api(cluster, f"/api/events?from_seq={seq}&limit=1000"):
-        out += [e for e in batch if e["type"].endswith("adapters.placed")]
+        out += [
+            e
+            for e in batch
+            if e["type"].endswith("adapters.placed")
+            or (e["type"] == "shard.status" and e["event"].get("adapters") is not None)
+        ]
         seq = batch[-1]["seq"] + 1
     return out
 
@@ -240,7 +253,7 @@ def run_placed(
         key = cluster.info["api_key"]
         out, loaded = asyncio.run(drive(cluster.info["routers"], key, plan, warmup, metrics))
         if dump is not None:
-            dump.write_text(json.dumps(placements(cluster), indent=1))
+            dump.write_text(json.dumps(adapter_events(cluster), indent=1))
         return out, loaded
     finally:
         cluster.stop()
@@ -255,12 +268,35 @@ def row(name: str, out: Outcome, loaded: float) -> tuple[str, float, float, floa
     return name, per_1000, mean, p90, requests, len(out.errors)
 
 
+def print_frontier(
+    rate: float, base_loads: float, base_mean: float, placed_loads: float, placed_mean: float
+) -> None:
+    """What no placement of these slots can beat on this traffic (_lora_frontier.py), so a
+    FAIL says whether the policy or the target is out of reach."""
+    rates, slots, floor = (
+        zipf_rates(len(ADAPTERS), ZIPF_EXPONENT, rate),
+        REPLICAS * SLOTS,
+        TTFT_MS / 1000,
+    )
+    at_target = least_mean_ttft(rates, slots, base_loads / 10 / 1000, floor)
+    needed = 1000 * least_loads(rates, slots, base_mean, floor)
+    at_placed = least_mean_ttft(rates, slots, placed_loads / 1000, floor)
+    print(
+        f"any placement of {slots} slots on this traffic: at {base_loads / 10:.1f} loads/1000 a "
+        f"mean TTFT of at least {at_target:.3f}s; at the baseline's {base_mean:.3f}s, at least "
+        f"{needed:.1f} loads/1000; at placed's {placed_loads:.1f} loads/1000, at least "
+        f"{at_placed:.3f}s (placed: {placed_mean / at_placed:.1f}x that)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0, help="measured, after --warmup")
     parser.add_argument("--warmup", type=float, default=60.0, help="traffic not measured")
     parser.add_argument("--rate", type=float, default=50.0, help="requests per second")
-    parser.add_argument("--dump", type=Path, help="write the placed run's AdaptersPlaced here")
+    parser.add_argument(
+        "--dump", type=Path, help="write the placed run's AdaptersPlaced and adapter reports here"
+    )
     args = parser.parse_args()
     plan = schedule(args.warmup + args.seconds, args.rate)
     measured = sum(1 for offset, _ in plan if offset >= args.warmup)
@@ -294,6 +330,7 @@ def main() -> int:
         f"{'PASS' if loads_ok else 'FAIL'}; mean TTFT: placed/baseline "
         f"{placed_mean / base_mean:.2f}: {'PASS' if ttft_ok else 'FAIL'}"
     )
+    print_frontier(args.rate, base_loads, base_mean, placed_loads, placed_mean)
     ok = loads_ok and ttft_ok and not placed_errors
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

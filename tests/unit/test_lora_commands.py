@@ -48,20 +48,50 @@ def test_a_replica_that_no_longer_serves_gets_no_command():
     assert adapter_commands(log.state) == []
 
 
+def test_a_set_asked_for_again_after_another_is_a_new_command():
+    # An agent answers a key it has handled without redoing it: the second ask for [sql]
+    # must not reuse the first one's key, or the engine keeps what it holds.
+    log = ready_base()
+    log.append(c.AdapterDeclared(name="py", base="m", source="/l/py"))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}))
+    (first,) = adapter_commands(log.state)
+    log.append(status(log.state, "m-r1-s0", S.READY, adapters=["sql"]))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["py"]}))
+    log.append(status(log.state, "m-r1-s0", S.READY, adapters=["py"]))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["sql"]}))
+    (again,) = adapter_commands(log.state)
+    assert again.adapters == first.adapters and again.key != first.key
+
+
 def summary(sid: str, requests: int, waiting: int = 0) -> c.DemandSummary:
     ad = c.AdapterDemand(requests=requests, waiting=waiting)
     return c.DemandSummary(id=sid, router_id="r1", models={"m": c.ModelDemand(adapters={"x": ad})})
 
 
-def test_demand_is_smoothed_counted_once_per_summary_and_waiting_adds_at_once():
+def test_demand_is_smoothed_counted_once_per_summary_and_waiting_is_counted_apart():
     sm = DemandSmoother(half_life=10.0)
     sm.update([], 0.0)
-    demand, waiting = sm.update([summary("s1", 10)], 10.0)  # 1 req/s for 10 s, half weight
+    sm.heard(s1 := summary("s1", 10))
+    demand, waiting = sm.update([s1], 10.0)  # 1 req/s for 10 s, half weight
     assert abs(demand["m"]["x"] - 0.5) < 1e-9 and waiting == {}
-    demand, _ = sm.update([summary("s1", 10)], 20.0)  # the same summary again: no requests
+    demand, _ = sm.update([s1], 20.0)  # the same summary read again: no requests
     assert abs(demand["m"]["x"] - 0.25) < 1e-9
-    demand, waiting = sm.update([summary("s2", 0, waiting=3)], 30.0)
-    assert abs(demand["m"]["x"] - (0.125 + 3)) < 1e-9 and waiting == {"m": {"x"}}
+    sm.heard(s2 := summary("s2", 0, waiting=3))
+    demand, waiting = sm.update([s2], 30.0)
+    # A queue is a count the placement weighs against expected requests (placement.py),
+    # never added to a rate: added, a tail queue outweighed a popular adapter's rate.
+    assert abs(demand["m"]["x"] - 0.125) < 1e-9 and waiting == {"m": {"x": 3}}
+
+
+def test_every_summary_heard_counts_though_a_later_one_replaced_it_before_a_decision():
+    # A router sends one at once when a request starts waiting: the leader keeps only its
+    # latest, so counting from the latest lost the arrivals of the one it replaced.
+    sm = DemandSmoother(half_life=10.0)
+    sm.update([], 0.0)
+    sm.heard(summary("s1", 6))
+    sm.heard(latest := summary("s2", 4, waiting=1))
+    demand, waiting = sm.update([latest], 10.0)
+    assert abs(demand["m"]["x"] - 0.5) < 1e-9 and waiting == {"m": {"x": 1}}
 
 
 def test_the_lora_tick_must_be_positive():

@@ -51,7 +51,7 @@ async def test_waiting_demand_is_placed_once_then_commanded_once_folded():
     (placed,) = ctx.published
     assert isinstance(placed, c.AdaptersPlaced)
     assert placed.holdings == {"m-r1": ["sql"]} and placed.waiting == ["sql"]
-    assert placed.demand["sql"] >= 2 and placed.based_on_seq == log.state.last_seq
+    assert placed.queued == {"sql": 2} and placed.based_on_seq == log.state.last_seq
     assert placed.ts == 5000.0
 
     # Not folded yet: nothing decided again, nothing commanded.

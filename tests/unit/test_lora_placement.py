@@ -35,10 +35,11 @@ def decide(declared, current=None, demand=None, waiting=(), now=100.0, replicas=
             slots=slots,
             current=current,
             demand=demand or {},
-            waiting=frozenset(waiting),
+            # a list names adapters with one request waiting each; a dict counts them
+            queued=dict(waiting) if isinstance(waiting, dict) else dict.fromkeys(waiting, 1),
             now=now,
         ),
-        Tuning(margin=1.5, min_hold=30.0, waiting_hold=5.0),
+        Tuning(margin=1.5, min_hold=30.0, waiting_hold=5.0, horizon=5.0),
     )
 
 
@@ -67,6 +68,51 @@ def test_a_waiting_adapter_never_evicts_a_busier_one():
     full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
     p = decide(adapters(*"abcde"), full, {"a": 5, "b": 2, "c": 3, "d": 1, "e": 0.5}, waiting=["e"])
     assert p.changes == [] and p.unplaced == ["e"]
+
+
+def test_a_queue_takes_the_slot_of_an_adapter_expecting_fewer_requests_in_the_horizon():
+    # Over the 5 s horizon b expects 1.5 requests (0.3/s), d 5, a 25, c 15.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 0.3, "c": 3.0, "d": 1.0, "e": 0.1}
+    p = decide(adapters(*"abcde"), full, demand, waiting={"e": 1})
+    assert p.changes == [] and p.unplaced == ["e"]  # 1 waiting < 1.5 expected: e waits
+    p = decide(adapters(*"abcde"), full, demand, waiting={"e": 2})
+    assert [(x.adapter, x.replica_id, x.action) for x in p.changes] == [
+        ("e", "m-r1", "load"),
+        ("b", "m-r1", "unload"),
+    ]
+    assert "made room for e" in p.explanation()
+
+
+def test_a_popular_adapter_keeps_its_slot_against_a_short_tail_queue():
+    # d, the least used incumbent, expects 5 requests in the horizon: a tail adapter's 4
+    # waiting requests do not take its slot (added to a rate, they did), 6 do.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 2.0, "c": 3.0, "d": 1.0, "e": 0.2}
+    assert decide(adapters(*"abcde"), full, demand, waiting={"e": 4}).unplaced == ["e"]
+    p = decide(adapters(*"abcde"), full, demand, waiting={"e": 6})
+    assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("d", "unload")]
+
+
+def test_an_adapter_decided_but_not_yet_serving_keeps_the_requests_waiting_for_it():
+    # b was placed a while ago but the routers still see no holder: its 3 waiting requests
+    # count with its expected 1.5, so a queue of 4 does not take its slot; 5 does.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 0.3, "c": 3.0, "d": 1.0, "e": 0.1}
+    assert decide(adapters(*"abcde"), full, demand, waiting={"b": 3, "e": 4}).unplaced == ["e"]
+    p = decide(adapters(*"abcde"), full, demand, waiting={"b": 3, "e": 5})
+    assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("b", "unload")]
+
+
+def test_the_queue_waiting_longest_takes_the_one_slot_there_is():
+    # e's 4 requests at 2 per second have been arriving for about 2 s, f's 2 at 0.1 per
+    # second for about 20 s: f goes first, or the rarest adapters, whose queues grow
+    # slowest, wait behind the others until their requests time out.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 0.1, "c": 3.0, "d": 2.5, "e": 2.0, "f": 0.1}
+    p = decide(adapters(*"abcdef"), full, demand, waiting={"e": 4, "f": 2})
+    assert [(x.adapter, x.action) for x in p.changes] == [("f", "load"), ("b", "unload")]
+    assert p.unplaced == ["e"]
 
 
 def test_a_challenger_needs_the_margin_over_the_incumbent():
@@ -151,7 +197,7 @@ def test_a_replica_on_an_unreachable_node_keeps_what_it_holds_and_counts():
             slots=2,
             current=current,
             demand={"a": 1.0, "b": 1.0},
-            waiting=frozenset(),
+            queued={},
             now=100.0,
             unreachable=frozenset({"m-r2"}),
         )

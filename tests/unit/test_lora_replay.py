@@ -14,9 +14,10 @@ from ._cluster import Log, model, node, status
 S = c.ShardState
 
 
-def decided(log: Log, demand: dict[str, float], waiting=(), ts: float = 1000.0):
+def decided(log: Log, demand: dict[str, float], queued=None, ts: float = 1000.0):
     """The placement the leader would publish on this state, as an event."""
-    inp = placement.inputs_from(log.state, "m", demand, waiting, ts)
+    queued = queued or {}
+    inp = placement.inputs_from(log.state, "m", demand, queued, ts)
     p = placement.place(inp)
     return c.AdaptersPlaced(
         ts=ts,
@@ -24,7 +25,8 @@ def decided(log: Log, demand: dict[str, float], waiting=(), ts: float = 1000.0):
         holdings=p.holdings,
         changes=p.changes,
         demand=demand,
-        waiting=sorted(waiting),
+        waiting=sorted(queued),
+        queued=queued,
         based_on_seq=log.state.last_seq,
         explanation=p.explanation(),
     )
@@ -36,7 +38,7 @@ def test_recorded_placements_replay_the_same_and_a_tampered_one_differs():
     log.append(status(log.state, "m-r1-s0", S.READY), status(log.state, "m-r2-s0", S.READY))
     for name in ("a", "b", "c"):
         log.append(c.AdapterDeclared(name=name, base="m", source=f"/l/{name}"))
-    first = decided(log, {"a": 1.0}, waiting=["a"])
+    first = decided(log, {"a": 1.0}, queued={"a": 2})
     log.append(first)
     # a has held m-r1 for 100 s: b, with three times its demand, takes that slot.
     second = decided(log, {"a": 1.0, "b": 3.0, "c": 2.0}, ts=1100.0)

@@ -14,7 +14,8 @@ split one thing into two.
   - event: a digest of what the decision is about, so a decision re-published
     (even by a new leader) is the same message and the stream dedupes it;
   - command key `<shard>:<action>`: an agent recognises a re-issued command as
-    the same one (for a set of adapters, `<shard>:adapters@<digest of the set>`).
+    the same one (for a set of adapters, `<shard>:adapters@<digest of the set>.<seq of
+    the decision>`).
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ def command_key(shard_id: str, action: str) -> str:
     return f"{shard_id}:{action}"
 
 
-def adapters_key(shard_id: str, adapters: list[str]) -> str:
-    """The key of a SetShardAdapters: one per set of adapters, so a re-issue of the same
-    set is recognised and another set is a new command."""
+def adapters_key(shard_id: str, adapters: list[str], decided_seq: int) -> str:
+    """The key of a SetShardAdapters: one per set of adapters and decision, so a re-issue
+    is recognised and another set is a new command. The decision's seq is in it because
+    an agent answers a key it has handled without redoing it: a set asked for again after
+    another (A, then B, then A) had A's old key, and the engine kept B (bench_lora: an
+    adapter placed for a minute while its requests waited for it, until they timed out)."""
     digest = hashlib.sha256("\x1f".join(sorted(adapters)).encode()).hexdigest()[:12]
-    return command_key(shard_id, f"adapters@{digest}")
+    return command_key(shard_id, f"adapters@{digest}.{decided_seq}")

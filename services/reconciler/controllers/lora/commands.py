@@ -38,7 +38,9 @@ def adapter_commands(state: ClusterState) -> list[c.SetShardAdapters]:
                 continue
             out.append(
                 c.SetShardAdapters(
-                    key=adapters_key(shard.shard_id, wanted),
+                    key=adapters_key(
+                        shard.shard_id, wanted, placed.decided_seq if placed is not None else 0
+                    ),
                     node=shard.node,
                     shard_id=shard.shard_id,
                     adapters=[

@@ -73,8 +73,9 @@ class LoraController(Controller):
         self.commands.clear()
 
     def _heard(self, summary: c.DemandSummary) -> None:
-        """Requests waiting for an adapter held nowhere: decide now, not on the next tick
-        (they wait in admission until an engine holds it)."""
+        """Count the summary's arrivals; with requests waiting for an adapter held nowhere,
+        decide now, not on the next tick (they wait in admission until an engine holds it)."""
+        self.smoother.heard(summary)
         holdings = self.ctx.state.adapter_holdings
         for model, md in summary.models.items():
             placed = holdings.get(model)
@@ -96,14 +97,14 @@ class LoraController(Controller):
         self,
         state: ClusterState,
         demand: dict[str, dict[str, float]],
-        waiting: dict[str, set[str]],
+        queued: dict[str, dict[str, int]],
         wall: float,
     ) -> list[c.AdaptersPlaced]:
         """The placements that change some replica's adapters, one per base model."""
         out = []
         for model in placement.adapter_models(state):
             inp = placement.inputs_from(
-                state, model, demand.get(model, {}), waiting.get(model, set()), wall
+                state, model, demand.get(model, {}), queued.get(model, {}), wall
             )
             decided = placement.place(inp, self.tuning)
             before = inp.current.holdings if inp.current is not None else {}
@@ -116,7 +117,8 @@ class LoraController(Controller):
                     holdings=decided.holdings,
                     changes=decided.changes,
                     demand=inp.demand,
-                    waiting=sorted(inp.waiting),
+                    waiting=sorted(inp.queued),
+                    queued=inp.queued,
                     based_on_seq=state.last_seq,
                     explanation=decided.explanation(),
                 )
@@ -125,11 +127,11 @@ class LoraController(Controller):
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
         now, wall = self.monotonic(), self.clock()
-        # Every pass counts the summaries, deciding or not: one left uncounted while the
-        # fold catches up would be replaced by the router's next and its requests lost.
-        demand, asking = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
+        # Every pass moves the rates on, deciding or not (the arrivals were counted as
+        # they were heard, in _heard; the waiting are each router's latest).
+        demand, queued = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
         waiting = self._waiting_for_fold(state, now)
-        events = [] if waiting else self.decide(state, demand, asking, wall)
+        events = [] if waiting else self.decide(state, demand, queued, wall)
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)

@@ -13,36 +13,36 @@ simulation against loading wherever a request lands. The rules, in order:
    dropping it would unload everything there the moment the node came back);
 2. a pinned adapter is held on `pinned` replicas whatever the demand;
 3. an adapter with requests waiting in admission and held nowhere gets a slot at
-   once: a free one, or the slot of the least-demanded unpinned adapter that has been
-   held at least `waiting_hold` seconds and has less demand per copy than the waiting
-   one (none such: it waits, and the explanation says so). Without that last condition
-   a long tail of rarely used adapters, each waiting in turn, evicted the popular ones
-   as soon as their hold time ran out (every slot reloaded every hold time);
+   once, the longest waiting first (its queue over its rate: how long n requests at r per
+   second have been arriving): a free one, or the slot of the least-demanded unpinned
+   adapter that has been held at least `waiting_hold` seconds and would see fewer
+   requests in the next `horizon` seconds (its requests per second per copy, times
+   `horizon`) than the waiting adapter has waiting (none such: it waits, and the
+   explanation says so). Requests waiting are weighed against requests expected, one
+   count against another: when a queue's length was added to a rate instead, a tail
+   adapter's few waiting requests outweighed a popular adapter's rate, which was
+   evicted, waited, and evicted another in turn (bench_lora: each of the ten most used
+   evicted 6-9 times a minute). The longest queue first left the rarest adapters, whose
+   queues grow slowest, behind the others until some of their requests timed out;
 4. otherwise an adapter below its share of replicas (its share of the demand, at least
    one copy while it has any) takes a free slot, or replaces an incumbent only when its
    demand per copy exceeds the incumbent's by `margin` and the incumbent has been held
    at least `min_hold`. An adapter loaded in this decision is never evicted by it.
 
-Demand is what the caller weighed (controller.py: requests per second, smoothed, plus
-requests waiting); an adapter nobody asks for stays loaded until a slot is wanted,
+Demand is what the caller weighed (demand.py: requests per second, smoothed), and
+`queued` the requests waiting per adapter; an adapter nobody asks for stays loaded until a slot is wanted,
 since an idle slot costs nothing. Times are wall times from the log (when each adapter
 was loaded, the decision's own timestamp), so `llmgw audit replay` re-derives a decision
 from the recorded demand exactly.
 
-Measured (the policy alone, 1 s decisions, 4 replicas x 4 slots, 40 adapters, Zipf 1.0
-traffic at 50 requests/s for 30 min; a request for an adapter held nowhere waits until a
-decision holds it): with `waiting_hold` 30 s, 10.7 loads per 1,000 requests but a mean
-wait of 9.8 s per request (the tail queues for slots); 5 s: 59 loads per 1,000, 1.2 s;
-2 s: 119 loads per 1,000, 0.43 s. Loading wherever a request lands (4 slots per replica,
-least recently used out) makes 700 loads per 1,000. 16 slots hold 79% of this traffic's
-requests (its 16 most used adapters), so the other 21% either wait or load: the hold
-time trades one for the other, and 5 s stays under a tenth of the baseline's loads.
+16 slots hold 79% of bench_lora's requests (40 adapters, Zipf 1.0: its 16 most used), so
+the other 21% either wait or load, and `waiting_hold` and `horizon` trade one for the
+other; the measures that chose them are in docs/reconciler.md ("LoRA adapters").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmgw import contracts as c
@@ -52,8 +52,15 @@ from llmgw.reconciler.state.queries import is_ready
 MARGIN = 1.5  # a challenger replaces an incumbent only with this much more demand per copy
 MIN_HOLD = 30.0  # seconds an adapter stays before its slot can be taken for more demand
 # Seconds an adapter stays before its slot can be taken for requests waiting: short, since
-# those requests wait in admission meanwhile (see the module docstring for the measure).
-WAITING_HOLD = 5.0
+# those requests wait in admission meanwhile, yet long enough for the requests that
+# waited for it to be served (the control loop to hold it took about 0.7 s here).
+WAITING_HOLD = 1.5
+# An incumbent gives its slot to a queue longer than the requests it would see in this
+# many seconds: longer keeps slots for the popular adapters and makes the tail wait.
+HORIZON = 6.0
+# Requests per second assumed of an adapter with a queue but no rate measured yet, when
+# its queue's age is estimated (queue / rate): as rare as an adapter is taken to be.
+RARE_RATE = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class Tuning:
     margin: float = MARGIN
     min_hold: float = MIN_HOLD
     waiting_hold: float = WAITING_HOLD
+    horizon: float = HORIZON
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,8 @@ class Inputs:
     replicas: list[str]  # serving replicas of the base, each with `slots` slots
     slots: int
     current: AdapterHoldings | None
-    demand: dict[str, float]
-    waiting: frozenset[str]
+    demand: dict[str, float]  # requests per second per adapter, smoothed
+    queued: dict[str, int]  # adapters held nowhere -> requests waiting for them
     now: float  # wall time of the decision
     # Ready replicas on nodes that are unreachable: their engines still serve what they
     # hold, but nobody can tell them to load or unload. Kept as they are, counted as copies.
@@ -92,7 +100,8 @@ class Placement:
             for ch in self.changes
         ]
         parts += [
-            f"{a} waits: every slot is pinned, busier, or held under the minimum hold time"
+            f"{a} waits: every slot is pinned, expects more requests than {a} has waiting, "
+            "or is held under the minimum hold time"
             for a in self.unplaced
         ]
         return "; ".join(parts)
@@ -150,11 +159,16 @@ class _Plan:
         open_ = [r for r in open_ if a not in self.held[r]]
         return min(open_, key=lambda r: (len(self.held[r]), r), default=None)
 
+    def expected(self, a: str) -> float:
+        """Requests a copy of `a` would get within the horizon, counting those waiting for
+        it still (decided, but not yet held where the routers see it)."""
+        return self.per_copy(a) * self.tuning.horizon + self.inp.queued.get(a, 0)
+
     def victim(
-        self, a: str, *, hold: float = 0.0, below: float | None = None
+        self, a: str, *, hold: float = 0.0, fewer_than: float | None = None
     ) -> tuple[str, str] | None:
         """The slot to give up for `a`: the least demand per copy among the incumbents
-        held at least `hold` seconds (with `below`: whose demand per copy is under it)."""
+        held at least `hold` seconds (with `fewer_than`: expecting fewer requests)."""
         out = []
         for rid in self.inp.replicas:
             if a in self.held[rid]:
@@ -164,7 +178,7 @@ class _Plan:
                     continue
                 if self.held_for(rid, inc) < hold:
                     continue
-                if below is not None and not self.per_copy(inc) < below:
+                if fewer_than is not None and not self.expected(inc) < fewer_than:
                     continue
                 out.append((self.per_copy(inc), -self.held_for(rid, inc), rid, inc))
         best = min(out, default=None)
@@ -204,14 +218,19 @@ def _place_pinned(plan: _Plan) -> None:
 
 
 def _place_waiting(plan: _Plan) -> list[str]:
-    unplaced = []
-    for a in sorted(plan.inp.waiting, key=lambda a: (-plan.demand(a), a)):
+    unplaced, queued = [], plan.inp.queued
+
+    def waited(a: str) -> float:
+        return queued[a] / max(plan.demand(a), RARE_RATE)
+
+    for a in sorted(queued, key=lambda a: (-waited(a), a)):
         if a not in plan.declared or plan.copies(a) > 0:
             continue
         rid = plan.free_replica(a)
         if rid is None:
-            # Never a busier adapter: its requests would wait next, and evict in turn.
-            spot = plan.victim(a, hold=plan.tuning.waiting_hold, below=plan.demand(a))
+            # Never an adapter that would queue more requests than this one has waiting:
+            # they would wait next, and evict in turn.
+            spot = plan.victim(a, hold=plan.tuning.waiting_hold, fewer_than=queued[a])
             if spot is None:
                 unplaced.append(a)
                 continue
@@ -289,7 +308,7 @@ def inputs_from(
     state: ClusterState,
     model: str,
     demand: dict[str, float],
-    waiting: Iterable[str],
+    queued: dict[str, int],
     now: float,
 ) -> Inputs:
     """A decision's inputs as the folded state has them, plus the demand it was given:
@@ -302,7 +321,7 @@ def inputs_from(
         slots=decl.profile.max_loras if decl is not None else 0,
         current=state.adapter_holdings.get(model),
         demand=dict(demand),
-        waiting=frozenset(waiting),
+        queued=dict(queued),
         now=now,
     )
 
@@ -317,7 +336,8 @@ def check(state: ClusterState, ev: c.AdaptersPlaced) -> list[str]:
     of its `based_on_seq`) and the demand it recorded; [] when they agree."""
     if ev.model not in state.models:
         return [f"model {ev.model} was not declared at seq {ev.based_on_seq}"]
-    derived = place(inputs_from(state, ev.model, ev.demand, ev.waiting, ev.ts))
+    queued = {a: ev.queued.get(a, 0) for a in ev.waiting}
+    derived = place(inputs_from(state, ev.model, ev.demand, queued, ev.ts))
     recorded, now = held_now(ev.holdings), held_now(derived.holdings)
     if recorded == now:
         return []
