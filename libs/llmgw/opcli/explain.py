@@ -4,8 +4,10 @@ Reads GET /api/explain/{model} from the operator API: the latest placement
 decision or failure per replica, each with a verdict per node, as the
 reconciler recorded it in the log, and the model's LoRA adapters: where the
 leader placed each, where each engine reports holding it, and why (the latest
-adapter placement's explanation). MODEL may be an alias or an adapter, as
-clients send it. `-o json` prints the API's answer as is.
+adapter placement's explanation). A disaggregated model shows each pool (count
+wanted, placed, ready; its profile), the KV connector, and each replica's role.
+MODEL may be an alias or an adapter, as clients send it. `-o json` prints the
+API's answer as is.
 """
 
 from __future__ import annotations
@@ -132,6 +134,37 @@ def _adapter_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _shape(p: dict[str, Any]) -> str:
+    return (
+        f"engine {p.get('engine', '?')}, {p.get('gpus_per_shard', 1)} GPU(s) per shard x "
+        f"{p.get('shards_per_replica', 1)} shard(s)"
+        + (f", selector {p['selector']}" if p.get("selector") else "")
+    )
+
+
+def _pool_lines(data: dict[str, Any]) -> list[str]:
+    """A disaggregated model: each pool's counts and profile, and the KV connector."""
+    spec = data.get("disaggregation")
+    if not spec:
+        return []
+    lines = ["disaggregated: a prefill pool computes prompts, a decode pool generates"]
+    for pool in data.get("pools") or []:
+        whose = "its own profile" if pool.get("own_profile") else "the model's profile"
+        lines.append(
+            f"  {pool['role']:<7}  {pool['desired_replicas']} wanted, {pool['placed']} placed, "
+            f"{pool['ready']} ready; {_shape(pool.get('profile') or {})} ({whose})"
+        )
+    conn = spec.get("connector") or {}
+    where = f", shared path {conn['shared_path']}" if conn.get("shared_path") else ""
+    extra = f", extra {conn['extra']}" if conn.get("extra") else ""
+    lines.append(f"  connector {conn.get('kind', '?')}{where}{extra}")
+    if spec.get("min_prompt_tokens"):
+        lines.append(
+            f"  prompts under {spec['min_prompt_tokens']} tokens skip prefill (decode pool alone)"
+        )
+    return lines
+
+
 def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     model = data["model"]
     replicas = {r["replica_id"]: r for r in data.get("replicas") or []}
@@ -139,12 +172,8 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
     lines = [f"{data['asked_as']} is {kind} of {model}"] if data.get("asked_as") else []
     if data.get("declared"):
         p = data.get("profile") or {}
-        lines.append(
-            f"{model}: {data.get('desired_replicas', 0)} replica(s) wanted; engine "
-            f"{p.get('engine', '?')}, {p.get('gpus_per_shard', 1)} GPU(s) per shard x "
-            f"{p.get('shards_per_replica', 1)} shard(s)"
-            + (f", selector {p['selector']}" if p.get("selector") else "")
-        )
+        lines.append(f"{model}: {data.get('desired_replicas', 0)} replica(s) wanted; {_shape(p)}")
+        lines.extend(_pool_lines(data))
         lines.extend(_roll_line(replicas.values()))
         lines.extend(_scaling_lines(data))
         lines.extend(_adapter_lines(data))
@@ -157,7 +186,11 @@ def render(data: dict[str, Any], *, show_retired: bool = False) -> list[str]:
             hidden += 1
             continue
         lines.append("")
-        head = f"{d['replica_id']}  seq {d['seq']}, based on seq {d['based_on_seq']}, {_when(d.get('ts'))}"
+        role = f" ({d['role']})" if d.get("role") else ""
+        head = (
+            f"{d['replica_id']}{role}  seq {d['seq']}, based on seq {d['based_on_seq']}, "
+            f"{_when(d.get('ts'))}"
+        )
         if d["outcome"] == "failed":
             lines.append(f"{head}: NOT PLACED")
         else:

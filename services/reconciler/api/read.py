@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from llmgw import contracts as c
 from llmgw import subjects
-from llmgw.reconciler.state.model import profile_digest
+from llmgw.reconciler.state.model import pool_profile, profile_digest
 from llmgw.reconciler.state.queries import is_outdated
 from llmgw.reconciler.store import rows, store
 from llmgw.reconciler.store import tables as t
@@ -77,11 +77,24 @@ def _digest(profile: dict[str, Any]) -> str:
     return profile_digest(msgspec.convert(profile, c.ServingProfile))
 
 
-async def _declared_digests(conn: AsyncConnection, model: str | None) -> dict[str, str]:
-    q = select(t.Model.name, t.Model.profile)
+def _pool_digests(row: dict[str, Any]) -> dict[tuple[str, str], str]:
+    """(model, role) -> the digest of the profile its replicas of that pool should run."""
+    decl = msgspec.convert(
+        {"name": row["name"], "profile": row["profile"], "disaggregation": row["disaggregation"]},
+        c.ModelDeclared,
+    )
+    roles = c.PD_ROLES if decl.disaggregation is not None else ("",)
+    return {(decl.name, role): profile_digest(pool_profile(decl, role)) for role in roles}
+
+
+async def _declared_digests(conn: AsyncConnection, model: str | None) -> dict[tuple[str, str], str]:
+    q = select(t.Model.name, t.Model.profile, t.Model.disaggregation)
     if model is not None:
         q = q.where(t.Model.name == model)
-    return {row["name"]: _digest(row["profile"]) for row in await _rows(conn, q)}
+    out: dict[tuple[str, str], str] = {}
+    for row in await _rows(conn, q):
+        out.update(_pool_digests(row))
+    return out
 
 
 async def _replicas_with_shards(
@@ -114,20 +127,23 @@ async def _replicas_with_shards(
     out = []
     for rep in await _rows(conn, rq):
         shards = by_replica.get(rep["replica_id"], [])
+        pool = (rep["model"], rep["role"])
         out.append(
             {
                 "replica_id": rep["replica_id"],
                 "model": rep["model"],
+                "role": rep["role"],
                 "state": _replica_state(shards, rep["retired"]),
                 "retired": rep["retired"],
                 "retired_reason": rep["retired_reason"],
                 "decided_seq": rep["decided_seq"],
                 "profile_digest": rep["profile_digest"],
                 # As queries.outdated() sees it: active, and placed with another
-                # profile than the one declared now. A rolling update replaces it.
+                # profile than the one declared now for its pool. A rolling update
+                # replaces it.
                 "outdated": not rep["retired"]
-                and rep["model"] in declared
-                and is_outdated(rep["profile_digest"], declared[rep["model"]]),
+                and pool in declared
+                and is_outdated(rep["profile_digest"], declared[pool]),
                 "shards": shards,
             }
         )
@@ -156,6 +172,7 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "fallbacks": row["fallbacks"],
                 "replicas": _desired(row, scaled.get(row["name"])),
                 "autoscale": row["autoscale"],
+                "disaggregation": row["disaggregation"],
                 "active_replicas": n["active"],
                 "ready_replicas": n["ready"],
                 "engine": row["profile"].get("engine", ""),
@@ -170,6 +187,9 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
 
 def _desired(model_row: dict[str, Any], scaled_to: int | None) -> int:
     """The desired count as the fold has it (ClusterState.desired_replicas)."""
+    pools = model_row.get("disaggregation")
+    if pools is not None:
+        return sum(pools.get(role, {}).get("replicas", 1) for role in c.PD_ROLES)
     if model_row.get("autoscale") is None:
         return model_row["replicas"]
     spec = msgspec.convert(model_row["autoscale"], c.AutoscaleSpec)
@@ -188,6 +208,7 @@ async def replicas(conn: AsyncConnection) -> list[dict[str, Any]]:
             {
                 "replica_id": row["replica_id"],
                 "model": row["model"],
+                "role": row["role"],
                 "state": "unplaced",
                 "retired": False,
                 "retired_reason": "",
@@ -211,6 +232,8 @@ async def endpoints(conn: AsyncConnection) -> list[dict[str, Any]]:
         .where(t.Shard.state.in_(["ready", "draining"]), t.Shard.url != "")
         .order_by(t.Shard.model, t.Shard.shard_id)
     )
+    rq = select(t.Replica.replica_id, t.Replica.role).where(t.Replica.role != "")
+    roles = {row["replica_id"]: row["role"] for row in await _rows(conn, rq)}
     for shard in await _rows(conn, q):
         by_model.setdefault(shard["model"], []).append(
             {
@@ -218,6 +241,7 @@ async def endpoints(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "url": shard["url"],
                 "node": shard["node"],
                 "replica_id": shard["replica_id"],
+                "role": roles.get(shard["replica_id"], ""),
                 "state": shard["state"],
             }
         )
@@ -409,7 +433,34 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "decisions": decisions,
         "replicas": replicas_now,
         "adapters": await adapters_of(conn, model),
+        "disaggregation": declared[0]["disaggregation"] if declared else None,
+        "pools": _pools(declared[0], replicas_now) if declared else [],
     }
+
+
+def _pools(model_row: dict[str, Any], replicas_now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A disaggregated model's pools: per role the count wanted, placed (active) and
+    ready, and the profile its replicas run (the pool's own, or the model's)."""
+    if model_row.get("disaggregation") is None:
+        return []
+    decl = msgspec.convert(
+        {k: model_row[k] for k in ("name", "profile", "disaggregation")}, c.ModelDeclared
+    )
+    out = []
+    for role in c.PD_ROLES:
+        spec: c.PoolSpec = getattr(decl.disaggregation, role)
+        active = [r for r in replicas_now if r["role"] == role and not r["retired"]]
+        out.append(
+            {
+                "role": role,
+                "desired_replicas": spec.replicas,
+                "placed": len(active),
+                "ready": sum(r["state"] == "ready" for r in active),
+                "own_profile": spec.profile is not None,
+                "profile": msgspec.to_builtins(pool_profile(decl, role)),
+            }
+        )
+    return out
 
 
 async def scaling_history(

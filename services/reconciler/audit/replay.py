@@ -49,12 +49,13 @@ from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.lora import placement as adapter_placement
 from llmgw.reconciler.controllers.replicas import placement, verdicts
 from llmgw.reconciler.state import fold, queries
-from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.ids import parse_replica_id, replica_token
+from llmgw.reconciler.state.model import ClusterState, pool_profile
 from llmgw.reconciler.state.wording import clock_text, gib
 from llmgw.verdicttext import group_line
 
 Decision = c.PlacementDecided | c.PlacementFailed
-# (state, model, replica id, based_on_seq, keep_all=): placement.place's signature.
+# (state, model, replica id, based_on_seq, keep_all=, role=): placement.place's signature.
 Placer = Callable[..., Decision]
 PLAN_EVENTS = (c.PlacementDecided, c.PlacementFailed, c.ReplicaRetired)
 
@@ -109,9 +110,9 @@ class ReplayResult:
 
 
 def _default_placer(
-    state: ClusterState, model: str, rid: str, base: int, *, keep_all: bool = False
+    state: ClusterState, model: str, rid: str, base: int, *, keep_all: bool = False, role: str = ""
 ) -> Decision:
-    return placement.place(state, model, rid, base, keep_all=keep_all)
+    return placement.place(state, model, rid, base, keep_all=keep_all, role=role)
 
 
 def outcome(d: Decision | None) -> str:
@@ -128,6 +129,8 @@ def outcome(d: Decision | None) -> str:
 def compare(recorded: Decision, derived: Decision) -> tuple[list[str], list[str]]:
     """(differences in the decision, differences in wording only)."""
     diffs: list[str] = []
+    if recorded.role != derived.role:
+        diffs.append(f"role: recorded {_pool(recorded.role)}, now {_pool(derived.role)}")
     if type(recorded) is not type(derived):
         diffs.append(f"outcome: recorded {outcome(recorded)}, now {outcome(derived)}")
     elif isinstance(recorded, c.PlacementDecided):
@@ -153,6 +156,10 @@ def compare(recorded: Decision, derived: Decision) -> tuple[list[str], list[str]
             wording.append(f'{node}: recorded "{b.reason}", now "{a.reason}"')
     group_diffs, group_wording = _compare_groups(recorded.verdict_groups, derived.verdict_groups)
     return diffs + group_diffs, wording + group_wording
+
+
+def _pool(role: str) -> str:
+    return f"the {role} pool" if role else "aggregated"
 
 
 def _compare_groups(
@@ -181,7 +188,7 @@ def _compare_groups(
 def _check_adoption(snapshot: ClusterState, ev: c.PlacementDecided) -> list[str]:
     if ev.model not in snapshot.models:
         return [f"adoption: model {ev.model} was not declared"]
-    candidates = {s.shard_id: s for s in queries.adoptable(snapshot, ev.model)}
+    candidates = {s.shard_id: s for s in queries.adoptable(snapshot, ev.model, ev.role)}
     out = []
     for a in ev.assignments:
         shard = candidates.get(a.shard_id)
@@ -256,16 +263,44 @@ def replay(
     return result
 
 
+def _check_pool(snapshot: ClusterState, ev: Decision) -> list[str]:
+    """The pool the event placed for was one the model had at its base sequence, and
+    the replica id is that pool's: a decode replica recorded as aggregated (or the
+    reverse) would be started without (or with) the KV connector."""
+    pools = snapshot.pools(ev.model)
+    out = []
+    if ev.role not in pools:
+        had = ", ".join(_pool(r) for r in pools)
+        out.append(
+            f"role: recorded {_pool(ev.role)}, but model {ev.model} had {had} at seq "
+            f"{ev.based_on_seq}"
+        )
+    # Ids of logs from before pools are not all of the form: only a pool's token is checked.
+    parsed = parse_replica_id(ev.replica_id)
+    token = parsed[0] if parsed is not None else ""
+    pool_tokens = {replica_token(ev.model, role) for role in c.PD_ROLES}
+    want = replica_token(ev.model, ev.role)
+    if (ev.role or token in pool_tokens) and token != want:
+        out.append(f"replica id: {ev.replica_id} is not an id of {_pool(ev.role)} ({want}-r<n>)")
+    return out
+
+
 def _check(seq: int, ev: Decision, snapshot: ClusterState, placer: Placer) -> Check:
+    pool = _check_pool(snapshot, ev) if ev.model in snapshot.models else []
     if isinstance(ev, c.PlacementDecided) and ev.adopted:
-        return Check(seq, ev, None, _check_adoption(snapshot, ev))
+        return Check(seq, ev, None, pool + _check_adoption(snapshot, ev))
     if ev.model not in snapshot.models:
         return Check(seq, ev, None, [f"model {ev.model} was not declared at seq {ev.based_on_seq}"])
     # Derived in the recorded form: an event that lists every node is compared node by node.
     keep_all = not ev.verdict_groups
-    derived = placer(snapshot, ev.model, ev.replica_id, ev.based_on_seq, keep_all=keep_all)
+    # The role is the pool the recorded event says it placed for: placed with that pool's
+    # profile now, and a role the pool could not have (a model not disaggregated then)
+    # shows as a difference in the node verdicts or the outcome.
+    derived = placer(
+        snapshot, ev.model, ev.replica_id, ev.based_on_seq, keep_all=keep_all, role=ev.role
+    )
     diffs, wording = compare(ev, derived)
-    return Check(seq, ev, derived, diffs, wording)
+    return Check(seq, ev, derived, pool + diffs, wording)
 
 
 @dataclass
@@ -367,11 +402,13 @@ def render_inputs(inp: Inputs) -> list[str]:
         f"based on seq {rec.based_on_seq} (recorded {_clock(rec.ts)})",
     ]
     if decl is not None:
-        p = decl.profile
+        p = pool_profile(decl, rec.role)
+        if rec.role:
+            lines.append(f"pool: {rec.role}")
         lines.append(
             f"profile: engine {p.engine}, {p.gpus_per_shard} GPU(s) per shard x "
             f"{p.shards_per_replica} shard(s), min GPU memory {gib(p.min_gpu_memory_bytes)}, "
-            f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model)} replica(s) wanted"
+            f"selector {_labels(p.selector) or '-'}; {st.desired_replicas(rec.model, rec.role)} replica(s) wanted"
         )
     lines.append("nodes at that point:")
     busy_gpus = queries.busy_gpus(st)

@@ -4,7 +4,9 @@ A catalog file is the WHOLE desired catalog:
 
     bands:   [{name, ceiling, queue_capacity, queue_ttl_seconds}]     # highest priority first
     models:  [{name, aliases, fallbacks, replicas | autoscale, profile, scheduling, deadlines,
-              upstream, owned_by, api_kinds, migration}]
+              upstream, owned_by, api_kinds, migration,
+              disaggregation: {prefill: {replicas, profile}, decode: {...},
+                               connector: {kind, shared_path, extra}, min_prompt_tokens}}]
     tenants: [{name, band, key_hashes, quotas, cache_isolation}]
     adapters: [{name, base, source, tenants, pinned}]                  # LoRA adapters
 
@@ -51,10 +53,15 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_kinds: list[str] = msgspec.field(default_factory=list)
     autoscale: c.AutoscaleSpec | None = None
     migration: c.MigrationSpec = msgspec.field(default_factory=c.MigrationSpec)
+    # Set: a prefill pool and a decode pool, each with its own count (then `replicas`
+    # and `autoscale` stay unset).
+    disaggregation: c.DisaggregationSpec | None = None
 
     def event(self) -> c.ModelDeclared:
         data = msgspec.to_builtins(self)
-        if self.replicas is None:
+        if self.disaggregation is not None:
+            data["replicas"] = 0  # no aggregated replica: the pools have the counts
+        elif self.replicas is None:
             data["replicas"] = self.autoscale.min if self.autoscale is not None else 1
         return msgspec.convert(data, c.ModelDeclared)
 
@@ -235,7 +242,6 @@ def _names(entries: list[tuple[str, Any]], what: str) -> list[str]:
 
 
 def _check_model(label: str, m: CatalogModel) -> list[str]:
-    p = m.profile
     out = []
     if m.replicas is not None and m.replicas < 0:
         out.append(f"{label}: replicas: must be 0 or more, got {m.replicas}")
@@ -245,27 +251,9 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
                 f"{label}: autoscale: exclusive with replicas (a fixed count); remove one of them"
             )
         out += _check_autoscale(label, m.autoscale)
-    if p.engine not in ENGINES:
-        out.append(f"{label}: profile.engine: {p.engine!r} is not one of {', '.join(ENGINES)}")
-    if p.engine in ("vllm", "sglang") and not p.model_ref:
-        out.append(f"{label}: profile.model_ref: required for engine {p.engine}")
-    if p.gpus_per_shard < 1:
-        out.append(f"{label}: profile.gpus_per_shard: must be at least 1, got {p.gpus_per_shard}")
-    if p.shards_per_replica < 1:
-        out.append(
-            f"{label}: profile.shards_per_replica: must be at least 1, got {p.shards_per_replica}"
-        )
-    if p.min_gpu_memory_bytes < 0:
-        out.append(f"{label}: profile.min_gpu_memory_bytes: must be 0 or more")
-    if p.gpu_memory_utilization is not None and not 0 < p.gpu_memory_utilization <= 1:
-        out.append(f"{label}: profile.gpu_memory_utilization: must be in (0, 1]")
-    for name in ("max_model_len", "max_num_seqs"):
-        if (getattr(p, name) or 1) < 1:
-            out.append(f"{label}: profile.{name}: must be positive (omit it for the default)")
-    if p.max_loras < 0:
-        out.append(f"{label}: profile.max_loras: must be 0 or more, got {p.max_loras}")
-    if p.max_lora_rank < 1:
-        out.append(f"{label}: profile.max_lora_rank: must be at least 1, got {p.max_lora_rank}")
+    out += _check_profile(label, "profile", m.profile)
+    if m.disaggregation is not None:
+        out += _check_disaggregation(label, m, m.disaggregation)
     for name in ("connect", "headers", "first_token", "idle", "total"):
         if getattr(m.deadlines, name) <= 0:
             out.append(f"{label}: deadlines.{name}: must be positive seconds")
@@ -280,6 +268,95 @@ def _check_model(label: str, m: CatalogModel) -> list[str]:
             f"got {m.migration.max}"
         )
     out += _check_scheduling(label, m.scheduling)
+    return out
+
+
+def _check_profile(label: str, where: str, p: c.ServingProfile) -> list[str]:
+    """A serving profile's own problems; `where` is its path (a pool's has its own)."""
+    out = []
+    if p.engine not in ENGINES:
+        out.append(f"{label}: {where}.engine: {p.engine!r} is not one of {', '.join(ENGINES)}")
+    if p.engine in ("vllm", "sglang") and not p.model_ref:
+        out.append(f"{label}: {where}.model_ref: required for engine {p.engine}")
+    if p.gpus_per_shard < 1:
+        out.append(f"{label}: {where}.gpus_per_shard: must be at least 1, got {p.gpus_per_shard}")
+    if p.shards_per_replica < 1:
+        out.append(
+            f"{label}: {where}.shards_per_replica: must be at least 1, got {p.shards_per_replica}"
+        )
+    if p.min_gpu_memory_bytes < 0:
+        out.append(f"{label}: {where}.min_gpu_memory_bytes: must be 0 or more")
+    if p.gpu_memory_utilization is not None and not 0 < p.gpu_memory_utilization <= 1:
+        out.append(f"{label}: {where}.gpu_memory_utilization: must be in (0, 1]")
+    for name in ("max_model_len", "max_num_seqs"):
+        if (getattr(p, name) or 1) < 1:
+            out.append(f"{label}: {where}.{name}: must be positive (omit it for the default)")
+    if p.max_loras < 0:
+        out.append(f"{label}: {where}.max_loras: must be 0 or more, got {p.max_loras}")
+    if p.max_lora_rank < 1:
+        out.append(f"{label}: {where}.max_lora_rank: must be at least 1, got {p.max_lora_rank}")
+    return out
+
+
+# The engines whose launch takes a KV connector (vLLM's --kv-transfer-config) and the
+# simulator, which speaks the same protocol. SGLang's disaggregation is another protocol
+# (its own bootstrap server, mooncake/nixl transfer) that the routers do not speak.
+PD_ENGINES = ("vllm", "sim")
+
+
+def _check_disaggregation(label: str, m: CatalogModel, d: c.DisaggregationSpec) -> list[str]:
+    """A model served by a prefill pool and a decode pool (docs/catalog.md)."""
+    out = []
+    if m.replicas is not None or m.autoscale is not None:
+        what = "replicas" if m.replicas is not None else "autoscale"
+        out.append(
+            f"{label}: {what}: exclusive with disaggregation (each pool has its own count); "
+            f"set disaggregation.prefill.replicas and disaggregation.decode.replicas instead"
+        )
+    for role in c.PD_ROLES:
+        pool: c.PoolSpec = getattr(d, role)
+        where = f"disaggregation.{role}"
+        if pool.autoscale is not None:
+            out.append(
+                f"{label}: {where}.autoscale: not supported yet (a pool has a fixed count); "
+                f"set {where}.replicas"
+            )
+        if pool.replicas < 1:
+            out.append(
+                f"{label}: {where}.replicas: must be at least 1, got {pool.replicas} (a "
+                "disaggregated model needs both pools; remove disaggregation to serve it "
+                "aggregated)"
+            )
+        profile = pool.profile if pool.profile is not None else m.profile
+        if pool.profile is not None:
+            out += _check_profile(label, f"{where}.profile", pool.profile)
+        shown = f"{where}.profile" if pool.profile is not None else "profile"
+        if profile.engine in ENGINES and profile.engine not in PD_ENGINES:
+            out.append(
+                f"{label}: {shown}.engine: {profile.engine} cannot serve a disaggregated pool "
+                f"(only {', '.join(PD_ENGINES)} take a KV connector); SGLang's own "
+                "disaggregation is not supported"
+            )
+        if profile.max_loras > 0:
+            out.append(
+                f"{label}: {shown}.max_loras: LoRA adapters on a disaggregated model are not "
+                "supported (the prefill and decode engines would both need the adapter); "
+                "set it to 0"
+            )
+    conn = d.connector
+    if not conn.kind.strip():
+        out.append(f"{label}: disaggregation.connector.kind: must not be empty")
+    elif conn.kind == "ExampleConnector" and not conn.shared_path.strip():
+        out.append(
+            f"{label}: disaggregation.connector.shared_path: required for ExampleConnector "
+            "(the folder prefill engines write KV to and decode engines read it from, the "
+            "same on every node)"
+        )
+    if d.min_prompt_tokens < 0:
+        out.append(
+            f"{label}: disaggregation.min_prompt_tokens: must be 0 or more, got "
+            f"{d.min_prompt_tokens}"
+        )
     return out
 
 

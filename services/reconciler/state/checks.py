@@ -27,6 +27,9 @@ def refusal(state: ClusterState, event: c.Message) -> str | None:
 
 
 def _placement_decided(state: ClusterState, ev: c.PlacementDecided) -> str | None:
+    if ev.role and ev.role not in c.PD_ROLES:
+        # A replica of no known pool would be started with a connector role no engine has.
+        return f"role {ev.role!r} is not one of {', '.join(c.PD_ROLES)} (or empty: aggregated)"
     if ev.replica_id in state.replicas:
         return f"replica {ev.replica_id} is already placed"
     taken = queries.gpu_holders(state)

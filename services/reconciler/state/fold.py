@@ -20,6 +20,7 @@ from llmgw.reconciler.state.model import (
     NodeView,
     ReplicaView,
     ShardView,
+    pool_profile,
     profile_digest,
 )
 
@@ -169,11 +170,12 @@ def _placement_decided(state: ClusterState, seq: int, ev: c.PlacementDecided) ->
     state.replicas[ev.replica_id] = ReplicaView(
         replica_id=ev.replica_id,
         model=ev.model,
+        role=ev.role,
         assignments=list(ev.assignments),
         decided_seq=seq,
-        # What the replica runs is the profile declared when it was placed: a
-        # later ModelDeclared with another profile makes it outdated (queries.outdated).
-        profile_digest=profile_digest(decl.profile) if decl is not None else "",
+        # What the replica runs is the profile declared when it was placed (its pool's):
+        # a later ModelDeclared with another profile makes it outdated (queries.outdated).
+        profile_digest=profile_digest(pool_profile(decl, ev.role)) if decl is not None else "",
     )
     for a in ev.assignments:
         running = state.shards.get(a.shard_id)

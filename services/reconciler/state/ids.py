@@ -6,6 +6,8 @@ split one thing into two.
 
   - replica `<model token>-r<n>`: the model name made safe for a NATS subject
     token, then a number that is never reused (see `queries.next_replica_id`);
+    a disaggregated model's pool replica `<model token>-<role>-r<n>` (role prefill
+    or decode), numbered per pool, so an operator reads the pool in the id;
   - shard `<replica>-s<index>`: shard 0 is the one that serves HTTP (the
     endpoint id routers see, `llmgw.projection.endpoint_id`, is the rule
     across services and stays there);
@@ -23,8 +25,14 @@ import hashlib
 from llmgw import subjects
 
 
-def replica_id(model: str, n: int) -> str:
-    return f"{subjects.safe_token(model)}-r{n}"
+def replica_token(model: str, role: str = "") -> str:
+    """The part of a replica id before `-r<n>`: the model's token, and the pool's role."""
+    token = subjects.safe_token(model)
+    return f"{token}-{role}" if role else token
+
+
+def replica_id(model: str, n: int, role: str = "") -> str:
+    return f"{replica_token(model, role)}-r{n}"
 
 
 def parse_replica_id(rid: str) -> tuple[str, int] | None:

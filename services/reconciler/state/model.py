@@ -70,6 +70,8 @@ class ShardView(msgspec.Struct, kw_only=True):
 class ReplicaView(msgspec.Struct, kw_only=True):
     replica_id: str
     model: str
+    # prefill | decode: which pool of a disaggregated model it belongs to; "": aggregated.
+    role: str = ""
     assignments: list[c.ShardAssignment] = msgspec.field(default_factory=list)
     decided_seq: int = 0
     # profile_digest() of the model's profile when it was placed; "" = not known
@@ -124,12 +126,23 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
         replica_index.carry(self, out)
         return out
 
-    def desired_replicas(self, model: str) -> int:
+    def desired_replicas(self, model: str, role: str | None = None) -> int:
         """How many replicas `model` should have: the catalog's count, or for an
         autoscaled model the autoscaler's latest decision kept within [min, max]
-        (the bounds may have changed since), starting at min."""
+        (the bounds may have changed since), starting at min.
+
+        `role` asks for one pool: "" the aggregated replicas, prefill or decode a
+        disaggregated model's pool (a model has either kind, never both); None: all.
+        """
         decl = self.models.get(model)
         if decl is None:
+            return 0
+        if decl.disaggregation is not None:
+            pools = decl.disaggregation
+            if role is None:
+                return pools.prefill.replicas + pools.decode.replicas
+            return getattr(pools, role).replicas if role in c.PD_ROLES else 0
+        if role:
             return 0
         spec = decl.autoscale
         if spec is None:
@@ -138,8 +151,21 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
         n = scaled.to_replicas if scaled is not None else spec.min
         return min(spec.max, max(spec.min, n))
 
-    def active_replicas(self, model: str) -> list[ReplicaView]:
-        return [r for r in self.replicas.values() if r.model == model and not r.retired]
+    def active_replicas(self, model: str, role: str | None = None) -> list[ReplicaView]:
+        """The model's replicas not retired: of one pool (`role`), or all (None)."""
+        return [
+            r
+            for r in self.replicas.values()
+            if r.model == model and not r.retired and (role is None or r.role == role)
+        ]
+
+    def pools(self, model: str) -> tuple[str, ...]:
+        """The roles `model`'s replicas play: its pools, plus any role an active replica
+        still has from before the model changed kind (so those are scaled down)."""
+        decl = self.models.get(model)
+        wanted = c.PD_ROLES if decl is not None and decl.disaggregation is not None else ("",)
+        left = {r.role for r in self.active_replicas(model)} - set(wanted)
+        return (*wanted, *sorted(left))
 
     def shards_on(self, node: str) -> list[ShardView]:
         return [s for s in self.shards.values() if s.node == node]
@@ -147,6 +173,15 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     def adapters_of(self, model: str) -> list[c.AdapterDeclared]:
         """The adapters declared on base `model`, by name."""
         return sorted((a for a in self.adapters.values() if a.base == model), key=lambda a: a.name)
+
+
+def pool_profile(decl: c.ModelDeclared, role: str) -> c.ServingProfile:
+    """The profile a replica of `role` runs: its pool's own, or else the model's."""
+    if decl.disaggregation is not None and role in c.PD_ROLES:
+        own = getattr(decl.disaggregation, role).profile
+        if own is not None:
+            return own
+    return decl.profile
 
 
 def profile_digest(profile: c.ServingProfile) -> str:

@@ -20,13 +20,13 @@ highest numbers are kept by `replica_index`, so asking costs the same with
 from __future__ import annotations
 
 from llmgw import contracts as c
-from llmgw import subjects
-from llmgw.reconciler.state.ids import replica_id, replica_number
+from llmgw.reconciler.state.ids import replica_id, replica_number, replica_token
 from llmgw.reconciler.state.model import (
     ClusterState,
     Liveness,
     ReplicaView,
     ShardView,
+    pool_profile,
     profile_digest,
 )
 from llmgw.reconciler.state.replica_index import index_of
@@ -34,15 +34,17 @@ from llmgw.reconciler.state.replica_index import index_of
 # ---------------------------------------------------------------- replica ids
 
 
-def next_replica_id(state: ClusterState, model: str) -> str:
-    """The id `model`'s next replica gets: one above every number its ids have had.
+def next_replica_id(state: ClusterState, model: str, role: str = "") -> str:
+    """The id `model`'s next replica (of pool `role`) gets: one above every number its
+    ids have had.
 
-    A number counts when the replica is the model's or its id carries the
-    model's token: a model removed and a new one whose name maps to the same
-    token (`a/b`, then `a.b`) must not take the first one's ids either.
+    A number counts when the replica is the model's (of the same pool) or its id
+    carries the same token: a model removed and a new one whose name maps to the same
+    token (`a/b`, then `a.b`) must not take the first one's ids either, nor a model
+    named `m-prefill` the ids of model `m`'s prefill pool.
     """
-    top = index_of(state).top(subjects.safe_token(model), model)
-    return replica_id(model, top + 1)
+    top = index_of(state).top(replica_token(model, role), model, role)
+    return replica_id(model, top + 1, role)
 
 
 # ---------------------------------------------------------------- readiness
@@ -137,16 +139,17 @@ def is_outdated(placed_digest: str, declared_digest: str) -> bool:
     return bool(placed_digest) and placed_digest != declared_digest
 
 
-def outdated(state: ClusterState, model: str) -> list[ReplicaView]:
-    """Active replicas placed with another profile than the one declared now, newest first.
+def outdated(state: ClusterState, model: str, role: str = "") -> list[ReplicaView]:
+    """Active replicas (of pool `role`) placed with another profile than the one declared
+    now for it, newest first.
 
     Newest first, like scale-down: the longest-running replicas keep serving longest.
     """
     decl = state.models.get(model)
     if decl is None:
         return []
-    want = profile_digest(decl.profile)
-    stale = [r for r in state.active_replicas(model) if is_outdated(r.profile_digest, want)]
+    want = profile_digest(pool_profile(decl, role))
+    stale = [r for r in state.active_replicas(model, role) if is_outdated(r.profile_digest, want)]
     return sorted(stale, key=lambda r: (-r.decided_seq, newest_first(r.replica_id)))
 
 
@@ -158,16 +161,23 @@ def newest_first(rid: str) -> int:
 # ---------------------------------------------------------------- adoption
 
 
-def adoptable(state: ClusterState, model: str) -> list[ShardView]:
-    """Shards a node runs for `model` that no active replica owns and that could serve as one.
+def adoptable(state: ClusterState, model: str, role: str = "") -> list[ShardView]:
+    """Shards a node runs for `model` that no active replica owns and that could serve as
+    one of pool `role`.
 
     Only single-shard replicas are adopted: a multi-node group cannot be
-    checked for consistency from registrations alone.
+    checked for consistency from registrations alone. A shard of a pool is
+    adopted only back into the pool its retired replica was in: an engine
+    launched as prefill (its KV connector's producer) cannot decode, and a
+    shard no replica ever owned says nothing of its role.
     """
     decl = state.models.get(model)
-    if decl is None or decl.profile.shards_per_replica != 1:
+    if decl is None:
         return []
-    want = profile_digest(decl.profile)
+    profile = pool_profile(decl, role)
+    if profile.shards_per_replica != 1:
+        return []
+    want = profile_digest(profile)
     busy_by_owned = busy_gpus(state, owned_only=True)
     out = []
     for sid in sorted(state.shards):
@@ -178,11 +188,12 @@ def adoptable(state: ClusterState, model: str) -> list[ShardView]:
             s.model == model
             and s.state == c.ShardState.READY
             and (owner is None or owner.retired)
+            and (owner.role == role if owner is not None else not role)
             # A replica retired by a rolling update runs the old profile: never take it back.
             and (owner is None or not is_outdated(owner.profile_digest, want))
             and node is not None
             and node.liveness == Liveness.ALIVE
-            and len(s.gpus) == decl.profile.gpus_per_shard
+            and len(s.gpus) == profile.gpus_per_shard
             and not set(s.gpus) & busy_by_owned.get(s.node, set())
         ):
             out.append(s)

@@ -30,6 +30,7 @@ _ATTR = "_replica_index"
 
 class _Replica(Protocol):
     model: str
+    role: str
 
 
 class ReplicaIndex:
@@ -39,11 +40,13 @@ class ReplicaIndex:
         self.replicas = replicas
         self.read = 0  # how many of the dict's entries, from the start, are counted
         self.by_token: dict[str, int] = {}
-        self.by_model: dict[str, int] = {}
+        # Per (model, role): a disaggregated model's pools are numbered apart.
+        self.by_model: dict[tuple[str, str], int] = {}
 
-    def top(self, token: str, model: str) -> int:
-        """The highest number among ids with `token` or of replicas of `model`; 0 if none."""
-        return max(self.by_token.get(token, 0), self.by_model.get(model, 0))
+    def top(self, token: str, model: str, role: str = "") -> int:
+        """The highest number among ids with `token` or of replicas of `model` in the pool
+        `role`; 0 if none."""
+        return max(self.by_token.get(token, 0), self.by_model.get((model, role), 0))
 
     def catch_up(self) -> None:
         new = len(self.replicas) - self.read
@@ -60,9 +63,9 @@ class ReplicaIndex:
         token, n = parsed
         if n > self.by_token.get(token, 0):
             self.by_token[token] = n
-        model = replica.model
-        if n > self.by_model.get(model, 0):
-            self.by_model[model] = n
+        pool = (replica.model, replica.role)
+        if n > self.by_model.get(pool, 0):
+            self.by_model[pool] = n
 
     def for_copy(self, replicas: dict[str, Any]) -> ReplicaIndex:
         """This index for a copy of its dict (same keys, same order, same models)."""

@@ -260,4 +260,5 @@ def decision_row(seq: int, event: c.Message) -> Row | None:
         "verdict_groups": msgspec.to_builtins(event.verdict_groups),
         "explanation": event.explanation,
         "ts": event.ts,
+        "role": event.role,
     }

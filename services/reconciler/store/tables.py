@@ -85,6 +85,7 @@ class Replica(Base):
     profile_digest: Mapped[str] = mapped_column(Text)
     retired: Mapped[bool] = mapped_column(Boolean)
     retired_reason: Mapped[str] = mapped_column(Text)
+    role: Mapped[str] = mapped_column(Text, server_default="")  # prefill | decode | ""
 
 
 class Model(Base):
@@ -217,6 +218,7 @@ class PlacementDecision(Base):
     verdict_groups: Mapped[list[Any]]  # the nodes `verdicts` leaves out (large fleets)
     explanation: Mapped[str] = mapped_column(Text)
     ts: Mapped[float]
+    role: Mapped[str] = mapped_column(Text, server_default="")  # prefill | decode | ""
 
 
 class ArchivedEvent(Base):

@@ -33,7 +33,7 @@ from llmgw import projection as pj
 from llmgw.projection import Key
 from llmgw.reconciler.state import changes as ch
 from llmgw.reconciler.state.changes import Change
-from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.model import ClusterState, pool_profile
 from llmgw.reconciler.state.queries import next_replica_id
 
 SERVING = (c.ShardState.READY, c.ShardState.DRAINING)
@@ -55,6 +55,7 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
             continue
         head = min(shards, key=lambda sh: sh.shard_index)
         draining = replica.retired or any(sh.state == c.ShardState.DRAINING for sh in shards)
+        profile = pool_profile(decl, replica.role)
         endpoints.append(
             c.Endpoint(
                 id=pj.endpoint_id(head.shard_id),
@@ -62,12 +63,13 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
                 node=head.node,
                 replica_id=rid,
                 state=c.EndpointState.DRAINING if draining else c.EndpointState.READY,
-                engine=decl.profile.engine,
-                max_running=head.max_running or decl.profile.max_num_seqs,
-                max_loras=decl.profile.max_loras,
+                engine=profile.engine,
+                max_running=head.max_running or profile.max_num_seqs,
+                max_loras=profile.max_loras,
                 # What the engine holds, as its agent reported: a placement not yet
                 # loaded is not routed to as if it were.
                 adapters=sorted(head.adapters or []),
+                role=replica.role,
             )
         )
     return c.ModelEndpoints(
@@ -89,19 +91,24 @@ def model_record(state: ClusterState, model: str) -> c.ModelEndpoints:
             c.AdapterRoute(name=a.name, tenants=list(a.tenants)) for a in state.adapters_of(model)
         ],
         migration=decl.migration,
+        disaggregation=decl.disaggregation,
     )
 
 
 def _unplaceable(state: ClusterState, model: str) -> str:
-    """Why the replica reconcile tries to place next cannot be placed, while one is missing.
+    """Why the replica reconcile tries to place next cannot be placed, while one is missing
+    (the first pool's, for a disaggregated model).
 
     Only that replica id counts: a failure recorded for a replica that is no longer
     wanted (scaled down before it could be placed) stays in the state but says nothing.
     """
-    if len(state.active_replicas(model)) >= state.desired_replicas(model):
-        return ""
-    failed = state.failures.get(next_replica_id(state, model))
-    return failed.explanation if failed is not None else ""
+    for role in state.pools(model):
+        if len(state.active_replicas(model, role)) >= state.desired_replicas(model, role):
+            continue
+        failed = state.failures.get(next_replica_id(state, model, role))
+        if failed is not None:
+            return failed.explanation
+    return ""
 
 
 def tenant_record(state: ClusterState, name: str) -> c.TenantRecord:

@@ -45,7 +45,7 @@ from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import verdicts
 from llmgw.reconciler.state import queries
 from llmgw.reconciler.state.ids import event_id, shard_id
-from llmgw.reconciler.state.model import ClusterState, Liveness, NodeView
+from llmgw.reconciler.state.model import ClusterState, Liveness, NodeView, pool_profile
 from llmgw.reconciler.state.wording import clock_text, gib, plural
 
 FABRIC_LABEL = "fabric"
@@ -84,8 +84,8 @@ class Need:
 
     __slots__ = ("profile", "width", "busy", "model_shards")
 
-    def __init__(self, state: ClusterState, model: str):
-        self.profile = state.models[model].profile
+    def __init__(self, state: ClusterState, model: str, role: str = ""):
+        self.profile = pool_profile(state.models[model], role)
         self.width = self.profile.shards_per_replica
         self.busy = queries.busy_gpus(state)
         self.model_shards = queries.model_shards(state, model)
@@ -283,9 +283,10 @@ NODE_FILTERS: tuple[NodeFilter, ...] = (Alive(), Engine(), Selector(), FreeGpus(
 GROUP_FILTERS: tuple[NodeFilter, ...] = (Fabric(),)
 
 
-def fit_nodes(state: ClusterState, model: str) -> tuple[list[Fit], list[Fit]]:
-    """(a verdict per registered node in node-id order, the nodes that fit in that order)."""
-    need = Need(state, model)
+def fit_nodes(state: ClusterState, model: str, role: str = "") -> tuple[list[Fit], list[Fit]]:
+    """(a verdict per registered node in node-id order, the nodes that fit in that order)
+    for a replica of `model`'s pool `role` ("": aggregated)."""
+    need = Need(state, model, role)
     fits = [Fit(name, state.nodes[name]) for name in sorted(state.nodes)]
     cands = fits
     for f in NODE_FILTERS:
@@ -328,8 +329,7 @@ def rank(cands: list[Fit], width: int) -> tuple[list[Fit], list[Fit], str]:
     return [], best, f"no {count} fitting nodes share a {FABRIC_LABEL} label"
 
 
-def _requirements(model: c.ModelDeclared) -> str:
-    p = model.profile
+def _requirements(p: c.ServingProfile) -> str:
     parts = [f"{plural(p.gpus_per_shard, 'GPU')} per shard", f"engine {p.engine}"]
     if p.shards_per_replica > 1:
         parts.insert(0, f"{p.shards_per_replica} shards on nodes sharing a {FABRIC_LABEL} label")
@@ -348,15 +348,18 @@ def place(
     *,
     ts: float = 0.0,
     keep_all: bool = False,
+    role: str = "",
 ) -> c.PlacementDecided | c.PlacementFailed:
     """Place one replica of `model` on `state`; `ts` only stamps the event envelope.
 
     `keep_all` lists every node's verdict however large the fleet (replay of an
     event recorded that way); otherwise a large fleet's verdicts are summarised.
+    `role` places a replica of a disaggregated model's pool (prefill | decode), with
+    the pool's profile; the event carries it.
     """
-    decl = state.models[model]
-    profile = decl.profile
-    fits, cands = fit_nodes(state, model)
+    profile = pool_profile(state.models[model], role)
+    pool = f" ({role} pool)" if role else ""
+    fits, cands = fit_nodes(state, model, role)
     chosen, best, why = rank(cands, profile.shards_per_replica)
     listed = {f.node for f in chosen + best}
 
@@ -371,10 +374,11 @@ def place(
             model=model,
             replica_id=replica_id,
             based_on_seq=based_on_seq,
+            role=role,
             verdicts=shown,
             verdict_groups=groups,
-            explanation=f"{replica_id} cannot be placed: {reason} "
-            f"(needs {_requirements(decl)}; {considered})",
+            explanation=f"{replica_id}{pool} cannot be placed: {reason} "
+            f"(needs {_requirements(profile)}; {considered})",
         )
 
     need = profile.gpus_per_shard
@@ -395,7 +399,8 @@ def place(
         replica_id=replica_id,
         based_on_seq=based_on_seq,
         assignments=assignments,
+        role=role,
         verdicts=shown,
         verdict_groups=groups,
-        explanation=f"{replica_id} placed on {where}; {considered}; ranked by {PACKING_RULE}",
+        explanation=f"{replica_id}{pool} placed on {where}; {considered}; ranked by {PACKING_RULE}",
     )

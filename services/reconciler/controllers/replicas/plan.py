@@ -25,12 +25,19 @@ import copy
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.replicas import placement
 from llmgw.reconciler.state import fold, replica_index
 from llmgw.reconciler.state.ids import command_key, event_id
-from llmgw.reconciler.state.model import ClusterState, Liveness, ReplicaView, ShardView
+from llmgw.reconciler.state.model import (
+    ClusterState,
+    Liveness,
+    ReplicaView,
+    ShardView,
+    pool_profile,
+)
 from llmgw.reconciler.state.queries import (
     adoptable,
     broken_shard,
@@ -63,7 +70,7 @@ def decide(
     ts: float = 0.0,
     timings: CommandTimings | None = None,
     max_placements: int | None = None,
-    hold: set[str] = frozenset(),
+    hold: set[tuple[str, str]] = frozenset(),
 ) -> Plan:
     events, adopted = control_events(state, ts=ts, max_placements=max_placements, hold=hold)
     return Plan(events=events, commands=commands(state, skip=adopted, timings=timings))
@@ -87,15 +94,15 @@ class Scratch:
         *,
         ts: float = 0.0,
         max_placements: int | None = None,
-        hold: set[str] = frozenset(),
+        hold: set[tuple[str, str]] = frozenset(),
     ):
         self.base = state
         self.state = state
         self.seq = state.last_seq
         self.ts = ts  # stamps every event of the plan
         self.budget = max_placements if max_placements is not None else -1  # -1: unbounded
-        self.hold = hold  # models that get no new replicas in this plan
-        self.unplaceable: set[str] = set()  # models whose next replica failed to place
+        self.hold = hold  # pools (model, role) that get no new replicas in this plan
+        self.unplaceable: set[Pool] = set()  # pools whose next replica failed to place
 
     def apply(self, event: c.Message) -> None:
         if self.state is self.base:
@@ -118,9 +125,18 @@ class Scratch:
         fold.apply(self.state, self.seq, event)
 
 
-# One step of a model's turn: the events it adds to the plan, each already applied to
+class Pool(NamedTuple):
+    """The replicas of one model that one count governs: its aggregated replicas (role
+    ""), or one pool (prefill | decode) of a disaggregated model. Each pool takes its own
+    turn, so scaling or rolling one never touches the other's replicas."""
+
+    model: str
+    role: str = ""
+
+
+# One step of a pool's turn: the events it adds to the plan, each already applied to
 # the scratch state the next step decides on.
-Step = Callable[[Scratch, str], list[c.Message]]
+Step = Callable[[Scratch, Pool], list[c.Message]]
 
 
 def control_events(
@@ -128,27 +144,30 @@ def control_events(
     *,
     ts: float = 0.0,
     max_placements: int | None = None,
-    hold: set[str] = frozenset(),
+    hold: set[tuple[str, str]] = frozenset(),
 ) -> tuple[list[c.Message], set[str]]:
     """The control events the state calls for, and the ids of shards they adopt.
 
     First the replicas of models no longer declared are retired; then each
-    declared model, in name order, takes its turn: the steps of `MODEL_STEPS`
-    in order, a step in `ENDS_TURN` that added events ending it.
+    declared model, in name order, takes its turn, pool by pool (state.pools:
+    aggregated, or prefill then decode): the steps of `MODEL_STEPS` in order, a
+    step in `ENDS_TURN` that added events ending the pool's turn.
 
     `max_placements` bounds the placement attempts of one plan, so a big
     catalog change is decided in several short plans instead of one long one;
-    the rest follow once these are folded. Models in `hold` get no new
-    placements this time (their shards keep failing: see backoff.py).
+    the rest follow once these are folded. Pools (model, role) in `hold`
+    get no new placements this time (their shards keep failing: see backoff.py).
     """
     sc = Scratch(state, ts=ts, max_placements=max_placements, hold=hold)
     events = retire_removed(sc)
     for model in sorted(state.models):
-        for step in MODEL_STEPS:
-            added = step(sc, model)
-            events.extend(added)
-            if added and step in ENDS_TURN:
-                break
+        for role in sc.state.pools(model):
+            pool = Pool(model, role)
+            for step in MODEL_STEPS:
+                added = step(sc, pool)
+                events.extend(added)
+                if added and step in ENDS_TURN:
+                    break
     adopted = {
         a.shard_id
         for ev in events
@@ -181,24 +200,24 @@ def retire_removed(sc: Scratch) -> list[c.Message]:
     return out
 
 
-def retire_broken(sc: Scratch, model: str) -> list[c.Message]:
+def retire_broken(sc: Scratch, pool: Pool) -> list[c.Message]:
     """Retire every active replica with a shard gone, so it is replaced."""
     out: list[c.Message] = []
-    for replica in sorted(sc.state.active_replicas(model), key=lambda r: r.replica_id):
+    for replica in sorted(sc.state.active_replicas(*pool), key=lambda r: r.replica_id):
         broken = broken_shard(sc.state, replica)
         if broken is not None:
             out.append(_retire(sc, replica, f"shard {broken[0]} {broken[1]}; replaced"))
     return out
 
 
-def scale_down(sc: Scratch, model: str) -> list[c.Message]:
+def scale_down(sc: Scratch, pool: Pool) -> list[c.Message]:
     """Retire the replicas beyond the desired count (plus one surge while a roll runs).
 
     Not-ready replicas go first (nothing is lost), then outdated ones, then the newest.
     """
-    desired = sc.state.desired_replicas(model)
-    active = sc.state.active_replicas(model)
-    stale = {r.replica_id for r in outdated(sc.state, model)}
+    desired = sc.state.desired_replicas(*pool)
+    active = sc.state.active_replicas(*pool)
+    stale = {r.replica_id for r in outdated(sc.state, *pool)}
     # Surge 1: while outdated replicas run, one extra replica with the new profile.
     surplus = len(active) - desired - (1 if stale else 0)
     if surplus <= 0:
@@ -212,19 +231,20 @@ def scale_down(sc: Scratch, model: str) -> list[c.Message]:
             newest_first(r.replica_id),
         ),
     )
-    reason = f"scale down: {desired} wanted, {len(active)} active"
+    what = f"{pool.role} pool " if pool.role else ""
+    reason = f"scale down: {what}{desired} wanted, {len(active)} active"
     return [_retire(sc, replica, reason) for replica in order[:surplus]]
 
 
-def roll_step(sc: Scratch, model: str) -> list[c.Message]:
+def roll_step(sc: Scratch, pool: Pool) -> list[c.Message]:
     """Retire one outdated replica once the surge replica has made it spare.
 
     It is spare when more than `replicas` are active and retiring it leaves at
     least `replicas` ready (an outdated replica that is not ready costs nothing).
     """
-    stale = outdated(sc.state, model)
-    active = sc.state.active_replicas(model)
-    desired = sc.state.desired_replicas(model)
+    stale = outdated(sc.state, *pool)
+    active = sc.state.active_replicas(*pool)
+    desired = sc.state.desired_replicas(*pool)
     if not stale or len(active) <= desired:
         return []
     victim = min(stale, key=lambda r: is_ready(sc.state, r))  # stable: newest first
@@ -235,25 +255,26 @@ def roll_step(sc: Scratch, model: str) -> list[c.Message]:
     return [_retire(sc, victim, reason)]
 
 
-def _missing(sc: Scratch, model: str) -> int:
-    """Replicas the model still lacks in this plan: the desired count, plus the surge
-    replica while outdated ones run; none for a model held back."""
-    if model in sc.hold:
+def _missing(sc: Scratch, pool: Pool) -> int:
+    """Replicas the pool still lacks in this plan: the desired count, plus the surge
+    replica while outdated ones run; none for a pool held back."""
+    if pool in sc.hold:
         return 0
-    wanted = sc.state.desired_replicas(model) + (1 if outdated(sc.state, model) else 0)
-    return max(0, wanted - len(sc.state.active_replicas(model)))
+    wanted = sc.state.desired_replicas(*pool) + (1 if outdated(sc.state, *pool) else 0)
+    return max(0, wanted - len(sc.state.active_replicas(*pool)))
 
 
-def adopt(sc: Scratch, model: str) -> list[c.Message]:
-    """Missing replicas first from shards a node still runs for the model unowned."""
+def adopt(sc: Scratch, pool: Pool) -> list[c.Message]:
+    """Missing replicas first from shards a node still runs for the pool unowned."""
     out: list[c.Message] = []
-    for shard in adoptable(sc.state, model)[: _missing(sc, model)]:
-        rid = next_replica_id(sc.state, model)
+    for shard in adoptable(sc.state, *pool)[: _missing(sc, pool)]:
+        rid = next_replica_id(sc.state, *pool)
         ev = c.PlacementDecided(
             id=event_id("decided", rid),
             ts=sc.ts,
-            model=model,
+            model=pool.model,
             replica_id=rid,
+            role=pool.role,
             based_on_seq=sc.base.last_seq,
             assignments=[
                 c.ShardAssignment(
@@ -278,21 +299,23 @@ def adopt(sc: Scratch, model: str) -> list[c.Message]:
     return out
 
 
-def place(sc: Scratch, model: str) -> list[c.Message]:
+def place(sc: Scratch, pool: Pool) -> list[c.Message]:
     """Place the replicas still missing, within the plan's placement budget.
 
-    The first that cannot be placed ends the model's placements (the next would
+    The first that cannot be placed ends the pool's placements (the next would
     fail the same way); its failure is published unless the same one already is.
     """
     out: list[c.Message] = []
-    for _ in range(_missing(sc, model)):
+    for _ in range(_missing(sc, pool)):
         if sc.budget == 0:
             break
         sc.budget -= 1
-        rid = next_replica_id(sc.state, model)
-        result = placement.place(sc.state, model, rid, sc.base.last_seq, ts=sc.ts)
+        rid = next_replica_id(sc.state, *pool)
+        result = placement.place(
+            sc.state, pool.model, rid, sc.base.last_seq, ts=sc.ts, role=pool.role
+        )
         if isinstance(result, c.PlacementFailed):
-            sc.unplaceable.add(model)
+            sc.unplaceable.add(pool)
             if not _same_failure(sc.state.failures.get(rid), result):
                 out.append(result)
                 sc.apply(result)
@@ -302,7 +325,7 @@ def place(sc: Scratch, model: str) -> list[c.Message]:
     return out
 
 
-def make_room(sc: Scratch, model: str) -> list[c.Message]:
+def make_room(sc: Scratch, pool: Pool) -> list[c.Message]:
     """No room for the surge replica: retire one outdated replica so the new one fits.
 
     Only after a placement of the model failed in this plan, and only when every
@@ -311,13 +334,13 @@ def make_room(sc: Scratch, model: str) -> list[c.Message]:
     maxUnavailable=1 fallback): the retired one drains, then its GPUs take the
     new profile.
     """
-    if model not in sc.unplaceable:
+    if pool not in sc.unplaceable:
         return []
-    stale = outdated(sc.state, model)
-    active = sc.state.active_replicas(model)
-    if not stale or len(active) != sc.state.desired_replicas(model):
+    stale = outdated(sc.state, *pool)
+    active = sc.state.active_replicas(*pool)
+    if not stale or len(active) != sc.state.desired_replicas(*pool):
         return []
-    if not all(is_ready(sc.state, r) for r in active) or freeing(sc.state, model):
+    if not all(is_ready(sc.state, r) for r in active) or freeing(sc.state, pool.model):
         return []
     victim = stale[0]
     # A new profile that would not fit even in the victim's place (a selector no
@@ -326,8 +349,9 @@ def make_room(sc: Scratch, model: str) -> list[c.Message]:
     for sid in victim.shard_ids:
         if sid in trial.shards:
             trial.shards[sid].state = c.ShardState.STOPPED
-    rid = next_replica_id(trial, model)
-    if isinstance(placement.place(trial, model, rid, sc.base.last_seq), c.PlacementFailed):
+    rid = next_replica_id(trial, *pool)
+    tried = placement.place(trial, pool.model, rid, sc.base.last_seq, role=pool.role)
+    if isinstance(tried, c.PlacementFailed):
         return []
     reason = (
         f"rolling update: profile changed since {victim.replica_id} was placed; no room to surge"
@@ -344,12 +368,12 @@ def _same_failure(old: c.PlacementFailed | None, new: c.PlacementFailed) -> bool
     )
 
 
-# A model's turn in a plan: these steps, in this order. Retiring comes first, so what is
+# A pool's turn in a plan: these steps, in this order. Retiring comes first, so what is
 # placed replaces what this plan retired; adopting before placing takes back a shard a
 # node still runs instead of starting one anew elsewhere. A step for LoRA adapters on the
 # placed replicas would go last.
 MODEL_STEPS: tuple[Step, ...] = (retire_broken, scale_down, roll_step, adopt, place, make_room)
-# A scale-down ends the model's turn: this plan only shrinks it, and whatever rolling is
+# A scale-down ends the pool's turn: this plan only shrinks it, and whatever rolling is
 # left waits for the next plan, which decides on the retirements folded.
 ENDS_TURN: frozenset[Step] = frozenset({scale_down})
 
@@ -399,7 +423,9 @@ def commands(
 
 def _start(state: ClusterState, replica: ReplicaView, shard: ShardView) -> c.StartShard:
     decl = state.models.get(replica.model)
-    profile = decl.profile if decl is not None else c.ServingProfile()
+    profile = pool_profile(decl, replica.role) if decl is not None else c.ServingProfile()
+    # A pool's engine gets the model's connector (as kv_producer or kv_consumer).
+    pools = decl.disaggregation if decl is not None and replica.role else None
     nnodes = len(replica.assignments)
     master_addr, master_port = "", 0
     if nnodes > 1:
@@ -418,6 +444,8 @@ def _start(state: ClusterState, replica: ReplicaView, shard: ShardView) -> c.Sta
         profile=profile,
         gpus=list(shard.gpus),
         served_model_name=replica.model,
+        role=replica.role,
+        connector=pools.connector if pools is not None else None,
         nnodes=nnodes,
         node_rank=shard.shard_index,
         master_addr=master_addr,
