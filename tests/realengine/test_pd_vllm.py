@@ -13,9 +13,16 @@ with vLLM's keys and counts on D's counters under vLLM's names and sources.
 
 Then the failures, each measured and printed (docs/disaggregation.md, "Real engines on
 CPU", records them): a StartShard whose folder cannot be written, the prefill engine
-killed mid-request and relaunched by a new StartShard (its connector flags kept), the
-decode engine killed mid-answer, and the shared folder made unwritable under the
+killed mid-request and relaunched by a new StartShard (its connector flags kept), a
+prompt folder missing a layer (a prefill engine killed mid-write) sent to the decode
+engine, the decode engine killed mid-answer, and the shared folder made unwritable under the
 running prefill engine.
+
+The second test runs a whole cluster (`llmgw dev --engine vllm`'s processes) with the
+model declared disaggregated: a request sent to the router is served by the decode
+engine, which loaded the prompt's blocks from the prefill engine; then the same failures
+through the router, and the agents refusing the replacements of engines a broken folder
+took down.
 """
 
 from __future__ import annotations
