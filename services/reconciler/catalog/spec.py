@@ -299,9 +299,10 @@ def _check_profile(label: str, where: str, p: c.ServingProfile) -> list[str]:
 
 
 # The engines whose launch takes a KV connector (vLLM's --kv-transfer-config) and the
-# simulator, which speaks the same protocol. SGLang's disaggregation is another protocol
-# (its own bootstrap server, mooncake/nixl transfer) that the routers do not speak.
-PD_ENGINES = ("vllm", "sim")
+# simulator, which speaks the same protocol: the engines table's pd_connector, which the
+# agent checks too. SGLang's disaggregation is another protocol (its own bootstrap
+# server, mooncake/nixl transfer) that the routers do not speak.
+PD_ENGINES = tuple(name for name, traits in ENGINES.items() if traits.pd_connector)
 
 
 def _check_disaggregation(label: str, m: CatalogModel, d: c.DisaggregationSpec) -> list[str]:
