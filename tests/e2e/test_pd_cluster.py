@@ -220,5 +220,10 @@ def test_with_the_prefill_sim_killed_a_long_prompt_is_served_whole_on_decode(app
     assert resp.headers.get("x-llmgw-endpoint") == got["decode"]["shard_id"]
     d_local = engine_counter(got["decode"]["url"], BY_SOURCE, source="local_compute")
     assert d_local - before["d_local"] == usage["prompt_tokens"]  # D computed it all
-    fallbacks = router_counter(cluster, "llmgw_router_pd_fallbacks_total")
-    assert fallbacks == before["fallbacks"] + 1
+    # The router's view may still list the dead sim (its attempt is refused) or have
+    # dropped it already (no prefill endpoint): either way one request served whole.
+    fallbacks = {
+        reason: router_counter(cluster, "llmgw_router_pd_fallbacks_total", reason=reason)
+        for reason in ("prefill_failed", "no_prefill_endpoint")
+    }
+    assert sum(fallbacks.values()) == before["fallbacks"] + 1, fallbacks
