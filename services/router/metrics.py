@@ -120,8 +120,14 @@ class Registry:
             yield _family(m, m.values)
 
     def snapshot(self) -> dict[str, list[list[Any]]]:
-        """The values as plain data (written by each worker, read by the parent)."""
-        return {m.name: [[list(k), v] for k, v in m.values.items()] for m in self.series}
+        """The values as plain data (written by each worker, read by the parent).
+
+        A histogram's bucket list is copied: the snapshot is encoded in a thread later,
+        and must hold the values as of now, like the counters beside it."""
+        return {
+            m.name: [[list(k), list(v) if isinstance(v, list) else v] for k, v in m.values.items()]
+            for m in self.series
+        }
 
     def merged(
         self,

@@ -46,6 +46,8 @@ def test_prefill_leg_answers_nixl_params_and_the_decode_leg_loads_instead_of_com
     prefill, decode = sims
     prompt = "a long shared document " * 200
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    # The sims are the module's: count what this test adds, whichever test ran first.
+    d0, p0 = metrics(decode), metrics(prefill)
     first = httpx.post(
         f"{prefill.url}/v1/chat/completions",
         json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS},
@@ -78,7 +80,9 @@ def test_prefill_leg_answers_nixl_params_and_the_decode_leg_loads_instead_of_com
     assert usage["completion_tokens"] == 20
     assert usage["prompt_tokens_details"]["cached_tokens"] == n_prompt
 
-    d, p = metrics(decode), metrics(prefill)
+    d1, p1 = metrics(decode), metrics(prefill)
+    d = {k: v - d0.get(k, 0.0) for k, v in d1.items()}
+    p = {k: v - p0.get(k, 0.0) for k, v in p1.items()}
     assert d[("vllm:external_prefix_cache_hits_total", "")] == n_prompt
     assert d[("vllm:external_prefix_cache_queries_total", "")] == n_prompt
     assert d[("vllm:prompt_tokens_by_source_total", "external_kv_transfer")] == n_prompt

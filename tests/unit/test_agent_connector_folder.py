@@ -24,3 +24,15 @@ def test_a_path_through_a_file_says_why(tmp_path):
 def test_a_file_where_the_folder_should_be_says_so(tmp_path):
     (tmp_path / "kv").write_text("")
     assert connector_folder.unwritable(str(tmp_path / "kv")) == "it is a file, not a folder"
+
+
+def test_a_folder_that_never_answers_costs_the_probe_its_deadline_not_the_agent(monkeypatch):
+    import threading
+
+    hung = threading.Event()
+    monkeypatch.setattr(connector_folder, "_probe", lambda path: hung.wait() and None)
+    try:
+        why = connector_folder.unwritable("/mnt/stale", timeout=0.2)
+    finally:
+        hung.set()  # let the left-behind probe thread end
+    assert why == "no answer from the folder within 0.2 s (a hung mount?)"
