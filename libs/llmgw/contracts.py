@@ -595,6 +595,9 @@ class ModelScaled(Message, kw_only=True, tag="control.model.scaled"):
     # cool-down); None in older events, where replay compares the events' wall times.
     since_last_change_seconds: float | None = None
     term: int = 0
+    # The pool of a disaggregated model whose count changed (prefill | decode); "": the
+    # whole model's (and in events from before pools scaled).
+    role: str = ""
 
 
 class NodeUnreachable(Message, kw_only=True, tag="control.node.unreachable"):
@@ -909,6 +912,19 @@ class AdapterDemand(msgspec.Struct, kw_only=True):
     waiting: int = 0  # held in admission because no replica holds the adapter
 
 
+class PoolDemand(msgspec.Struct, kw_only=True):
+    """What one router sees of one pool (prefill | decode) of a disaggregated model: its
+    endpoints' share of the model's demand. Admission's queue is the model's, not a pool's
+    (a queued request will take the decode leg, and the prefill leg too unless its prompt
+    is short), so each pool reads it from ModelDemand.queued."""
+
+    in_flight: int = 0  # requests on this pool's endpoints (prefill legs, or decode legs)
+    capacity: int = 0  # batch slots of the pool's ready endpoints
+    ready: int = 0  # the pool's ready endpoints
+    capacity_declared: bool = True
+    waiting: int = 0  # waiting in the pool's engines' own queues
+
+
 class ModelDemand(msgspec.Struct, kw_only=True):
     """What one router sees of one model's demand right now."""
 
@@ -922,6 +938,8 @@ class ModelDemand(msgspec.Struct, kw_only=True):
     capacity_declared: bool = True
     waiting: int = 0  # requests the engines' latest fresh load samples show waiting
     adapters: dict[str, AdapterDemand] = msgspec.field(default_factory=dict)  # by adapter
+    # A disaggregated model's pools by role (prefill, decode); empty for any other model.
+    pools: dict[str, PoolDemand] = msgspec.field(default_factory=dict)
 
 
 class DemandSummary(Message, kw_only=True, tag="demand.summary"):

@@ -69,14 +69,38 @@ def test_a_pool_needs_at_least_one_replica():
     ]
 
 
-def test_pool_autoscale_is_refused_with_what_to_set_instead():
+def test_an_autoscaled_pool_starts_at_its_min_and_the_other_keeps_its_count():
+    ev = (
+        parse(
+            "    disaggregation:\n"
+            "      prefill: {replicas: 2}\n"
+            "      decode: {autoscale: {min: 2, max: 5, target: 0.7}}\n"
+            "      connector: {shared_path: /kv}\n"
+        )
+        .models[0]
+        .event()
+    )
+    d = ev.disaggregation
+    assert d is not None and d.prefill.autoscale is None
+    assert d.decode.autoscale == c.AutoscaleSpec(min=2, max=5, target=0.7)
+    assert (d.prefill.replicas, d.decode.replicas) == (2, 2)
+
+
+def test_a_pool_autoscale_is_checked_like_a_model_one_naming_the_pool():
     out = problems(
-        "    disaggregation: {decode: {autoscale: {min: 1, max: 2}}, "
-        "connector: {shared_path: /kv}}\n"
+        "    disaggregation:\n"
+        "      prefill: {autoscale: {min: 0, max: 2, target: 0, signal: ttft}}\n"
+        "      decode: {autoscale: {min: 3, max: 2, tolerance: 1}}\n"
+        "      connector: {shared_path: /kv}\n"
     )
     assert out == [
-        f"{LABEL}: disaggregation.decode.autoscale: not supported yet (a pool has a fixed "
-        "count); set disaggregation.decode.replicas"
+        f"{LABEL}: disaggregation.prefill.autoscale.signal: 'ttft' is not one of load, queue",
+        f"{LABEL}: disaggregation.prefill.autoscale.target: must be positive, got 0.0",
+        f"{LABEL}: disaggregation.prefill.autoscale.min: must be at least 1, got 0 (a "
+        "disaggregated model needs both pools)",
+        f"{LABEL}: disaggregation.decode.autoscale.max: must be at least "
+        "disaggregation.decode.autoscale.min (3), got 2",
+        f"{LABEL}: disaggregation.decode.autoscale.tolerance: must be in [0, 1), got 1.0",
     ]
 
 

@@ -86,14 +86,8 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
     spec = data.get("autoscale")
     if not spec:
         return []
-    signal = spec.get("signal") or "load"
-    target = "queued request(s) per replica" if signal == "queue" else "load"
-    lines = [
-        f"autoscaled: {spec.get('min')} to {spec.get('max')} replica(s), target {target} "
-        f"{spec.get('target')} (up after {spec.get('scale_up_after_seconds'):g} s, "
-        f"down after {spec.get('scale_down_after_seconds'):g} s)"
-    ]
-    history = data.get("scaling") or []
+    lines = [f"autoscaled: {_bounds(spec)}"]
+    history = [ev for ev in data.get("scaling") or [] if not ev.get("role")]
     if not history:
         lines.append("  no scaling decision yet: at min until demand says otherwise")
     for ev in history[-SCALING_SHOWN:]:
@@ -106,6 +100,16 @@ def _scaling_lines(data: dict[str, Any]) -> list[str]:
         last = max(failed, key=lambda d: d["seq"])
         lines.append(f"  only {active} of {wanted} placed: {last.get('explanation', '')}")
     return lines
+
+
+def _bounds(spec: dict[str, Any]) -> str:
+    signal = spec.get("signal") or "load"
+    target = "queued request(s) per replica" if signal == "queue" else "load"
+    return (
+        f"{spec.get('min')} to {spec.get('max')} replica(s), target {target} "
+        f"{spec.get('target')} (up after {spec.get('scale_up_after_seconds'):g} s, "
+        f"down after {spec.get('scale_down_after_seconds'):g} s)"
+    )
 
 
 def _adapter_lines(data: dict[str, Any]) -> list[str]:
@@ -154,6 +158,14 @@ def _pool_lines(data: dict[str, Any]) -> list[str]:
             f"  {pool['role']:<7}  {pool['desired_replicas']} wanted, {pool['placed']} placed, "
             f"{pool['ready']} ready; {_shape(pool.get('profile') or {})} ({whose})"
         )
+        if pool.get("autoscale"):
+            lines.append(f"           autoscaled: {_bounds(pool['autoscale'])}")
+            last = pool.get("last_scaling")
+            lines.append(
+                f"           seq {last['seq']}: {last.get('explanation') or last['rule']}"
+                if last
+                else "           no scaling decision yet: at min until demand says otherwise"
+            )
     conn = spec.get("connector") or {}
     where = f", shared path {conn['shared_path']}" if conn.get("shared_path") else ""
     extra = f", extra {conn['extra']}" if conn.get("extra") else ""

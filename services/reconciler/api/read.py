@@ -158,10 +158,10 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
         n = counts.setdefault(rep["model"], {"active": 0, "ready": 0})
         n["active"] += 1
         n["ready"] += rep["state"] == "ready"
-    scaled = {
-        r["model"]: r["to_replicas"]
-        for r in await _rows(conn, select(t.ModelScaling.model, t.ModelScaling.to_replicas))
-    }
+    scaled: dict[str, dict[str, int]] = {}
+    cols = (t.ModelScaling.model, t.ModelScaling.role, t.ModelScaling.to_replicas)
+    for r in await _rows(conn, select(*cols)):
+        scaled.setdefault(r["model"], {})[r["role"]] = r["to_replicas"]
     out = []
     for row in await _rows(conn, select(t.Model.__table__).order_by(t.Model.name)):
         n = counts.get(row["name"], {"active": 0, "ready": 0})
@@ -170,7 +170,7 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
                 "name": row["name"],
                 "aliases": row["aliases"],
                 "fallbacks": row["fallbacks"],
-                "replicas": _desired(row, scaled.get(row["name"])),
+                "replicas": _desired(row, scaled.get(row["name"], {})),
                 "autoscale": row["autoscale"],
                 "disaggregation": row["disaggregation"],
                 "active_replicas": n["active"],
@@ -185,14 +185,20 @@ async def models(conn: AsyncConnection) -> list[dict[str, Any]]:
     return out
 
 
-def _desired(model_row: dict[str, Any], scaled_to: int | None) -> int:
-    """The desired count as the fold has it (ClusterState.desired_replicas)."""
+def _desired(model_row: dict[str, Any], scaled_to: dict[str, int]) -> int:
+    """The desired count as the fold has it (ClusterState.desired_replicas); `scaled_to`:
+    the autoscaler's latest count by role ("": the whole model's)."""
     pools = model_row.get("disaggregation")
     if pools is not None:
-        return sum(pools.get(role, {}).get("replicas", 1) for role in c.PD_ROLES)
-    if model_row.get("autoscale") is None:
-        return model_row["replicas"]
-    spec = msgspec.convert(model_row["autoscale"], c.AutoscaleSpec)
+        return sum(_within(pools.get(role, {}), scaled_to.get(role)) for role in c.PD_ROLES)
+    return _within(model_row, scaled_to.get(""))
+
+
+def _within(counted: dict[str, Any], scaled_to: int | None) -> int:
+    """A model's or pool's count: its fixed replicas, or its autoscaled count in bounds."""
+    if counted.get("autoscale") is None:
+        return counted.get("replicas", 1)
+    spec = msgspec.convert(counted["autoscale"], c.AutoscaleSpec)
     n = scaled_to if scaled_to is not None else spec.min
     return min(spec.max, max(spec.min, n))
 
@@ -420,8 +426,9 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         return None
     autoscaled = declared[0].get("autoscale") if declared else None
     history = await scaling_history(conn, model)
-    latest = history[-1]["to_replicas"] if history else None
-    desired = _desired(declared[0], latest) if declared else 0
+    latest = {h.get("role", ""): h for h in history}  # the last decision per model or pool
+    scaled_to = {role: h["to_replicas"] for role, h in latest.items()}
+    desired = _desired(declared[0], scaled_to) if declared else 0
     return {
         "model": model,
         "declared": declared is not None,
@@ -434,13 +441,16 @@ async def explain(conn: AsyncConnection, model: str) -> dict[str, Any] | None:
         "replicas": replicas_now,
         "adapters": await adapters_of(conn, model),
         "disaggregation": declared[0]["disaggregation"] if declared else None,
-        "pools": _pools(declared[0], replicas_now) if declared else [],
+        "pools": _pools(declared[0], replicas_now, latest) if declared else [],
     }
 
 
-def _pools(model_row: dict[str, Any], replicas_now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _pools(
+    model_row: dict[str, Any], replicas_now: list[dict[str, Any]], latest: dict[str, dict]
+) -> list[dict[str, Any]]:
     """A disaggregated model's pools: per role the count wanted, placed (active) and
-    ready, and the profile its replicas run (the pool's own, or the model's)."""
+    ready, the profile its replicas run (the pool's own, or the model's), and for an
+    autoscaled pool its bounds and the autoscaler's last decision (`latest`, by role)."""
     if model_row.get("disaggregation") is None:
         return []
     decl = msgspec.convert(
@@ -450,10 +460,15 @@ def _pools(model_row: dict[str, Any], replicas_now: list[dict[str, Any]]) -> lis
     for role in c.PD_ROLES:
         spec: c.PoolSpec = getattr(decl.disaggregation, role)
         active = [r for r in replicas_now if r["role"] == role and not r["retired"]]
+        last = latest.get(role)
         out.append(
             {
                 "role": role,
-                "desired_replicas": spec.replicas,
+                "desired_replicas": _within(
+                    msgspec.to_builtins(spec), last["to_replicas"] if last else None
+                ),
+                "autoscale": msgspec.to_builtins(spec.autoscale) if spec.autoscale else None,
+                "last_scaling": last,
                 "placed": len(active),
                 "ready": sum(r["state"] == "ready" for r in active),
                 "own_profile": spec.profile is not None,

@@ -26,7 +26,8 @@ running, ready and unowned on its node at the base sequence.
 Each autoscaling decision (ModelScaled) is checked against the rule on the
 state just before it: the count it started from, the rule and count its
 recorded signals call for, how long the condition had held, and the cool-down
-since the model's previous decision (autoscale.check).
+since the model's previous decision (autoscale.check); a pool's decision (its
+role set) against its pool's spec, count and previous decision.
 
 Each adapter placement (AdaptersPlaced) is placed again on the state as it was at its
 `based_on_seq` (a snapshot of its own: another controller's events of the same base
@@ -358,9 +359,8 @@ def render(result: ReplayResult, *, strict: bool = False, verbose: bool = False)
             continue
         rec = sc.recorded
         mark = "DIFFERS" if sc.differences else "same"
-        lines.append(
-            f"seq {sc.seq} {rec.model} scaled {rec.from_replicas} → {rec.to_replicas}: {mark}"
-        )
+        what = f"{rec.model} {rec.role} pool" if rec.role else rec.model
+        lines.append(f"seq {sc.seq} {what} scaled {rec.from_replicas} → {rec.to_replicas}: {mark}")
         lines.append(f"    recorded:   {rec.explanation or rec.rule}")
         for d in sc.differences:
             lines.append(f"    ! {d}")

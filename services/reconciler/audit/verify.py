@@ -88,8 +88,10 @@ def compare_table(name: str, live: dict[Any, dict], expected: dict[Any, dict]) -
 
 
 def _by_pk(table, table_rows: list[dict]) -> dict[Any, dict]:
-    pk = next(iter(table.primary_key.columns)).name
-    return {row[pk]: row for row in table_rows}
+    pk = [col.name for col in table.primary_key.columns]
+    if len(pk) == 1:
+        return {row[pk[0]]: row for row in table_rows}
+    return {tuple(row[n] for n in pk): row for row in table_rows}
 
 
 async def verify(engine: AsyncEngine) -> Report:
@@ -111,7 +113,9 @@ async def verify(engine: AsyncEngine) -> Report:
     expected = rows.all_rows(state)
     for table in rows.STATE_TABLES:
         report.differences += compare_table(
-            table.name, _by_pk(table, live[table.name]), expected[table.name]
+            table.name,
+            _by_pk(table, live[table.name]),
+            _by_pk(table, list(expected[table.name].values())),
         )
     report.differences += compare_table(
         decisions_table.name,

@@ -61,6 +61,10 @@ class CatalogModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         data = msgspec.to_builtins(self)
         if self.disaggregation is not None:
             data["replicas"] = 0  # no aggregated replica: the pools have the counts
+            for role in c.PD_ROLES:
+                pool = data["disaggregation"][role]
+                if pool.get("autoscale") is not None:
+                    pool["replicas"] = pool["autoscale"]["min"]  # where an autoscaled pool starts
         elif self.replicas is None:
             data["replicas"] = self.autoscale.min if self.autoscale is not None else 1
         return msgspec.convert(data, c.ModelDeclared)
@@ -318,11 +322,13 @@ def _check_disaggregation(label: str, m: CatalogModel, d: c.DisaggregationSpec) 
         pool: c.PoolSpec = getattr(d, role)
         where = f"disaggregation.{role}"
         if pool.autoscale is not None:
-            out.append(
-                f"{label}: {where}.autoscale: not supported yet (a pool has a fixed count); "
-                f"set {where}.replicas"
-            )
-        if pool.replicas < 1:
+            out += _check_autoscale(label, pool.autoscale, f"{where}.autoscale")
+            if pool.autoscale.min < 1:
+                out.append(
+                    f"{label}: {where}.autoscale.min: must be at least 1, got "
+                    f"{pool.autoscale.min} (a disaggregated model needs both pools)"
+                )
+        elif pool.replicas < 1:
             out.append(
                 f"{label}: {where}.replicas: must be at least 1, got {pool.replicas} (a "
                 "disaggregated model needs both pools; remove disaggregation to serve it "
@@ -384,26 +390,26 @@ def _check_scheduling(label: str, s: c.SchedulingSpec) -> list[str]:
     return out
 
 
-def _check_autoscale(label: str, a: c.AutoscaleSpec) -> list[str]:
+def _check_autoscale(label: str, a: c.AutoscaleSpec, where: str = "autoscale") -> list[str]:
+    """`where`: the spec's path in the entry (a model's, or a pool's)."""
     out = []
     if a.min < 0:
-        out.append(f"{label}: autoscale.min: must be 0 or more, got {a.min}")
+        out.append(f"{label}: {where}.min: must be 0 or more, got {a.min}")
     if a.max < 1:
-        out.append(f"{label}: autoscale.max: must be at least 1, got {a.max}")
+        out.append(f"{label}: {where}.max: must be at least 1, got {a.max}")
     elif a.max < a.min:
-        out.append(f"{label}: autoscale.max: must be at least autoscale.min ({a.min}), got {a.max}")
+        out.append(f"{label}: {where}.max: must be at least {where}.min ({a.min}), got {a.max}")
     if a.signal not in c.AUTOSCALE_SIGNALS:
         out.append(
-            f"{label}: autoscale.signal: {a.signal!r} is not one of "
-            f"{', '.join(c.AUTOSCALE_SIGNALS)}"
+            f"{label}: {where}.signal: {a.signal!r} is not one of {', '.join(c.AUTOSCALE_SIGNALS)}"
         )
     if not a.target > 0:
-        out.append(f"{label}: autoscale.target: must be positive, got {a.target}")
+        out.append(f"{label}: {where}.target: must be positive, got {a.target}")
     if not 0 <= a.tolerance < 1:
-        out.append(f"{label}: autoscale.tolerance: must be in [0, 1), got {a.tolerance}")
+        out.append(f"{label}: {where}.tolerance: must be in [0, 1), got {a.tolerance}")
     for name in ("scale_up_after_seconds", "scale_down_after_seconds"):
         if getattr(a, name) < 0:
-            out.append(f"{label}: autoscale.{name}: must be 0 or more seconds")
+            out.append(f"{label}: {where}.{name}: must be 0 or more seconds")
     return out
 
 

@@ -34,7 +34,8 @@ TENANT: Kind = "tenant"
 BANDS: Kind = "bands"  # key "": the bands are one declaration
 FAILURE: Kind = "failure"  # key: a replica id not placed yet
 TERM: Kind = "term"  # key: the leader term, as text
-SCALED: Kind = "scaled"  # key: a model whose autoscaled replica count changed or ended
+# key: scaling_key(model, role) of a model's or pool's autoscaled count that changed or ended
+SCALED: Kind = "scaled"
 ADAPTER: Kind = "adapter"  # key: a LoRA adapter declared, changed or removed
 HOLDINGS: Kind = "holdings"  # key: a base model whose adapter placement changed or ended
 

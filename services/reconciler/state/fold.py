@@ -20,8 +20,10 @@ from llmgw.reconciler.state.model import (
     NodeView,
     ReplicaView,
     ShardView,
+    autoscale_specs,
     pool_profile,
     profile_digest,
+    scaling_key,
 )
 
 
@@ -127,9 +129,15 @@ def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Chang
 def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
     state.models[ev.name] = ev
     changes: set[Change] = {Change(ch.MODEL, ev.name)}
-    if ev.autoscale is None and state.scaled.pop(ev.name, None) is not None:
-        changes.add(Change(ch.SCALED, ev.name))  # a fixed count again: the autoscaler's is void
+    kept = {scaling_key(ev.name, role) for role, _ in autoscale_specs(ev)}
+    for key in _scaling_keys(state, ev.name) - kept:
+        del state.scaled[key]  # a fixed count again: the autoscaler's is void
+        changes.add(Change(ch.SCALED, key))
     return changes
+
+
+def _scaling_keys(state: ClusterState, model: str) -> set[str]:
+    return {key for key, ev in state.scaled.items() if ev.model == model}
 
 
 def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Change]:
@@ -137,8 +145,9 @@ def _model_removed(state: ClusterState, seq: int, ev: c.ModelRemoved) -> set[Cha
     changes: set[Change] = {Change(ch.MODEL, ev.name)}
     if state.adapter_holdings.pop(ev.name, None) is not None:
         changes.add(Change(ch.HOLDINGS, ev.name))
-    if state.scaled.pop(ev.name, None) is not None:
-        changes.add(Change(ch.SCALED, ev.name))
+    for key in _scaling_keys(state, ev.name):
+        del state.scaled[key]
+        changes.add(Change(ch.SCALED, key))
     for rid in [rid for rid, f in state.failures.items() if f.model == ev.name]:
         del state.failures[rid]
         changes.add(Change(ch.FAILURE, rid))
@@ -219,10 +228,11 @@ def _replica_retired(state: ClusterState, seq: int, ev: c.ReplicaRetired) -> set
 
 def _model_scaled(state: ClusterState, seq: int, ev: c.ModelScaled) -> set[Change]:
     decl = state.models.get(ev.model)
-    if decl is None or decl.autoscale is None:
-        return set()  # decided just before the model left or stopped autoscaling
-    state.scaled[ev.model] = ev
-    return {Change(ch.SCALED, ev.model)}
+    if decl is None or ev.role not in dict(autoscale_specs(decl)):
+        return set()  # decided just before the model (or pool) left or stopped autoscaling
+    key = scaling_key(ev.model, ev.role)
+    state.scaled[key] = ev
+    return {Change(ch.SCALED, key)}
 
 
 def _adapter_declared(state: ClusterState, seq: int, ev: c.AdapterDeclared) -> set[Change]:

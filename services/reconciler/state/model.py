@@ -114,7 +114,8 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     shards: dict[str, ShardView] = msgspec.field(default_factory=dict)
     # The latest failure to place, per replica id not yet placed.
     failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
-    # The autoscaler's latest decision per autoscaled model (its `to_replicas` is the count).
+    # The autoscaler's latest decision per autoscaled model or pool (its `to_replicas` is
+    # the count), by scaling_key(model, role).
     scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
     # Declared LoRA adapters by name, and the latest adapter placement per base model.
     adapters: dict[str, c.AdapterDeclared] = msgspec.field(default_factory=dict)
@@ -138,18 +139,30 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
         if decl is None:
             return 0
         if decl.disaggregation is not None:
-            pools = decl.disaggregation
             if role is None:
-                return pools.prefill.replicas + pools.decode.replicas
-            return getattr(pools, role).replicas if role in c.PD_ROLES else 0
+                return sum(self.desired_replicas(model, r) for r in c.PD_ROLES)
+            if role not in c.PD_ROLES:
+                return 0
+            pool: c.PoolSpec = getattr(decl.disaggregation, role)
+            return self._within(pool.autoscale, pool.replicas, scaling_key(model, role))
         if role:
             return 0
-        spec = decl.autoscale
+        return self._within(decl.autoscale, decl.replicas, model)
+
+    def _within(self, spec: c.AutoscaleSpec | None, fixed: int, key: str) -> int:
         if spec is None:
-            return decl.replicas
-        scaled = self.scaled.get(model)
+            return fixed
+        scaled = self.scaled.get(key)
         n = scaled.to_replicas if scaled is not None else spec.min
         return min(spec.max, max(spec.min, n))
+
+    def autoscaled(self) -> list[tuple[str, str, c.AutoscaleSpec]]:
+        """(model, role, spec) of every count the autoscaler decides, by model then role:
+        an autoscaled model's (role "") and each autoscaled pool's."""
+        out = []
+        for model in sorted(self.models):
+            out += [(model, role, spec) for role, spec in autoscale_specs(self.models[model])]
+        return out
 
     def active_replicas(self, model: str, role: str | None = None) -> list[ReplicaView]:
         """The model's replicas not retired: of one pool (`role`), or all (None)."""
@@ -173,6 +186,33 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     def adapters_of(self, model: str) -> list[c.AdapterDeclared]:
         """The adapters declared on base `model`, by name."""
         return sorted((a for a in self.adapters.values() if a.base == model), key=lambda a: a.name)
+
+
+def scaling_key(model: str, role: str) -> str:
+    """Where `ClusterState.scaled` keeps the count of `model`'s pool `role` ("": the whole
+    model's). The unit separator is a control character no model name has, so a pool's
+    key is no other model's name (the table keeps model and role apart)."""
+    return f"{model}\x1f{role}" if role else model
+
+
+def scaling_parts(key: str) -> tuple[str, str]:
+    """The (model, role) a scaling_key names."""
+    model, _, role = key.partition("\x1f")
+    return model, role
+
+
+def scaled_model(key: str) -> str:
+    """The model a scaling_key names."""
+    return scaling_parts(key)[0]
+
+
+def autoscale_specs(decl: c.ModelDeclared) -> list[tuple[str, c.AutoscaleSpec]]:
+    """(role, spec) of each count of `decl` that follows demand: the model's ("") or, for
+    a disaggregated model, its pools'."""
+    if decl.disaggregation is None:
+        return [("", decl.autoscale)] if decl.autoscale is not None else []
+    pools = [(role, getattr(decl.disaggregation, role).autoscale) for role in c.PD_ROLES]
+    return [(role, spec) for role, spec in pools if spec is not None]
 
 
 def pool_profile(decl: c.ModelDeclared, role: str) -> c.ServingProfile:

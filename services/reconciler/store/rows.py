@@ -27,6 +27,8 @@ from llmgw.reconciler.state.model import (
     NodeView,
     ReplicaView,
     ShardView,
+    scaling_key,
+    scaling_parts,
 )
 from llmgw.reconciler.store import tables as t
 
@@ -58,6 +60,12 @@ class Projection:
     attr: str  # the ClusterState dict it projects
     to_row: Callable[[str, Any], Row]
     load: Callable[[ClusterState, Row], None]
+    # The primary key's columns of a state key, for a delete: {key: state key} unless
+    # the table's key has more than one column (model_scaling: model and role).
+    key_columns: Callable[[str], Row] | None = None
+
+    def primary_key(self, key: str) -> Row:
+        return self.key_columns(key) if self.key_columns is not None else {self.key: key}
 
     def entries(self, state: ClusterState) -> dict[str, Any]:
         return getattr(state, self.attr)
@@ -79,6 +87,11 @@ def _load_message(attr: str, cls: type[c.Message], key: str):
         getattr(state, attr)[row[key]] = _message_from_row(row, cls)
 
     return load
+
+
+def _load_scaling(state: ClusterState, row: Row) -> None:
+    ev = _message_from_row(row, c.ModelScaled)
+    state.scaled[scaling_key(ev.model, ev.role)] = ev
 
 
 PROJECTIONS: dict[str, Projection] = {
@@ -138,7 +151,8 @@ PROJECTIONS: dict[str, Projection] = {
             "model",
             "scaled",
             lambda k, m: _message_row(m),
-            _load_message("scaled", c.ModelScaled, "model"),
+            _load_scaling,
+            lambda k: dict(zip(("model", "role"), scaling_parts(k), strict=True)),
         ),
         Projection(
             "adapter",
@@ -172,7 +186,7 @@ class Writes:
     """What one batch writes to the state tables: upserts and deletes per table."""
 
     upserts: dict[str, list[Row]]
-    deletes: dict[str, list[str]]
+    deletes: dict[str, list[str]]  # state keys (PROJECTIONS[kind].primary_key: columns)
     bands: list[Row] | None  # replace every band row when set
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Text, any_, bindparam, delete, insert, select, update
+from sqlalchemy import Text, and_, any_, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -32,6 +32,7 @@ _decisions = t.PlacementDecision.__table__
 _dead = t.DeadLetter.__table__
 _terms = t.LeaderTerm.__table__
 _TABLES = {tbl.name: tbl for tbl in r.STATE_TABLES}
+_PROJECTION_OF = {p.table.name: p for p in r.PROJECTIONS.values()}
 # asyncpg allows 32767 bind parameters per statement.
 _CHUNK = 1000
 
@@ -169,8 +170,14 @@ async def write_batch(conn: AsyncConnection, batch: BatchWrites, name: str = POS
         await _insert_many(conn, insert(_dead), batch.dead_letters)
     for table_name, keys in batch.state.deletes.items():
         tbl = _TABLES[table_name]
-        pk = next(iter(tbl.primary_key.columns))
-        await conn.execute(delete(tbl).where(pk.in_(keys)))
+        proj = _PROJECTION_OF[table_name]
+        if len(tbl.primary_key.columns) == 1:
+            pk = next(iter(tbl.primary_key.columns))
+            await conn.execute(delete(tbl).where(pk.in_(keys)))
+            continue
+        for key in keys:  # a composite key: rare deletes (a model or pool stops scaling)
+            cols = proj.primary_key(key)
+            await conn.execute(delete(tbl).where(and_(*(tbl.c[n] == v for n, v in cols.items()))))
     for table_name, rows in batch.state.upserts.items():
         await _insert_many(conn, _upsert(_TABLES[table_name]), rows)
     if batch.state.bands is not None:

@@ -111,11 +111,13 @@ class Model(Base):
 
 
 class ModelScaling(Base):
-    """The autoscaler's latest decision per autoscaled model (the ModelScaled event)."""
+    """The autoscaler's latest decision per autoscaled model (role "") or pool of a
+    disaggregated model (the ModelScaled event)."""
 
     __tablename__ = "model_scaling"
 
     model: Mapped[str] = mapped_column(Text, primary_key=True)
+    role: Mapped[str] = mapped_column(Text, primary_key=True, server_default="")
     from_replicas: Mapped[int] = mapped_column(Integer)
     to_replicas: Mapped[int] = mapped_column(Integer)
     rule: Mapped[str] = mapped_column(Text)

@@ -14,6 +14,10 @@ about once a second on core NATS (presence.py). Per model:
   not once per router), and whether every one was declared;
 - waiting: what the engines' fresh load samples show waiting in their own
   queues (whole engines too);
+- pools: for a disaggregated model, per pool (prefill, decode) the same counts
+  over that pool's endpoints only: the requests on them (a prefill leg on a
+  prefill endpoint, a decode leg on a decode one), their capacity, ready count
+  and engine queues. Admission's queue stays the model's (each pool reads it);
 - adapters: per LoRA adapter declared on the model, the requests that arrived since
   this router's previous summary (the summary takes the count), those admitted and
   not finished, and those waiting in admission because no replica holds the adapter:
@@ -43,7 +47,6 @@ def model_demand(controller: Controller, model: str, endpoints: Any, now: float)
     pool = Pool(model)
     pool.endpoints = endpoints
     pool.active = live.active if live is not None else 0
-    ready = [ep for ep in endpoints if ep.state is EndpointState.READY]
     in_flight = max(pool.active, sum(ep.inflight for ep in endpoints))
     queued: dict[str, c.BandDemand] = {}
     for band, queue in zip(controller.bands, controller.queues.get(model, ()), strict=False):
@@ -51,11 +54,30 @@ def model_demand(controller: Controller, model: str, endpoints: Any, now: float)
             oldest = queue.oldest()
             wait = now - oldest.created if oldest is not None else 0.0
             queued[band.name] = c.BandDemand(queued=queue.depth, oldest_wait_seconds=round(wait, 3))
-    fresh = now - detector.stale_after
+    whole = pool_demand(controller, endpoints, now)
+    roles = sorted({ep.spec.role for ep in endpoints if ep.spec.role})
     return c.ModelDemand(
         in_flight=in_flight,
         queued=queued,
         saturation=round(detector.unclamped(pool, now), 4),
+        capacity=whole.capacity,
+        ready=whole.ready,
+        capacity_declared=whole.capacity_declared,
+        waiting=whole.waiting,
+        pools={
+            role: pool_demand(controller, [ep for ep in endpoints if ep.spec.role == role], now)
+            for role in roles
+        },
+    )
+
+
+def pool_demand(controller: Controller, endpoints: Any, now: float) -> c.PoolDemand:
+    """The counts a set of endpoints shows (a whole model's, or one pool's)."""
+    detector = controller.detector
+    ready = [ep for ep in endpoints if ep.state is EndpointState.READY]
+    fresh = now - detector.stale_after
+    return c.PoolDemand(
+        in_flight=sum(ep.inflight for ep in endpoints),
         capacity=sum(detector.capacity(ep) for ep in ready),
         ready=len(ready),
         capacity_declared=all(ep.spec.max_running for ep in ready),

@@ -4,7 +4,8 @@ Routers publish a DemandSummary about once a second on core NATS
 (`llmgw.demand.<router>`); the leader keeps the latest per router (demand.py,
 shared with the LoRA placement) and, every
 `autoscale_tick` seconds (the actor's config), combines those younger than
-`rule.SUMMARY_TTL` per model and asks the pure `rule.decide` what to do. Each
+`rule.SUMMARY_TTL` per autoscaled model, or per autoscaled pool of a
+disaggregated model (keyed by `scaling_key(model, role)`), and asks the pure `rule.decide` what to do. Each
 decision goes into the log as a ModelScaled event; the fold turns it into the
 model's desired count, and the replicas controller places or retires replicas
 from there (retired ones drain first). Summaries are not persisted: the event
@@ -37,7 +38,7 @@ from llmgw import contracts as c
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state.changes import ChangeSet
-from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.model import ClusterState, scaling_key
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class AutoscaleController(Controller):
         self.monotonic = ctx.monotonic  # measures: summary age, conditions held, cool-down, waits
         self.demand = ctx.demand  # the routers' summaries, shared with the LoRA placement
         self.tracks: dict[str, autoscale.Track] = {}
-        # model -> (id of its latest ModelScaled, when it happened on the monotonic clock)
+        # scaling key -> (id of its latest ModelScaled, when it happened on the monotonic clock)
         self.changed: dict[str, tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
         self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
@@ -74,26 +75,28 @@ class AutoscaleController(Controller):
     def signals(
         self, state: ClusterState, now: float
     ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
-        """Combined signals per autoscaled model from the summaries still fresh at
-        monotonic `now` (older ones are forgotten), and the inputs they came from."""
+        """Combined signals per autoscaled model or pool (by scaling key) from the
+        summaries still fresh at monotonic `now` (older ones are forgotten), and the
+        inputs they came from."""
         live = self.demand.fresh(now, autoscale.SUMMARY_TTL)
         if not live:
             return {}, {}  # no router speaks: nothing is known, nothing is decided
-        models = [m for m, decl in state.models.items() if decl.autoscale is not None]
+        counted = [(scaling_key(m, r), m, r) for m, r, _ in state.autoscaled()]
         return (
-            {m: autoscale.combine(live, m) for m in models},
-            {m: autoscale.inputs_of(live, m) for m in models},
+            {key: autoscale.combine(live, m, r) for key, m, r in counted},
+            {key: autoscale.inputs_of(live, m) for key, m, _ in counted},
         )
 
     def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
-        """When each model last changed, on the monotonic clock. A change this controller
+        """When each model or pool last changed (by scaling key), on the monotonic clock.
+        A change this controller
         did not see made (an earlier leader's) is placed once from its event's age; a
         wall-clock step after that moves nothing."""
-        for model, ev in state.scaled.items():
-            known = self.changed.get(model)
+        for key, ev in state.scaled.items():
+            known = self.changed.get(key)
             if known is None or known[0] != ev.id:
-                self.changed[model] = (ev.id, now - max(0.0, wall - ev.ts))
-        return {model: at for model, (_, at) in self.changed.items()}
+                self.changed[key] = (ev.id, now - max(0.0, wall - ev.ts))
+        return {key: at for key, (_, at) in self.changed.items()}
 
     async def reconcile(self, state: ClusterState, changes: ChangeSet) -> Result:
         now, wall = self.monotonic(), self.clock()
@@ -117,7 +120,7 @@ class AutoscaleController(Controller):
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)
-            self.changed[ev.model] = (ev.id, now)
+            self.changed[scaling_key(ev.model, ev.role)] = (ev.id, now)
             SCALED.labels(ev.rule).inc()
             log.info("%s: %s", ev.model, ev.explanation)
         return Result()

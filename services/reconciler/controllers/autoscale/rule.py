@@ -4,6 +4,13 @@ Input: the folded state (each autoscaled model's spec, its desired count, its
 latest ModelScaled) and the routers' demand summaries, combined per model into
 `ScaleSignals` (`combine`). Output: ModelScaled events.
 
+A disaggregated model's pools (prefill, decode) scale apart, each by its own
+spec, with the same rule: a pool's signals are its endpoints' in-flight
+requests, capacity, ready count and engine queues (the routers' per-pool
+demand), plus the model's queue in admission, which every pool will serve.
+Everything keyed "per model" below is keyed by `scaling_key(model, role)`,
+role "" for a whole model; the event records the role.
+
 The rule (`propose`) reads one number, the spec's `signal`:
 
 - `load` (the default): requests in flight plus queued in admission, over the
@@ -59,7 +66,7 @@ from dataclasses import dataclass
 
 from llmgw import contracts as c
 from llmgw.reconciler.state.ids import event_id
-from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.model import ClusterState, scaling_key
 from llmgw.reconciler.state.wording import clock_text
 
 SCALE_UP = "scale_up"
@@ -170,8 +177,27 @@ def step(
     return prop, track
 
 
-def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
-    """One model's demand over the live routers' latest summaries.
+def demand_of(d: c.ModelDemand | None, role: str) -> c.ModelDemand | None:
+    """What one router said of the model (role "") or of one of its pools: a pool's own
+    counts with the model's admission queue and saturation (None: no word of it)."""
+    if d is None or not role:
+        return d
+    pool = d.pools.get(role)
+    if pool is None:
+        return None
+    return c.ModelDemand(
+        in_flight=pool.in_flight,
+        queued=d.queued,
+        saturation=d.saturation,
+        capacity=pool.capacity,
+        ready=pool.ready,
+        capacity_declared=pool.capacity_declared,
+        waiting=pool.waiting,
+    )
+
+
+def combine(summaries: Iterable[c.DemandSummary], model: str, role: str = "") -> c.ScaleSignals:
+    """One model's (or one pool's, `role`) demand over the live routers' latest summaries.
 
     Counts add up (each router sees its share of the requests); capacity, ready
     replicas and the engines' own waiting counts are the same engines seen from
@@ -188,7 +214,7 @@ def combine(summaries: Iterable[c.DemandSummary], model: str) -> c.ScaleSignals:
     declared = True
     for summary in summaries:
         routers += 1
-        d = summary.models.get(model)
+        d = demand_of(summary.models.get(model), role)
         if d is None:
             continue
         in_flight += d.in_flight
@@ -239,12 +265,13 @@ def recombine(ev: c.ModelScaled) -> c.ScaleSignals | None:
         )
         for i in ev.inputs
     ]
-    return combine(summaries, ev.model)
+    return combine(summaries, ev.model, ev.role)
 
 
 def explanation(ev: c.ModelScaled, spec: c.AutoscaleSpec) -> str:
     s = ev.signals
-    head = f"scaled {ev.from_replicas} → {ev.to_replicas} at {clock_text(ev.ts)}: "
+    pool = f"{ev.role} pool " if ev.role else ""
+    head = f"{pool}scaled {ev.from_replicas} → {ev.to_replicas} at {clock_text(ev.ts)}: "
     held = f"for {ev.sustained_seconds:.0f} s"
     if ev.rule == FROM_ZERO:
         why = f"{s.in_flight + s.queued} request(s) waiting and no replica"
@@ -282,8 +309,9 @@ def decide(
     changed_at: dict[str, float] | None = None,
     inputs: dict[str, list[c.RouterInput]] | None = None,
 ) -> tuple[list[c.ModelScaled], dict[str, Track]]:
-    """ModelScaled events for every autoscaled model whose rule fires now, and the new
-    tracks. A model without signals (no live router) is left as it is.
+    """ModelScaled events for every autoscaled model or pool whose rule fires now, and the
+    new tracks. One without signals (no live router) is left as it is. Every dict here is
+    keyed by scaling_key(model, role).
 
     `now` measures (monotonic); `wall` stamps the events (default `now`). `changed_at`:
     when each model last changed, on the clock of `now` (default: the previous event's
@@ -291,51 +319,49 @@ def decide(
     summaries each model's signals were combined from, recorded in the event."""
     events: list[c.ModelScaled] = []
     new_tracks: dict[str, Track] = {}
-    for model in sorted(state.models):
-        spec = state.models[model].autoscale
-        if spec is None:
-            continue
-        desired = state.desired_replicas(model)
+    for model, role, spec in state.autoscaled():
+        key = scaling_key(model, role)
+        desired = state.desired_replicas(model, role)
         if changed_at is not None:
-            last_at = changed_at.get(model)
+            last_at = changed_at.get(key)
         else:
-            last = state.scaled.get(model)
+            last = state.scaled.get(key)
             last_at = last.ts if last is not None else None
-        prop, track = step(
-            spec, desired, signals.get(model), tracks.get(model, Track()), now, last_at
-        )
+        prop, track = step(spec, desired, signals.get(key), tracks.get(key, Track()), now, last_at)
         if track.rule:
-            new_tracks[model] = track
+            new_tracks[key] = track
         if prop is None:
             continue
         ev = c.ModelScaled(
-            id=event_id("scaled", model, state.last_seq, desired, prop.to),
+            id=event_id("scaled", key, state.last_seq, desired, prop.to),
             ts=now if wall is None else wall,
             model=model,
+            role=role,
             from_replicas=desired,
             to_replicas=prop.to,
             rule=prop.rule,
-            signals=signals[model],
+            signals=signals[key],
             sustained_seconds=round(now - track.since, 3),
             based_on_seq=state.last_seq,
             signal=spec.signal,
-            inputs=(inputs or {}).get(model, []),
+            inputs=(inputs or {}).get(key, []),
             since_last_change_seconds=round(now - last_at, 3) if last_at is not None else None,
         )
         ev.explanation = explanation(ev, spec)
         events.append(ev)
-        new_tracks.pop(model, None)  # the count changes: time the next condition afresh
+        new_tracks.pop(key, None)  # the count changes: time the next condition afresh
     return events, new_tracks
 
 
 def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
     """Why `ev` is not what the rule decides on the state just before it (empty: same)."""
-    decl = state.models.get(ev.model)
-    if decl is None or decl.autoscale is None:
-        return [f"model {ev.model} was not declared with autoscale"]
-    spec = decl.autoscale
+    specs = {(m, r): spec for m, r, spec in state.autoscaled()}
+    spec = specs.get((ev.model, ev.role))
+    if spec is None:
+        what = f"pool {ev.role} of model {ev.model}" if ev.role else f"model {ev.model}"
+        return [f"{what} was not declared with autoscale"]
     out = []
-    desired = state.desired_replicas(ev.model)
+    desired = state.desired_replicas(ev.model, ev.role)
     if desired != ev.from_replicas:
         out.append(f"from: recorded {ev.from_replicas}, the log says {desired} were wanted")
     if ev.signal != spec.signal:
@@ -356,7 +382,7 @@ def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
         out.append(f"rule: recorded {ev.rule} to {ev.to_replicas}, now {prop.rule} to {prop.to}")
     if ev.sustained_seconds + 1e-6 < prop.after:
         out.append(f"held {ev.sustained_seconds:g} s, the rule needs {prop.after:g} s")
-    last = state.scaled.get(ev.model)
+    last = state.scaled.get(scaling_key(ev.model, ev.role))
     if prop.rule == SCALE_DOWN and last is not None:
         # Measured on the leader's monotonic clock; older events only have wall times.
         gap = ev.since_last_change_seconds
