@@ -153,6 +153,28 @@ async def test_demand_counts_in_flight_and_capacity_of_ready_endpoints():
     assert model_demand(g.controller, "m", (*eps, learned), clock()).waiting == 0
 
 
+async def test_demand_of_a_disaggregated_model_counts_each_pool_on_its_own_endpoints():
+    clock = Clock()
+    g = open_gate(clock)
+    prefill, decode_a, decode_b = Ep("p1"), Ep("d1"), Ep("d2")
+    for ep, role, inflight in (
+        (prefill, "prefill", 1),
+        (decode_a, "decode", 3),
+        (decode_b, "decode", 2),
+    ):
+        ep.spec = contracts.Endpoint(id=ep.id, url=f"http://{ep.id}", max_running=4, role=role)
+        ep.inflight = inflight
+    decode_b.state = EndpointState.DRAINING
+    d = model_demand(g.controller, "m", (prefill, decode_a, decode_b), clock())
+    assert d.pools == {
+        "prefill": contracts.PoolDemand(in_flight=1, capacity=4, ready=1),
+        "decode": contracts.PoolDemand(in_flight=5, capacity=4, ready=1),
+    }
+    assert (d.in_flight, d.ready, d.capacity) == (6, 2, 8)  # the whole model, as before
+    # An aggregated model reports no pools.
+    assert model_demand(g.controller, "m", (Ep("e1"),), clock()).pools == {}
+
+
 async def test_the_summary_does_not_change_the_endpoints_admission_decides_on():
     clock = Clock()
     g = open_gate(clock)
