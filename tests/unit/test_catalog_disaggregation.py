@@ -102,6 +102,14 @@ def test_a_pool_autoscale_is_checked_like_a_model_one_naming_the_pool():
         "disaggregation.decode.autoscale.min (3), got 2",
         f"{LABEL}: disaggregation.decode.autoscale.tolerance: must be in [0, 1), got 1.0",
     ]
+    out = problems(
+        "    disaggregation: {decode: {replicas: 3, autoscale: {min: 1, max: 4}}, "
+        "connector: {shared_path: /kv}}\n"
+    )
+    assert out == [
+        f"{LABEL}: disaggregation.decode.replicas: exclusive with "
+        "disaggregation.decode.autoscale (the pool starts at autoscale.min); remove one of them"
+    ]
 
 
 def test_sglang_cannot_serve_a_pool_and_the_message_says_which_profile():

@@ -322,6 +322,13 @@ def _check_disaggregation(label: str, m: CatalogModel, d: c.DisaggregationSpec) 
         pool: c.PoolSpec = getattr(d, role)
         where = f"disaggregation.{role}"
         if pool.autoscale is not None:
+            if pool.replicas != c.PoolSpec().replicas:
+                # A count other than the default: one the file set (`replicas: 1` cannot be
+                # told from no replicas at all, and means the same as min 1).
+                out.append(
+                    f"{label}: {where}.replicas: exclusive with {where}.autoscale (the pool "
+                    "starts at autoscale.min); remove one of them"
+                )
             out += _check_autoscale(label, pool.autoscale, f"{where}.autoscale")
             if pool.autoscale.min < 1:
                 out.append(
