@@ -12,7 +12,8 @@ import asyncio
 from llmgw import contracts as c
 from llmgw import subjects as s
 from llmgw.opcli import explain
-from llmgw.reconciler.audit import replay_cli
+from llmgw.reconciler.audit import replay_cli, verify
+from llmgw.reconciler.store import schema
 from tests.integration.test_control_loop import NO_TLS, SimAgent, cli, real_reconciler, wait_kv
 from tests.integration.test_reconciler_apply import apply
 from tests.integration.test_rolling_update import api_until
@@ -27,6 +28,15 @@ models:
       connector: {kind: ExampleConnector, shared_path: /tmp/llmgw-kv}
 """
 SLOTS = 8  # the simulated agents report max_running=8
+
+
+async def table_differences(database_url: str) -> list[str]:
+    """What `llmgw audit verify` finds between the state tables and a replay of the log."""
+    engine = schema.make_engine(database_url)
+    try:
+        return (await verify.verify(engine)).differences
+    finally:
+        await engine.dispose()
 
 
 def ready_roles(rec: c.ModelEndpoints | None) -> list[str]:
@@ -114,9 +124,28 @@ async def test_the_loaded_decode_pool_scales_up_and_the_prefill_pool_stays(
             )
             assert code == 0, text
             assert "m decode pool scaled 1 → 3: same" in text, text
+            assert await table_differences(database_url) == []  # (model, role) rows verify
+
+            # The decode pool gets a fixed count again: its scaling row goes, the pool
+            # follows the catalog's count, and the tables still match a replay.
+            stop.set()
+            await asyncio.wait_for(routers, 5)
+            fixed = CATALOG.replace(
+                "decode: {autoscale: {min: 1, max: 3, target: 0.5, scale_up_after_seconds: 0.5}}",
+                "decode: {replicas: 2}",
+            )
+            assert await apply(tmp_path, fixed, nats_url) == 0
+            data = await api_until(
+                api,
+                "/api/explain/m",
+                lambda d: [p["desired_replicas"] for p in d["pools"]] == [1, 2],
+                "the decode pool back to the catalog's 2",
+            )
+            assert data["pools"][1]["autoscale"] is None
+            assert await table_differences(database_url) == []
         finally:
             stop.set()
-            if routers is not None:
+            if routers is not None and not routers.done():
                 await asyncio.wait_for(routers, 5)
             for a in agents:
                 await a.stop()
