@@ -244,8 +244,9 @@ class DisaggregationSeries:
     def __init__(self) -> None:
         self.pd_legs = Counter(
             "llmgw_router_pd_legs_total",
-            "Attempts of a disaggregated request's legs, by model, leg (prefill, decode) "
-            "and outcome (ok, failed, refused).",
+            "Attempts of a disaggregated request's legs, by model, leg (prefill, decode, "
+            "release: the decode leg re-sent for a gone client's KV) and outcome (ok, failed, "
+            "refused).",
             ("model", "leg", "outcome"),
         )
         self.pd_prefill_duration = Histogram(

@@ -245,3 +245,27 @@ async def test_a_model_without_disaggregation_is_untouched(client):
     assert seen.body == CHAT
     assert metric_sum(metrics, "llmgw_router_pd_legs_total") == 0
     assert metric_sum(metrics, "llmgw_router_pd_whole_total") == 0
+
+
+async def test_a_client_gone_before_the_decode_leg_answered_has_its_kv_read_anyway(client):
+    """NixlConnector keeps the prompt's KV on the prefill engine until a decode engine
+    reads it: the router sends the decode leg once more, one token, answer dropped."""
+    async with fake_engines("p1", "d1", hang_before_headers=True) as (p1, d1):
+        p1.hang_before_headers = False
+        async with running_router(pd([p1, d1], {"p1": "prefill", "d1": "decode"})) as r:
+            task = asyncio.create_task(post(client, r.url, CHAT))
+            await when_seen([d1])
+            d1.hang_before_headers = False
+            task.cancel()
+            async with asyncio.timeout(5):
+                while 'leg="release"' not in (metrics := await metrics_of(client, r)):
+                    await asyncio.sleep(0.02)
+    decode, release = d1.seen
+    assert release.body["max_tokens"] == 1 and release.body["stream"] is False
+    assert "stream_options" not in release.body
+    assert release.body["messages"] == CHAT["messages"]
+    assert release.body["kv_transfer_params"] == decode.body["kv_transfer_params"]
+    assert release.body["kv_transfer_params"]["remote_engine_id"] == "p1"
+    assert len(p1.seen) == 1  # the KV is read, not computed again
+    assert metric_sum(metrics, "llmgw_router_pd_legs_total", leg="release", outcome="ok") == 1
+    assert metric_sum(metrics, "llmgw_router_client_disconnects_total", model="m") == 1

@@ -95,6 +95,20 @@ def test_the_prefill_engines_params_pass_to_the_decode_leg_verbatim():
     assert out["stream"] is True and out["max_tokens"] == 50
 
 
+def test_a_release_read_is_the_decode_leg_for_one_whole_token_with_the_params():
+    params = b'{"do_remote_prefill":true,"remote_engine_id":"p1","remote_block_ids":[[4,5]]}'
+    body = (
+        b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,'
+        b'"stream_options":{"include_usage":true},"max_completion_tokens":50,"min_tokens":9}'
+    )
+    out = json.loads(disagg.release_body(body, params))
+    assert out["stream"] is False and out["max_tokens"] == 1
+    assert out["max_completion_tokens"] == 1
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["kv_transfer_params"] == json.loads(params)
+    assert out["messages"] == [{"role": "user", "content": "x"}]
+
+
 def test_null_or_missing_params_leave_the_decode_body_as_the_client_sent_it():
     # ExampleConnector answers null: the decode engine finds the KV by the prompt.
     for answer in (b'{"kv_transfer_params":null}', b'{"id":"c1"}', b"not json"):

@@ -35,6 +35,7 @@ decode leg is never sent.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
@@ -65,6 +66,8 @@ REMOTE_DECODE = {
 }
 # Prompt bytes per token, as admission estimates a request's tokens (admission/gate.py).
 BYTES_PER_TOKEN = 4
+# How long a release read may take (connect, the KV read, one token) before it is let go.
+RELEASE_SECONDS = 30.0
 _NULL = b"null"
 
 _decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
@@ -118,14 +121,28 @@ def decode_body(body: bytes, params: bytes) -> bytes:
     return msgspec.json.encode(top)
 
 
-class Legs:
-    """One request's legs: what its prefill leg returned, and the body each decode
-    attempt sends."""
+def release_body(body: bytes, params: bytes) -> bytes:
+    """A decode leg no client waits for: answered whole after one token, with the
+    prefill engine's params, so the decode engine reads the KV kept for it."""
+    top = rq.top_keys(body)
+    top.pop("stream_options", None)
+    top.pop("min_tokens", None)
+    values: dict[str, object] = {"stream": False, "max_tokens": 1}
+    if "max_completion_tokens" in top:
+        values["max_completion_tokens"] = 1
+    values["kv_transfer_params"] = msgspec.Raw(params)
+    return rq.with_keys(top, **values)
 
-    __slots__ = ("params", "_plain", "_decode")
+
+class Legs:
+    """One request's legs: what its prefill leg returned, the body each decode attempt
+    sends, and the decode endpoint last sent one."""
+
+    __slots__ = ("params", "decode_ep", "_plain", "_decode")
 
     def __init__(self) -> None:
         self.params: bytes | None = None  # the prefill engine's kv_transfer_params
+        self.decode_ep: EndpointRuntime | None = None
         self._plain = b""
         self._decode = b""
 
@@ -135,6 +152,7 @@ class Legs:
         has no connector and computes the prompt itself."""
         if self.params is None or ep.spec.role != DECODE:
             return body
+        self.decode_ep = ep
         if body is not self._plain:
             self._plain = body
             self._decode = decode_body(body, self.params)
@@ -151,6 +169,62 @@ class Legs:
         if ep.spec.role == DECODE:
             outcome = "ok" if failure is None else "failed"
             metrics.pd_legs.inc((route.name, "decode", outcome))
+
+
+class Releases:
+    """Release reads: the decode legs a prefill engine's KV still waits for when the
+    client left before the decode leg answered.
+
+    NixlConnector keeps a prompt's KV on the prefill engine until a decode engine reads
+    it, and vLLM 0.32 has no call that frees it otherwise: left alone, it is stranded for
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s). So the decode leg is sent anyway, one token,
+    its answer dropped: the decode engine reads the KV and the prefill engine frees it.
+    Only with params (ExampleConnector returns none: its files are not the engine's
+    cache). The proxy owns the reads and cancels those still running when it stops."""
+
+    def __init__(self, upstream: Upstream):
+        self.upstream = upstream
+        self._reads: set[asyncio.Task] = set()
+
+    def release(
+        self, legs: Legs, ex: Exchange, route: ModelRoute, req: rq.Parsed, body: bytes, path: str
+    ) -> bool:
+        """Start the release read of `legs` (False: nothing to release)."""
+        ep = legs.decode_ep
+        session = self.upstream.session
+        if legs.params is None or ep is None or session is None:
+            return False
+        headers = ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid))
+        data = release_body(body, legs.params)
+        read = asyncio.ensure_future(self._read(session, ep.target(path), data, headers, route))
+        self._reads.add(read)
+        read.add_done_callback(self._reads.discard)
+        return True
+
+    async def _read(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        data: bytes,
+        headers: dict[str, str],
+        route: ModelRoute,
+    ) -> None:
+        outcome = "failed"
+        try:
+            async with asyncio.timeout(RELEASE_SECONDS):
+                async with session.post(url, data=data, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        outcome = "ok"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("release read failed: %s", exc, extra={"model": route.name})
+        self.upstream.metrics.pd_legs.inc((route.name, "release", outcome))
+
+    async def stop(self) -> None:
+        for read in list(self._reads):
+            read.cancel()
+        if self._reads:
+            await asyncio.wait(self._reads, timeout=RELEASE_SECONDS)
 
 
 class _Outcome:

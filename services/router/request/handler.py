@@ -113,6 +113,7 @@ class Proxy:
         self._time = time.monotonic
         self._ltime = time.monotonic
         self.upstream = Upstream(metrics, self._time)
+        self.releases = disagg.Releases(self.upstream)  # KV a gone client left on prefill
         self.holders = HolderWait(view)
         self.stored = StoredResponses(self)
         self.upstream.on_response_id = self.stored.remember
@@ -140,6 +141,7 @@ class Proxy:
         self._ltime = asyncio.get_running_loop().time
 
     async def stop(self) -> None:
+        await self.releases.stop()
         if self.upstream.session is not None:
             await self.upstream.session.close()
             self.upstream.session = None
@@ -263,16 +265,37 @@ class Proxy:
             self._prepare(req, ex.headers),
         )
         walk.prepare(ctx, route)
+        # The body names the model it goes to: rewritten once per model, not per attempt.
+        body = req.body if req.model == route.name else rq.with_model(req, route.name)
+        legs = None
+        if route.pipeline.disaggregation is not None:
+            legs = await self._prefill_leg(ex, req, route, body, path, ctx)
+            try:
+                return await self._walk(ex, req, route, path, walk, ctx, legs, body)
+            except ClientGone:
+                if legs is not None and not ex.started:
+                    # Gone before the decode leg answered: its KV would be stranded.
+                    self.releases.release(legs, ex, route, req, body, path)
+                raise
+        return await self._walk(ex, req, route, path, walk, ctx, legs, body)
+
+    async def _walk(
+        self,
+        ex: Exchange,
+        req: rq.Parsed,
+        route: ModelRoute,
+        path: str,
+        walk: Walk,
+        ctx: Context,
+        legs: disagg.Legs | None,
+        body: bytes,
+    ) -> None:
+        """Attempts until one answers the client, or the walk has nothing left."""
         metrics = self.metrics
         attempt = self.upstream.attempt
         ltime = self._ltime
         total_at = ex.guard.total_at
         model = route.name
-        # The body names the model it goes to: rewritten once per model, not per attempt.
-        body = req.body if req.model == model else rq.with_model(req, model)
-        legs = None
-        if route.pipeline.disaggregation is not None:
-            legs = await self._prefill_leg(ex, req, route, body, path, ctx)
         while True:
             ctx.now = self._time()
             ep = walk.next(ctx, ltime() >= total_at)
