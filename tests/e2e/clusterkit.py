@@ -59,6 +59,20 @@ def cli(
     )
 
 
+def events(cluster: devcluster.DevCluster, type_: str, model: str | None = None) -> list[dict]:
+    """The cluster's events of one type (and model), oldest first, as `llmgw events
+    export` gives them."""
+    res = cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
+    assert res.returncode == 0, res.stderr
+    out = []
+    for line in res.stdout.splitlines():
+        ev = json.loads(line)
+        ev = ev.get("event") or ev
+        if ev.get("type") == type_ and (model is None or ev.get("model") == model):
+            out.append(ev)
+    return out
+
+
 def api_headers(cluster: devcluster.DevCluster) -> dict[str, str]:
     """The dev cluster's admin token, as the operator API wants it."""
     return {"Authorization": f"Bearer {cluster.info['api_token']}"}

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.dev.simkit import SimProcess, start_sim
+from llmgw.router.relay.disagg import REMOTE_DECODE
 
 MODEL = "sim-model"
 OPTIONS = dict(
@@ -17,14 +18,6 @@ OPTIONS = dict(
     enable_chunked_prefill=True,
     max_num_batched_tokens=512,
 )
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def test_prefill_leg_answers_nixl_params_and_the_decode_leg_loads_instead_of_com
     d0, p0 = metrics(decode), metrics(prefill)
     first = httpx.post(
         f"{prefill.url}/v1/chat/completions",
-        json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS},
+        json={**body, "max_tokens": 1, "stream": False, "kv_transfer_params": REMOTE_DECODE},
         timeout=30,
     ).raise_for_status()
     answer = first.json()

@@ -123,6 +123,12 @@ def launch(argv: list[str], env: dict[str, str], log_path: Path, url: str) -> En
     return Engine(proc, url, log_path, argv)
 
 
+def report(capsys, line: str) -> None:
+    """A figure the run prints whatever pytest captures (the note quotes them)."""
+    with capsys.disabled():
+        print(f"\n[real_engine] {line}", flush=True)
+
+
 def wait(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     last = None

@@ -9,7 +9,6 @@ kill nor the drain deadline, which long streams outlive, may cut one.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -87,11 +86,6 @@ def cluster(vllm_python, tiny_model, tmp_path_factory):
         c.stop()
 
 
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"\n[real_engine] {line}", flush=True)
-
-
 def records(cluster) -> list:
     out = []
     for name in ("agent-1", "agent-2"):
@@ -147,18 +141,6 @@ def migrations(cluster) -> int:
     return int(total)
 
 
-def statuses(cluster) -> list[dict]:
-    res = ck.cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
-    assert res.returncode == 0, res.stderr
-    out = []
-    for line in res.stdout.splitlines():
-        ev = json.loads(line)
-        ev = ev.get("event") or ev
-        if ev.get("type") == "shard.status" and ev.get("model") == MODEL:
-            out.append(ev)
-    return out
-
-
 def test_dev_says_what_the_applied_catalog_serves(cluster):
     assert cluster.info["models"] == [MODEL]
     assert cluster.info["api_key"] is None  # the catalog has no tenants: no key needed
@@ -184,9 +166,9 @@ def test_apply_launches_two_real_vllm_replicas_and_the_first_token_follows(
     t0 = time.monotonic()
     ck.apply_catalog(cluster, catalog(tiny_model, 2))
     kit.wait(first_token, 600, "the first token through the router", interval=0.25)
-    report(capsys, f"llmgw apply -> first token with real vLLM: {time.monotonic() - t0:.1f}s")
+    kit.report(capsys, f"llmgw apply -> first token with real vLLM: {time.monotonic() - t0:.1f}s")
     ck.wait(lambda: len(ready_urls(cluster)) == 2, 600, "both replicas ready")
-    report(capsys, f"llmgw apply -> both replicas ready: {time.monotonic() - t0:.1f}s")
+    kit.report(capsys, f"llmgw apply -> both replicas ready: {time.monotonic() - t0:.1f}s")
     assert {e["node"] for e in ck.ready_endpoints(cluster, MODEL)} == {"node-1", "node-2"}
     engines = [r for r in records(cluster) if r.state.value == "ready"]
     assert len(engines) == 2
@@ -213,7 +195,7 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
             return next(
                 (
                     s
-                    for s in statuses(cluster)
+                    for s in ck.events(cluster, "shard.status", MODEL)
                     if s["shard_id"] == victim.shard_id and s["state"] == "failed"
                 ),
                 None,
@@ -234,7 +216,7 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
         kit.wait(lambda: traffic.ok() >= settled + 8, 120, "traffic through the replacement")
     failures = traffic.failures()
     moved = migrations(cluster) - moved
-    report(
+    kit.report(
         capsys,
         f"kill -9 under traffic: {traffic.ok()} ok, {len(failures)} failed "
         f"({sum(f.stream for f in failures)} streams cut mid-answer), "
@@ -256,7 +238,9 @@ def test_kill_9_of_an_engine_under_traffic_is_replaced_and_reported(cluster, cap
 
 def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model, capsys):
     wait_routers(cluster, ready_urls(cluster))
-    before = {s["shard_id"] for s in statuses(cluster) if s["state"] == "stopped"}
+    before = {
+        s["shard_id"] for s in ck.events(cluster, "shard.status", MODEL) if s["state"] == "stopped"
+    }
     moved = migrations(cluster)
     with kit.Traffic(
         cluster.info["routers"], "unused", MODEL, concurrency=4, max_tokens=LONG_TOKENS
@@ -269,15 +253,22 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
         ck.wait(lambda: len(ready_urls(cluster)) == 1, 120, "scale down to one replica")
         wait_routers(cluster, ready_urls(cluster))
         stopped = ck.wait(
-            lambda: {s["shard_id"] for s in statuses(cluster) if s["state"] == "stopped"} - before,
+            lambda: (
+                {
+                    s["shard_id"]
+                    for s in ck.events(cluster, "shard.status", MODEL)
+                    if s["state"] == "stopped"
+                }
+                - before
+            ),
             120,
             "the retired engine to stop",
         )
-        report(capsys, f"scale-down: drained and stopped in {time.monotonic() - t0:.1f}s")
+        kit.report(capsys, f"scale-down: drained and stopped in {time.monotonic() - t0:.1f}s")
         settled = traffic.ok()
         kit.wait(lambda: traffic.ok() >= settled + 4, 300, "traffic on the remaining replica")
     moved = migrations(cluster) - moved
-    report(
+    kit.report(
         capsys,
         f"scale-down with {LONG_TOKENS}-token streams, drain deadline "
         f"{ENV['LLMGW_ACTOR__DRAIN_DEADLINE']}s: {traffic.ok()} ok, "
@@ -287,7 +278,7 @@ def test_a_scale_down_drains_a_real_vllm_before_stopping_it(cluster, tiny_model,
     # Not asserted: moved >= 1 (see the kill test): on a loaded box the retired engine's
     # streams may all end inside its drain; the sim e2e test pins the hand-over itself.
     [sid] = stopped
-    seq = [s["state"] for s in statuses(cluster) if s["shard_id"] == sid]
+    seq = [s["state"] for s in ck.events(cluster, "shard.status", MODEL) if s["shard_id"] == sid]
     assert "draining" in seq and seq.index("draining") < seq.index("stopped"), seq
     rec = next(r for r in records(cluster) if r.shard_id == sid)
     assert not engine_procs.group_alive(rec.pid)  # the vLLM process group is gone

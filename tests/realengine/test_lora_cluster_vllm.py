@@ -19,7 +19,6 @@ TTFT of an adapter against the base model's.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import threading
@@ -95,11 +94,6 @@ def client(cluster) -> openai.OpenAI:
     )
 
 
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"\n[real_engine] {line}", flush=True)
-
-
 def adapter_view(cluster, name: str) -> dict:
     return next(a for a in ck.api(cluster, "/api/adapters") if a["name"] == name)
 
@@ -122,19 +116,6 @@ class RouterSeesAdapter(threading.Thread):
                 self.at = time.time()
                 return
             time.sleep(0.05)
-
-
-def events(cluster, type_: str) -> list[dict]:
-    """The cluster's events of one type, oldest first, as `llmgw events export` gives them."""
-    res = ck.cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
-    assert res.returncode == 0, res.stderr
-    out = []
-    for line in res.stdout.splitlines():
-        ev = json.loads(line)
-        ev = ev.get("event") or ev
-        if ev.get("type") == type_:
-            out.append(ev)
-    return out
 
 
 def first_token_seconds(client: openai.OpenAI, model: str, prompt: str = PROMPT) -> float:
@@ -186,16 +167,16 @@ def test_an_adapter_request_waits_for_its_load_then_is_answered(cluster, client,
     view = adapter_view(cluster, name)
     assert view["held_on"] == view["placed_on"] and len(view["held_on"]) == 1, view
     # Placed because the router's demand summary said its request was waiting for it.
-    decisions = events(cluster, "control.adapters.placed")
+    decisions = ck.events(cluster, "control.adapters.placed")
     placed = next((e for e in decisions if name in e["waiting"]), None)
     assert placed is not None, decisions
-    statuses = events(cluster, "shard.status")
+    statuses = ck.events(cluster, "shard.status")
     held = next(
         (s for s in statuses if name in (s.get("adapters") or []) and s["ts"] >= placed["ts"]),
         None,
     )
     assert held is not None, statuses  # the agent reported the load
-    report(
+    kit.report(
         capsys,
         f"first {name} request -> first token: {first:.2f}s (placed after "
         f"{placed['ts'] - sent_at:.2f}s, held per the agent after {held['ts'] - sent_at:.2f}s, "
@@ -210,7 +191,7 @@ def test_an_adapter_request_waits_for_its_load_then_is_answered(cluster, client,
         for model in (BASE, name):
             steady[model].append(first_token_seconds(client, model))
     ttft = {model: statistics.median(took) for model, took in steady.items()}
-    report(
+    kit.report(
         capsys,
         f"steady TTFT (median of 10, in turns): {BASE} {ttft[BASE] * 1000:.0f} ms, "
         f"{name} {ttft[name] * 1000:.0f} ms ({ttft[name] / ttft[BASE]:.2f}x)",
@@ -263,7 +244,7 @@ def test_the_operator_sees_both_adapters_held(cluster):
 def test_each_adapter_was_loaded_once_and_never_moved(cluster):
     changes = [
         (ch["adapter"], ch["action"])
-        for e in events(cluster, "control.adapters.placed")
+        for e in ck.events(cluster, "control.adapters.placed")
         for ch in e["changes"]
     ]
     assert sorted(changes) == sorted((name, "load") for name in ADAPTERS), changes

@@ -44,11 +44,6 @@ async def watch(nats) -> AsyncIterator[Watch]:
     yield await Watch().start(nats, "llmgw.evt.agent.>", subjects.LOAD_ALL)
 
 
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"\n[real_engine] {line}", flush=True)
-
-
 def adapters_cmd(key: str, boot_id: str, **sources) -> c.SetShardAdapters:
     return c.SetShardAdapters(
         key=key,
@@ -161,7 +156,7 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
         )
         await bus.publish(js, start)
         ready = await watch.wait_for(status("v", S.READY), timeout=SLOW)
-        report(capsys, f"vLLM with --enable-lora ready after {time.monotonic() - t0:.1f}s")
+        kit.report(capsys, f"vLLM with --enable-lora ready after {time.monotonic() - t0:.1f}s")
         assert ready.adapters == []
         argv = agent.shards["v"].rec.argv
         assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "2"
@@ -173,7 +168,7 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
         await bus.publish(js, adapters_cmd("ad-2", agent.boot_id, a1=a1, a2=a2))
         both = await watch.wait_for(holding(["a1", "a2"]), timeout=60)
         assert both.adapter_errors == {}
-        report(capsys, f"SetShardAdapters -> status holding a1: {loaded_in * 1000:.0f} ms")
+        kit.report(capsys, f"SetShardAdapters -> status holding a1: {loaded_in * 1000:.0f} ms")
 
         answers = {}
         for model in (kit.MODEL, "a1", "a2"):
@@ -185,7 +180,7 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
                 assert resp.status_code == 200, resp.text
                 assert resp.json()["model"] == model
             answers[model] = resp.json()["choices"][0]["text"]
-            report(
+            kit.report(
                 capsys,
                 f"8-token greedy answer as {model}: first {took[0]:.2f}s, then {took[1]:.2f}s",
             )
@@ -208,7 +203,7 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
         failed = await watch.wait_for(
             lambda m: holding(["a2"])(m) and "bad" in m.adapter_errors, after=seen, timeout=60
         )
-        report(capsys, f"bad path: {failed.adapter_errors['bad']}")
+        kit.report(capsys, f"bad path: {failed.adapter_errors['bad']}")
         assert failed.adapter_errors["bad"].startswith("HTTP 404: Loading lora bad failed")
         gone = await greedy(ready.url, "a1")
         assert gone.status_code == 404 and "does not exist" in gone.json()["error"]["message"]
@@ -226,11 +221,11 @@ async def test_the_agent_loads_adapters_into_a_real_vllm_at_run_time(
                     _answer(await http.post(f"{u}/v1/load_lora_adapter", json=too_wide))
                     for u in (ready.url, sim.url)
                 ]
-        report(capsys, f"rank 16 into --max-lora-rank 8: vLLM {answers[0]}")
+        kit.report(capsys, f"rank 16 into --max-lora-rank 8: vLLM {answers[0]}")
         assert answers[0][:2] == answers[1][:2] == (500, "InternalServerError")
         assert answers[1][2] in answers[0][2], answers
         vllm_page = (await metrics_page(ready.url)).decode()
-        report(
+        kit.report(
             capsys,
             "vLLM's runtime API: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in took.items()),
         )

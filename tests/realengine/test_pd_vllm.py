@@ -49,6 +49,7 @@ from llmgw.agent.state import StateDir
 from llmgw.dev import catalog as devcatalog
 from llmgw.dev.routerkit import metric_sum
 from llmgw.dev.simkit import sim_in_process
+from llmgw.router.relay.disagg import REMOTE_DECODE
 from tests.e2e import clusterkit as ck
 from tests.integration.test_agent_lifecycle import Watch, agent_config, running_agent, status
 from tests.realengine import kit, parity
@@ -58,15 +59,6 @@ pytestmark = pytest.mark.real_engine
 S = c.ShardState
 NODE = "n-pd-vllm"
 SLOW = 600.0  # two vLLM starts at once on two shared cores
-# The prefill leg's kv_transfer_params, as vLLM's own proxy sends them.
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -76,11 +68,6 @@ BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 async def watch(nats) -> AsyncIterator[Watch]:
     await bus.provision(nats.jetstream())
     yield await Watch().start(nats, "llmgw.evt.agent.>", subjects.LOAD_ALL)
-
-
-def report(capsys, line: str) -> None:
-    with capsys.disabled():
-        print(f"\n[real_engine] {line}", flush=True)
 
 
 def prompt(tag: str) -> str:
@@ -161,7 +148,9 @@ async def test_a_decode_vllm_loads_the_prompt_a_prefill_vllm_computed(
         await bus.publish(js, pd_start(tiny_model, shared, "d", "decode", 1))
         p = (await watch.wait_for(status("p", S.READY), timeout=SLOW)).url
         d = (await watch.wait_for(status("d", S.READY), timeout=SLOW)).url
-        report(capsys, f"prefill and decode vLLM ready {time.monotonic() - t0:.1f}s after start")
+        kit.report(
+            capsys, f"prefill and decode vLLM ready {time.monotonic() - t0:.1f}s after start"
+        )
         assert shared.is_dir()
         roles = {s: kv_transfer_config(agent.shards[s].rec.argv)["kv_role"] for s in "pd"}
         assert roles == {"p": "kv_producer", "d": "kv_consumer"}
@@ -189,7 +178,7 @@ async def _two_legs(p: str, d: str, shared: Path, capsys) -> None:
     assert first.status_code == 200, first.text
     n = first.json()["usage"]["prompt_tokens"]
     # ExampleConnector finds the KV by prompt content: it returns no parameters.
-    report(
+    kit.report(
         capsys,
         f"prefill leg: {prefill_s * 1000:.0f} ms, kv_transfer_params "
         f"{first.json().get('kv_transfer_params')!r}, {len(os.listdir(shared))} folder(s)",
@@ -201,7 +190,7 @@ async def _two_legs(p: str, d: str, shared: Path, capsys) -> None:
     got = delta(await sources(d), before)
     # Only full blocks of the prompt less its last token are saved and loaded.
     full = (n - 2) // block * block
-    report(
+    kit.report(
         capsys, f"{n}-token prompt, block {block}: D's {got} (decode leg {decode_s * 1000:.0f} ms)"
     )
     assert full > 0
@@ -259,7 +248,7 @@ async def _sim_answers_as_vllm(p: str, d: str, capsys) -> None:
         sim_shape, vllm_shape = (parity.shape(legs[n][i]) for n in ("sim", "vllm"))
         diffs += parity.diff_shapes(leg, sim_shape, vllm_shape)
     nulls, expected, unexpected = parity.classify(diffs, KNOWN)
-    report(
+    kit.report(
         capsys,
         f"sim vs vLLM on the two legs: {len(nulls)} null-only fields, known "
         f"{[str(d) for d, _ in expected]}",
@@ -267,7 +256,7 @@ async def _sim_answers_as_vllm(p: str, d: str, capsys) -> None:
     assert unexpected == [], [str(d) for d in unexpected]
     assert "kv_transfer_params" in legs["vllm"][0] and legs["sim"][0]["kv_transfer_params"]
     shapes = {name: _counter_shape(page) for name, page in pages.items()}
-    report(capsys, f"D's P/D counters: vLLM {shapes['vllm']}, sim {shapes['sim']}")
+    kit.report(capsys, f"D's P/D counters: vLLM {shapes['vllm']}, sim {shapes['sim']}")
     assert shapes["sim"] == shapes["vllm"], shapes
 
 
@@ -300,7 +289,7 @@ async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
     before = await sources(d)
     after_kill = await complete(d, text, 16)
     assert after_kill.status_code == 200, after_kill.text
-    report(
+    kit.report(
         capsys,
         f"P killed mid-leg: client saw {outcome}; agent: {failed.reason!r}; "
         f"D then served it with {delta(await sources(d), before)}",
@@ -310,7 +299,7 @@ async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
     t0 = time.monotonic()
     await bus.publish(js, pd_start(model, shared, "p", "prefill", 0, key="start-p-again"))
     ready = await watch.wait_for(status("p", S.READY), after=seen, timeout=SLOW)
-    report(capsys, f"P relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
+    kit.report(capsys, f"P relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
     assert kv_transfer_config(agent.shards["p"].rec.argv)["kv_role"] == "kv_producer"
     return ready.url  # the port may be another
 
@@ -335,13 +324,15 @@ async def _partial_folder(js, watch, model, shared, p, d, capsys) -> str:
     # D finds the prompt's folder, its worker fails to load the missing layer, its engine
     # core dies and the server exits (status 0): the agent reports the shard failed.
     failed = await watch.wait_for(status("d", S.FAILED), after=seen, timeout=60)
-    report(capsys, f"a folder missing {layers[-1]}: D answered {outcome}; agent: {failed.reason!r}")
+    kit.report(
+        capsys, f"a folder missing {layers[-1]}: D answered {outcome}; agent: {failed.reason!r}"
+    )
     assert outcome.startswith("HTTP 500") and "EngineCore" in outcome, outcome
     seen = len(watch.messages)
     await bus.publish(js, pd_start(model, shared, "d", "decode", 1, key="start-d-again"))
     t0 = time.monotonic()
     ready = await watch.wait_for(status("d", S.READY), after=seen, timeout=SLOW)
-    report(capsys, f"D relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
+    kit.report(capsys, f"D relaunched by a new StartShard, ready in {time.monotonic() - t0:.1f}s")
     return ready.url
 
 
@@ -363,7 +354,7 @@ async def _folder_unwritable_while_serving(watch, shared, p, capsys) -> None:
     # vLLM's worker raises in the forward pass (NotADirectoryError), its engine core dies
     # and the server exits (with status 0): the agent reports the shard failed.
     failed = await watch.wait_for(status("p", S.FAILED), after=seen, timeout=60)
-    report(
+    kit.report(
         capsys,
         f"folder unwritable under P: its prefill leg {outcome} in {took:.1f}s; "
         f"agent: {failed.reason!r}",
@@ -385,7 +376,7 @@ async def _decode_killed(watch, agent, p, d, capsys) -> None:
     except httpx.HTTPError as exc:
         outcome = type(exc).__name__
     failed = await watch.wait_for(status("d", S.FAILED), after=seen, timeout=60)
-    report(capsys, f"D killed mid-answer: client saw {outcome}; agent: {failed.reason!r}")
+    kit.report(capsys, f"D killed mid-answer: client saw {outcome}; agent: {failed.reason!r}")
     assert outcome != "HTTP 200"
     still = await prefill_leg(p, prompt("after decode killed"))
     assert still.status_code == 200
@@ -493,7 +484,7 @@ def test_through_the_router_the_decode_engine_skips_the_prefill(
     t0 = time.monotonic()
     ck.apply_catalog(pd_cluster, pd_catalog(tiny_model, shared))
     got = wait_pools(pd_cluster)
-    report(capsys, f"llmgw apply -> both pools ready, routed: {time.monotonic() - t0:.1f}s")
+    kit.report(capsys, f"llmgw apply -> both pools ready, routed: {time.monotonic() - t0:.1f}s")
     d = got["decode"]["url"].rstrip("/")
     block = int(next(iter(kit.samples_by(d, "vllm:cache_config_info", "block_size"))))
     before = kit.total(d, EXTERNAL_HITS)
@@ -503,7 +494,7 @@ def test_through_the_router_the_decode_engine_skips_the_prefill(
     assert answer.headers.get("x-llmgw-endpoint") == got["decode"]["shard_id"]
     n = answer.json()["usage"]["prompt_tokens"]
     hits = kit.total(d, EXTERNAL_HITS) - before
-    report(capsys, f"through the router: a {n}-token prompt, {hits:.0f} tokens loaded by D")
+    kit.report(capsys, f"through the router: a {n}-token prompt, {hits:.0f} tokens loaded by D")
     assert hits == (n - 2) // block * block > 0
     after = router_counter(pd_cluster, "llmgw_router_pd_legs_total", leg="prefill", outcome="ok")
     assert after == legs + 1
@@ -544,7 +535,7 @@ def _routed_prefill_killed(cluster, got: dict, shared: Path, capsys) -> None:
     t0 = time.monotonic()
     gap = routed(cluster, prompt("router, no P"))
     half = _half_written(shared, folders)
-    report(
+    kit.report(
         capsys,
         f"router, P killed mid-request: HTTP {first.status_code}; the next request HTTP "
         f"{gap.status_code}; fallbacks {delta(_counters(cluster), before)}; "
@@ -564,7 +555,7 @@ def _routed_prefill_killed(cluster, got: dict, shared: Path, capsys) -> None:
     else:
         assert first.status_code == 200 and gap.status_code == 200, (first.text, gap.text)
     wait_pools(cluster, gone=frozenset(gone))
-    report(capsys, f"a new prefill replica routed {time.monotonic() - t0:.1f}s after the kill")
+    kit.report(capsys, f"a new prefill replica routed {time.monotonic() - t0:.1f}s after the kill")
 
 
 def _routed_decode_killed(cluster, got: dict, capsys) -> None:
@@ -582,7 +573,7 @@ def _routed_decode_killed(cluster, got: dict, capsys) -> None:
                     os.killpg(engine_pid(cluster, got["decode"]["url"]), signal.SIGKILL)
     t0 = time.monotonic()
     gap = routed(cluster, prompt("router, no D"))
-    report(
+    kit.report(
         capsys,
         f"router, D killed mid-stream: {len(events)} events, the last two "
         f"{[e[:200] for e in events[-2:]]}; a request with no decode engine: "
@@ -594,7 +585,7 @@ def _routed_decode_killed(cluster, got: dict, capsys) -> None:
     # 503 once the projection has dropped it: a prefill engine never answers a client.
     assert gap.status_code in (502, 503), gap.text
     wait_pools(cluster, gone=frozenset({got["decode"]["replica_id"]}))
-    report(capsys, f"a new decode replica routed {time.monotonic() - t0:.1f}s after the kill")
+    kit.report(capsys, f"a new decode replica routed {time.monotonic() - t0:.1f}s after the kill")
 
 
 def _routed_folder_unwritable(cluster, got: dict, shared: Path, capsys) -> None:
@@ -606,7 +597,7 @@ def _routed_folder_unwritable(cluster, got: dict, shared: Path, capsys) -> None:
     try:
         before = _counters(cluster)
         answer = routed(cluster, prompt("router, folder unwritable"))
-        report(
+        kit.report(
             capsys,
             f"router, folder unwritable: HTTP {answer.status_code} "
             f"{answer.text[:200]}; fallbacks {delta(_counters(cluster), before)}",
@@ -618,12 +609,12 @@ def _routed_folder_unwritable(cluster, got: dict, shared: Path, capsys) -> None:
         gone = ck.wait(
             lambda: (r := _failed(cluster, dead)).keys() == dead and r, 60, "both engines' end"
         )
-        report(capsys, f"both engines went: {gone}")
+        kit.report(capsys, f"both engines went: {gone}")
         assert set(gone.values()) == {"the engine exited with code 0"}, gone
-        refused = ck.wait(lambda: next((s for s in _statuses(cluster)
+        refused = ck.wait(lambda: next((s for s in ck.events(cluster, "shard.status", PD_MODEL)
                                         if "not writable" in s.get("reason", "")), None),
                           120, "a replacement refused for its folder")  # fmt: skip
-        report(capsys, f"a replacement's status: {refused['state']} {refused['reason']!r}")
+        kit.report(capsys, f"a replacement's status: {refused['state']} {refused['reason']!r}")
         assert refused["state"] == "failed"
         assert refused["reason"].endswith(
             "is not writable on node " + refused["node"] + ": it is a file, not a folder"
@@ -637,18 +628,6 @@ def _failed(cluster, shard_ids: set[str]) -> dict[str, str]:
     """The reason each of these shards failed, of those that did."""
     return {
         s["shard_id"]: s["reason"]
-        for s in _statuses(cluster)
+        for s in ck.events(cluster, "shard.status", PD_MODEL)
         if s["shard_id"] in shard_ids and s["state"] == "failed"
     }
-
-
-def _statuses(cluster) -> list[dict]:
-    res = ck.cli(cluster, "events", "export", "--from-seq", "1", "--api", cluster.info["api_url"])
-    assert res.returncode == 0, res.stderr
-    out = []
-    for line in res.stdout.splitlines():
-        ev = json.loads(line)
-        ev = ev.get("event") or ev
-        if ev.get("type") == "shard.status" and ev.get("model") == PD_MODEL:
-            out.append(ev)
-    return out

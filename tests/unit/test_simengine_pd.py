@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from llmgw.router.relay.disagg import REMOTE_DECODE
 from llmgw.simengine import kvtransfer, wire
 from llmgw.simengine.engine import Engine, EngineParams, Request
 from llmgw.simengine.protocol import ApiError, Limits, RequestParser
@@ -97,20 +98,10 @@ def parser() -> RequestParser:
     return RequestParser(Limits(frozenset({"m"}), 4096, "lorem", 8), seed=1)
 
 
-PREFILL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
 def test_the_unary_answer_carries_kv_transfer_params_only_when_the_request_did():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     plain = parser().chat(msgspec.json.encode(body))
-    leg = parser().chat(msgspec.json.encode({**body, "kv_transfer_params": PREFILL}))
+    leg = parser().chat(msgspec.json.encode({**body, "kv_transfer_params": REMOTE_DECODE}))
     assert kvtransfer.is_prefill_leg(leg.kv_transfer)
     assert not kvtransfer.is_decode_leg(leg.kv_transfer)
     answer = {"do_remote_prefill": True}
