@@ -13,12 +13,10 @@ from llmgw.router.http.admin import MergedStats
 
 
 def write_ready_snapshot(directory):
-    snapshots.write(
-        directory,
-        snapshots.Snapshot(
-            pid=os.getpid(), written_at=time.time(), ready=True, metrics={}, endpoints=[]
-        ),
+    snap = snapshots.Snapshot(
+        pid=os.getpid(), written_at=time.time(), ready=True, metrics={}, endpoints=[]
     )
+    snapshots.Writer(directory, lambda: snap).flush()
 
 
 def test_not_ready_while_the_public_port_refuses_connections(tmp_path):

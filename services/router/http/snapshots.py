@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,13 +35,6 @@ class Snapshot(msgspec.Struct):
     ready: bool
     metrics: dict[str, list[list[Any]]]
     endpoints: list[dict[str, Any]]
-
-
-def write(directory: Path, snap: Snapshot) -> None:
-    path = directory / f"worker-{snap.pid}.snap"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(_encoder.encode(snap))
-    os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:
@@ -66,25 +61,43 @@ def read_all(directory: Path) -> list[tuple[Snapshot, bool]]:
 
 
 class Writer:
-    """The worker side: a task that writes this process's snapshot periodically."""
+    """The worker side: a task that writes this process's snapshot periodically.
+
+    Writes run in a thread, and one stuck on a lost disk can outlive the wait at stop:
+    so each write goes to its own temporary file, and a snapshot replaces the file only
+    if it is newer than the last one that did (the final flush is never overwritten by
+    an older write finishing late, so a dead worker's counters never go backwards)."""
 
     def __init__(self, directory: Path, make: Callable[[], Snapshot]):
         self.directory = directory
         self.make = make
         self._task: asyncio.Task | None = None
         self._writing: asyncio.Future | None = None
+        self._seq = itertools.count(1)
+        self._renamed = 0  # seq of the snapshot the file holds
+        self._rename_lock = threading.Lock()
 
     def start(self) -> None:
         self.flush()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def flush(self) -> None:
-        with contextlib.suppress(OSError):
-            write(self.directory, self.make())
+        self._write(self.make(), next(self._seq))
 
-    def _write(self, snap: Snapshot) -> None:
-        with contextlib.suppress(OSError):
-            write(self.directory, snap)
+    def _write(self, snap: Snapshot, seq: int) -> None:
+        path = self.directory / f"worker-{snap.pid}.snap"
+        tmp = path.with_suffix(f".{seq}.tmp")
+        try:
+            tmp.write_bytes(_encoder.encode(snap))
+            with self._rename_lock:
+                if seq > self._renamed:
+                    os.replace(tmp, path)
+                    self._renamed = seq
+                    return
+            tmp.unlink()
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     async def _run(self) -> None:
         while True:
@@ -92,7 +105,8 @@ class Writer:
             snap = self.make()  # on the loop: the state it reads is the loop's
             # The file write and rename leave the loop: on a busy disk they took
             # milliseconds, twice a second, and every request in flight waited.
-            self._writing = asyncio.ensure_future(asyncio.to_thread(self._write, snap))
+            seq = next(self._seq)
+            self._writing = asyncio.ensure_future(asyncio.to_thread(self._write, snap, seq))
             await asyncio.shield(self._writing)
 
     async def stop(self) -> None:
