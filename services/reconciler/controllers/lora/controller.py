@@ -121,6 +121,7 @@ class LoraController(Controller):
                     queued=inp.queued,
                     based_on_seq=state.last_seq,
                     explanation=decided.explanation(),
+                    policy=placement.POLICY,
                 )
             )
         return out

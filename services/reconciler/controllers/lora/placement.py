@@ -49,6 +49,12 @@ from llmgw import contracts as c
 from llmgw.reconciler.state.model import AdapterHoldings, ClusterState, Liveness
 from llmgw.reconciler.state.queries import is_ready
 
+# The rule's version, recorded on each AdaptersPlaced: `llmgw audit replay` re-derives a
+# decision only with the rule that made it. Bump it with any change that can decide
+# otherwise on the same inputs. 0 (not recorded): every rule before 1, the queue added to
+# the rate and the longest queue first among them; 1: the queue waiting longest first,
+# against what an incumbent expects over the horizon.
+POLICY = 1
 MARGIN = 1.5  # a challenger replaces an incumbent only with this much more demand per copy
 MIN_HOLD = 30.0  # seconds an adapter stays before its slot can be taken for more demand
 # Seconds an adapter stays before its slot can be taken for requests waiting: short, since
@@ -332,12 +338,12 @@ def held_now(holdings: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def check(state: ClusterState, ev: c.AdaptersPlaced) -> list[str]:
-    """How a recorded decision differs from what this code decides on the same state (as
-    of its `based_on_seq`) and the demand it recorded; [] when they agree."""
+    """How a recorded decision of this rule (`ev.policy == POLICY`) differs from what this
+    code decides on the same state (as of its `based_on_seq`) and the demand and queues it
+    recorded; [] when they agree."""
     if ev.model not in state.models:
         return [f"model {ev.model} was not declared at seq {ev.based_on_seq}"]
-    queued = {a: ev.queued.get(a, 0) for a in ev.waiting}
-    derived = place(inputs_from(state, ev.model, ev.demand, queued, ev.ts))
+    derived = place(inputs_from(state, ev.model, ev.demand, ev.queued, ev.ts))
     recorded, now = held_now(ev.holdings), held_now(derived.holdings)
     if recorded == now:
         return []
