@@ -547,6 +547,9 @@ class AdaptersPlaced(Message, kw_only=True, tag="control.adapters.placed"):
     # The version of the placement rule that decided it (placement.POLICY): replay
     # re-derives only a decision of the rule it runs. 0: recorded before versions were.
     policy: int = 0
+    # Seconds each queue's oldest request had waited (as the leader counts it): a queue's
+    # claim on a slot grows with it (placement.py, policy 2 on).
+    waited: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):

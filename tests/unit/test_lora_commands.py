@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmgw import contracts as c
 from llmgw.reconciler.config import ReconcilerConfig, validate
 from llmgw.reconciler.controllers.lora.commands import adapter_commands
-from llmgw.reconciler.controllers.lora.demand import DemandSmoother
+from llmgw.reconciler.controllers.lora.demand import DemandSmoother, QueueAges
 from llmgw.reconciler.controllers.manager import ActorConfig
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 
@@ -92,6 +92,14 @@ def test_every_summary_heard_counts_though_a_later_one_replaced_it_before_a_deci
     sm.heard(latest := summary("s2", 4, waiting=1))
     demand, waiting = sm.update([latest], 10.0)
     assert abs(demand["m"]["x"] - 0.5) < 1e-9 and waiting == {"m": {"x": 1}}
+
+
+def test_a_queue_is_aged_from_when_it_was_first_heard_of_until_it_empties():
+    ages = QueueAges()
+    assert ages.update({"m": {"x": 2}}, 10.0) == {"m": {"x": 0.0}}
+    assert ages.update({"m": {"x": 3, "y": 1}}, 14.0) == {"m": {"x": 4.0, "y": 0.0}}
+    assert ages.update({"m": {"y": 1}}, 15.0) == {"m": {"y": 1.0}}  # x served
+    assert ages.update({"m": {"x": 1, "y": 1}}, 16.0) == {"m": {"x": 0.0, "y": 2.0}}
 
 
 def test_the_lora_tick_must_be_positive():
