@@ -544,6 +544,12 @@ class AdaptersPlaced(Message, kw_only=True, tag="control.adapters.placed"):
     waiting: list[str] = msgspec.field(default_factory=list)
     # How many requests each of those had waiting: what a slot is taken for (placement.py).
     queued: dict[str, int] = msgspec.field(default_factory=dict)
+    # The version of the placement rule that decided it (placement.POLICY): replay
+    # re-derives only a decision of the rule it runs. 0: recorded before versions were.
+    policy: int = 0
+    # Seconds each queue's oldest request had waited (as the leader counts it): a queue's
+    # claim on a slot grows with it (placement.py, policy 2 on).
+    waited: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):

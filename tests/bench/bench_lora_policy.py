@@ -10,10 +10,14 @@ smooths it (30 s half-life) and the requests waiting per adapter; the control lo
 delay: an adapter a decision loads serves `--loop` seconds later (command, a 0.3 s load,
 the agent's report, fold, projection: about 0.7 s on the local cluster), and one it
 unloads serves no more at once. A request for an adapter no engine holds waits until one
-does, or 30 s (admission's limit, counted as an error). Traffic: bench_lora's (Poisson
+does, or 30 s (admission's limit, counted as an error); a queue's age is its oldest
+request's (the leader counts from when it first heard of the queue: the same, give or
+take a summary's delay). Traffic: bench_lora's (Poisson
 at 50 requests/s, 40 adapters by Zipf 1.0, 4 replicas x 4 slots), the first 60 s not
-measured. TTFT is the wait plus 30 ms. The last column is the least mean TTFT any
-placement could reach with as many loads (_lora_frontier.py).
+measured. TTFT is the wait plus 30 ms; `worst` is the longest wait served, `errors` the
+requests turned away at 30 s. The last column is the least mean TTFT any placement could
+reach with as many loads (_lora_frontier.py). Each tuning is a hold, a horizon and a
+`max_wait` (inf: no aging, the rule before it).
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ from llmgw.reconciler.state.model import AdapterHoldings  # noqa: E402
 ADAPTERS = [f"tenant-{i:02d}" for i in range(40)]
 REPLICAS = [f"lora-base-r{i}" for i in range(1, 5)]
 SLOTS, RATE, WARMUP, TICK, HALF_LIFE, SERVED, TIMEOUT = 4, 50.0, 60.0, 0.25, 30.0, 0.03, 30.0
+# (waiting hold, horizon, max wait): the default without aging and with it, then the
+# holds and horizons around the default.
+TUNINGS = [
+    (1.5, 6.0, math.inf),
+    (1.5, 6.0, pl.MAX_WAIT),
+    (1.0, 4.0, pl.MAX_WAIT),
+    (1.5, 5.0, pl.MAX_WAIT),
+    (2.0, 6.0, pl.MAX_WAIT),
+    (1.5, 7.0, pl.MAX_WAIT),
+]
 
 
 class Cluster:
@@ -118,6 +132,7 @@ def run(tuning: pl.Tuning, seconds: float, loop: float, seed: int) -> dict:
                 current=cl.holdings,
                 demand={a: r for a, r in rates.items() if r > 1e-6},
                 queued={a: len(ts) for a, ts in cl.waiting.items()},
+                waited={a: now - min(ts) for a, ts in cl.waiting.items()},
                 now=now,
             )
             cl.apply(pl.place(inp, tuning), now, loop)
@@ -141,16 +156,18 @@ def main() -> int:
     args = parser.parse_args()
     rates = zipf_rates(len(ADAPTERS), 1.0, RATE)
     print(
-        f"{'hold':>5} {'horizon':>7} {'loads/1000':>10} {'mean':>6} {'p90':>6} {'p99':>6} "
-        f"{'worst':>6} {'errors':>6} {'least mean':>10}"
+        f"{'hold':>5} {'horizon':>7} {'max wait':>8} {'loads/1000':>10} {'mean':>6} {'p90':>6} "
+        f"{'p99':>6} {'worst':>6} {'errors':>6} {'least mean':>10}"
     )
-    for hold, horizon in ((5.0, 5.0), (1.0, 4.0), (1.5, 5.0), (1.5, 6.0), (2.0, 6.0), (1.5, 7.0)):
+    for hold, horizon, max_wait in TUNINGS:
         for seed in (1, 2):
-            r = run(pl.Tuning(waiting_hold=hold, horizon=horizon), args.seconds, args.loop, seed)
+            tuning = pl.Tuning(waiting_hold=hold, horizon=horizon, max_wait=max_wait)
+            r = run(tuning, args.seconds, args.loop, seed)
             least = least_mean_ttft(rates, SLOTS * len(REPLICAS), r["loads"] / 1000, SERVED)
             print(
-                f"{hold:>5} {horizon:>7} {r['loads']:>10.1f} {r['mean']:>5.2f}s {r['p90']:>5.2f}s "
-                f"{r['p99']:>5.1f}s {r['worst']:>5.1f}s {r['errors']:>6} {least:>9.2f}s"
+                f"{hold:>5} {horizon:>7} {max_wait:>8} {r['loads']:>10.1f} {r['mean']:>5.2f}s "
+                f"{r['p90']:>5.2f}s {r['p99']:>5.1f}s {r['worst']:>5.1f}s {r['errors']:>6} "
+                f"{least:>9.2f}s"
             )
     return 0
 

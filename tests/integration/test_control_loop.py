@@ -406,9 +406,9 @@ async def test_new_leader_rebuilds_liveness_and_projection(cluster, nats):
 
 
 @contextlib.asynccontextmanager
-async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
+async def real_reconciler(nats, database_url: str, actor: ActorConfig = FAST) -> AsyncIterator[str]:
     """The part-1 reconciler (Postgres fold, leadership, operator API) driving the actor
-    with FAST timings; yields its operator API's URL."""
+    with `actor`'s timings; yields its operator API's URL."""
     from llmgw.dev import servers as localservers
     from llmgw.reconciler.config import FoldConfig, LeaderConfig, ReconcilerConfig
     from llmgw.reconciler.service import Reconciler
@@ -424,7 +424,7 @@ async def real_reconciler(nats, database_url: str) -> AsyncIterator[str]:
         database_url=database_url,
         admin_listen=f"127.0.0.1:{port}",
         api_auth="none",  # loopback; the tests read the API, they are not about access
-        actor=FAST,
+        actor=actor,
         fold=FoldConfig(fetch_wait_seconds=0.1),
         leader=LeaderConfig(retry_interval_seconds=0.2, check_interval_seconds=0.2),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmgw import contracts as c
 from llmgw.reconciler.config import ReconcilerConfig, validate
 from llmgw.reconciler.controllers.lora.commands import adapter_commands
-from llmgw.reconciler.controllers.lora.demand import DemandSmoother
+from llmgw.reconciler.controllers.lora.demand import DemandSmoother, QueueAges
 from llmgw.reconciler.controllers.manager import ActorConfig
 from llmgw.reconciler.controllers.replicas import plan as reconcile
 
@@ -94,6 +94,31 @@ def test_every_summary_heard_counts_though_a_later_one_replaced_it_before_a_deci
     assert abs(demand["m"]["x"] - 0.5) < 1e-9 and waiting == {"m": {"x": 1}}
 
 
+def test_a_queue_is_aged_from_when_it_was_first_heard_of_until_it_empties():
+    ages = QueueAges()
+    assert ages.update({"m": {"x": 2}}, 10.0) == {"m": {"x": 0.0}}
+    assert ages.update({"m": {"x": 3, "y": 1}}, 14.0) == {"m": {"x": 4.0, "y": 0.0}}
+    assert ages.update({"m": {"y": 1}}, 15.0) == {"m": {"y": 1.0}}  # x served
+    assert ages.update({"m": {"x": 1, "y": 1}}, 16.0) == {"m": {"x": 0.0, "y": 2.0}}
+
+
 def test_the_lora_tick_must_be_positive():
     (problem,) = validate(ReconcilerConfig(actor=ActorConfig(lora_tick=0)))
     assert problem.startswith("actor.lora_tick = 0")
+
+
+def test_a_decision_that_leaves_a_replica_as_it_was_keeps_its_command_key():
+    # m-r2's load is slow: a decision that changes m-r1 only must not give m-r2's command
+    # a new key, which the tracker sends as new and the agent starts its retries over for.
+    log = ready_base()
+    log.append(c.AdapterDeclared(name="py", base="m", source="/l/py"))
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": [], "m-r2": ["sql"]}))
+    (slow,) = adapter_commands(log.state)
+    log.append(c.AdaptersPlaced(model="m", holdings={"m-r1": ["py"], "m-r2": ["sql"]}))
+    keys = {x.shard_id: x.key for x in adapter_commands(log.state)}
+    assert keys["m-r2-s0"] == slow.key and keys["m-r1-s0"] != slow.key
+    # The key is the state's, as a new leader loads it: the same after a replay.
+    assert log.state.adapter_holdings["m"].changed_seq == {
+        "m-r1": log.state.last_seq,
+        "m-r2": log.state.last_seq - 1,
+    }

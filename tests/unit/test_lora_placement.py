@@ -27,7 +27,16 @@ def held(holdings: dict[str, list[str]], at: float = 0.0) -> AdapterHoldings:
     )
 
 
-def decide(declared, current=None, demand=None, waiting=(), now=100.0, replicas=REPLICAS, slots=2):
+def decide(
+    declared,
+    current=None,
+    demand=None,
+    waiting=(),
+    now=100.0,
+    replicas=REPLICAS,
+    slots=2,
+    waited=None,
+):
     return place(
         Inputs(
             adapters=declared,
@@ -38,8 +47,9 @@ def decide(declared, current=None, demand=None, waiting=(), now=100.0, replicas=
             # a list names adapters with one request waiting each; a dict counts them
             queued=dict(waiting) if isinstance(waiting, dict) else dict.fromkeys(waiting, 1),
             now=now,
+            waited=waited or {},
         ),
-        Tuning(margin=1.5, min_hold=30.0, waiting_hold=5.0, horizon=5.0),
+        Tuning(margin=1.5, min_hold=30.0, waiting_hold=5.0, horizon=5.0, max_wait=12.0),
     )
 
 
@@ -92,6 +102,30 @@ def test_a_popular_adapter_keeps_its_slot_against_a_short_tail_queue():
     assert decide(adapters(*"abcde"), full, demand, waiting={"e": 4}).unplaced == ["e"]
     p = decide(adapters(*"abcde"), full, demand, waiting={"e": 6})
     assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("d", "unload")]
+
+
+def test_a_queue_that_has_waited_long_outweighs_the_least_demanded_incumbent_only():
+    # e's 2 requests against d's 7.5 expected in the 5 s horizon: e waits, until its
+    # oldest has waited 12 s (max_wait). Then it takes the least demanded slot, d's,
+    # never the most used adapters'.
+    full = held({"m-r1": ["a", "b"], "m-r2": ["c", "d"]})
+    demand = {"a": 5.0, "b": 2.0, "c": 3.0, "d": 1.5, "e": 0.2}
+
+    def after(waited: float):
+        return decide(adapters(*"abcde"), full, demand, waiting={"e": 2}, waited={"e": waited})
+
+    assert after(0.0).unplaced == ["e"]
+    assert after(11.9).unplaced == ["e"]
+    for waited in (12.0, 60.0):
+        assert [(x.adapter, x.action) for x in after(waited).changes] == [
+            ("e", "load"),
+            ("d", "unload"),
+        ]
+    assert "made room for e, which had requests waiting 60 s" in after(60.0).explanation()
+    # An incumbent decided but not serving yet keeps the requests waiting for it: the
+    # next least demanded gives way.
+    p = decide(adapters(*"abcde"), full, demand, waiting={"d": 2, "e": 2}, waited={"d": 1, "e": 60})
+    assert [(x.adapter, x.action) for x in p.changes] == [("e", "load"), ("b", "unload")]
 
 
 def test_an_adapter_decided_but_not_yet_serving_keeps_the_requests_waiting_for_it():

@@ -32,7 +32,10 @@ role set) against its pool's spec, count and previous decision.
 Each adapter placement (AdaptersPlaced) is placed again on the state as it was at its
 `based_on_seq` (a snapshot of its own: another controller's events of the same base
 are not in it) with the demand and waiting adapters it recorded, at its own time, and
-the holdings compared (lora.placement.check).
+the holdings compared (lora.placement.check). Only a decision of the rule this code runs
+is re-derived (its `policy`, the rule's version): one of another version is reported as
+not re-derivable and counted apart, since today's rule deciding otherwise says nothing
+about whether it was right. It fails the replay only with `strict`.
 
 `inputs_at(events, seq)` returns the snapshot one decision was based on, for
 `llmgw audit replay --explain SEQ`.
@@ -93,8 +96,14 @@ class AdapterCheck:
     recorded: c.AdaptersPlaced
     differences: list[str] = field(default_factory=list)
 
+    @property
+    def derivable(self) -> bool:
+        """Decided by the rule this code runs. One of another version is not re-derived:
+        today's rule would report it as different though nothing was wrong with it."""
+        return self.recorded.policy == adapter_placement.POLICY
+
     def differs(self, strict: bool = False) -> bool:
-        return bool(self.differences)
+        return bool(self.differences) or (strict and not self.derivable)
 
 
 @dataclass
@@ -253,7 +262,10 @@ def replay(
             result.scaling.append(ScaleCheck(seq, ev, autoscale.check(result.state, ev)))
         if isinstance(ev, c.AdaptersPlaced) and seq >= from_seq:
             base = adapter_bases.taken.get(ev.based_on_seq, result.state)
-            result.adapters.append(AdapterCheck(seq, ev, adapter_placement.check(base, ev)))
+            found = AdapterCheck(seq, ev)
+            if found.derivable:
+                found.differences = adapter_placement.check(base, ev)
+            result.adapters.append(found)
         fold.apply(result.state, seq, ev)
         snaps.done(seq)
         adapter_bases.done(seq)
@@ -364,21 +376,8 @@ def render(result: ReplayResult, *, strict: bool = False, verbose: bool = False)
         lines.append(f"    recorded:   {rec.explanation or rec.rule}")
         for d in sc.differences:
             lines.append(f"    ! {d}")
-    for ac in result.adapters:
-        if not (ac.differences or verbose):
-            continue
-        rec = ac.recorded
-        mark = "DIFFERS" if ac.differences else "same"
-        lines.append(f"seq {ac.seq} {rec.model} adapters (based on seq {rec.based_on_seq}): {mark}")
-        lines.append(f"    recorded:   {rec.explanation or 'no change explained'}")
-        for d in ac.differences:
-            lines.append(f"    ! {d}")
+    lines += _render_adapters(result.adapters, verbose)
     bad = sum(ch.differs(strict) for ch in result.checks)
-    if result.adapters:
-        lines.append(
-            f"{len(result.adapters)} adapter placement(s) re-derived, "
-            f"{sum(ac.differs() for ac in result.adapters)} differ"
-        )
     if result.scaling:
         scaled_bad = sum(sc.differs() for sc in result.scaling)
         lines.append(
@@ -391,6 +390,42 @@ def render(result: ReplayResult, *, strict: bool = False, verbose: bool = False)
         + ("" if strict else f", {sum(bool(ch.wording) for ch in result.checks)} reworded")
     )
     return lines
+
+
+def _render_adapters(checks: list[AdapterCheck], verbose: bool) -> list[str]:
+    """Each adapter placement that differs (every one with `verbose`), each one of another
+    rule's version, and a summary that counts those apart: they were not re-derived."""
+    lines = []
+    for ac in checks:
+        if ac.derivable and not (ac.differences or verbose):
+            continue
+        rec = ac.recorded
+        if not ac.derivable:
+            mark = f"not re-derivable (policy v{rec.policy})"
+        else:
+            mark = "DIFFERS" if ac.differences else "same"
+        lines.append(f"seq {ac.seq} {rec.model} adapters (based on seq {rec.based_on_seq}): {mark}")
+        lines.append(f"    recorded:   {rec.explanation or 'no change explained'}")
+        for d in ac.differences:
+            lines.append(f"    ! {d}")
+    if not checks:
+        return lines
+    derived = [ac for ac in checks if ac.derivable]
+    others: dict[int, int] = {}
+    for ac in checks:
+        if not ac.derivable:
+            others[ac.recorded.policy] = others.get(ac.recorded.policy, 0) + 1
+    summary = (
+        f"{len(derived)} adapter placement(s) re-derived, "
+        f"{sum(ac.differs() for ac in derived)} differ"
+    )
+    if others:
+        versions = ", ".join(f"{n} of policy v{v}" for v, n in sorted(others.items()))
+        summary += (
+            f"; {sum(others.values())} not re-derivable ({versions}; "
+            f"this code runs v{adapter_placement.POLICY})"
+        )
+    return [*lines, summary]
 
 
 def render_inputs(inp: Inputs) -> list[str]:

@@ -8,7 +8,9 @@ kept it); with none given: the operator API if one is configured
 The archive outlives stream retention, so it comes first.
 
 Exit status: 0 when every re-derived decision matches the recorded one, 1 when
-any differs, 3 when the log could not be read (2 is argparse's usage error).
+any differs (with --strict also when a verdict is reworded, or an adapter placement
+was decided by another version of its rule and so not re-derived), 3 when the log could
+not be read (2 is argparse's usage error).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--explain", type=int, metavar="SEQ", help="show the inputs of the decision at SEQ"
     )
     parser.add_argument(
-        "--strict", action="store_true", help="a verdict reworded counts as a difference"
+        "--strict",
+        action="store_true",
+        help="a verdict reworded, or an adapter placement of another policy version, fails",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print every decision, not only differences"

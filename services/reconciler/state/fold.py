@@ -252,9 +252,10 @@ def _adapters_placed(state: ClusterState, seq: int, ev: c.AdaptersPlaced) -> set
         return set()  # decided just before the model left
     before = state.adapter_holdings.get(ev.model)
     since = before.loaded_at if before is not None else {}
+    holdings = {rid: sorted(held) for rid, held in ev.holdings.items()}
     state.adapter_holdings[ev.model] = AdapterHoldings(
         model=ev.model,
-        holdings={rid: sorted(held) for rid, held in ev.holdings.items()},
+        holdings=holdings,
         # An adapter a replica kept holds since it was loaded there; a new one since now.
         loaded_at={
             rid: {a: since.get(rid, {}).get(a, ev.ts) for a in held}
@@ -263,8 +264,24 @@ def _adapters_placed(state: ClusterState, seq: int, ev: c.AdaptersPlaced) -> set
         decided_seq=seq,
         decided_at=ev.ts,
         explanation=ev.explanation,
+        changed_seq=_changed_seq(before, holdings, seq),
     )
     return {Change(ch.HOLDINGS, ev.model)}
+
+
+def _changed_seq(
+    before: AdapterHoldings | None, holdings: dict[str, list[str]], seq: int
+) -> dict[str, int]:
+    """Each replica's last change: this seq where its set differs from before, else the
+    one it had (a row written before the field existed: the decision before, whose seq
+    its command was keyed by then)."""
+    out = {}
+    for rid, held in holdings.items():
+        if before is None or sorted(before.holdings.get(rid, [])) != held:
+            out[rid] = seq
+        else:
+            out[rid] = before.changed_seq.get(rid, before.decided_seq)
+    return out
 
 
 def _set_liveness(state: ClusterState, node: str, liveness: Liveness, ts: float) -> set[Change]:

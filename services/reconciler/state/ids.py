@@ -63,11 +63,14 @@ def command_key(shard_id: str, action: str) -> str:
     return f"{shard_id}:{action}"
 
 
-def adapters_key(shard_id: str, adapters: list[str], decided_seq: int) -> str:
-    """The key of a SetShardAdapters: one per set of adapters and decision, so a re-issue
-    is recognised and another set is a new command. The decision's seq is in it because
-    an agent answers a key it has handled without redoing it: a set asked for again after
-    another (A, then B, then A) had A's old key, and the engine kept B (bench_lora: an
-    adapter placed for a minute while its requests waited for it, until they timed out)."""
+def adapters_key(shard_id: str, adapters: list[str], changed_seq: int) -> str:
+    """The key of a SetShardAdapters: one per set of adapters and the decision that last
+    changed the replica's set, so a re-issue is recognised and another set is a new
+    command. That decision's seq is in it because an agent answers a key it has handled
+    without redoing it: a set asked for again after another (A, then B, then A) had A's
+    old key, and the engine kept B (bench_lora: an adapter placed for a minute while its
+    requests waited for it, until they timed out). Not the model's latest decision's seq:
+    a decision for another replica then re-sent a replica's slow load as new, and reset
+    the agent's retries of it."""
     digest = hashlib.sha256("\x1f".join(sorted(adapters)).encode()).hexdigest()[:12]
-    return command_key(shard_id, f"adapters@{digest}.{decided_seq}")
+    return command_key(shard_id, f"adapters@{digest}.{changed_seq}")

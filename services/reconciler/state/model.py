@@ -96,6 +96,9 @@ class AdapterHoldings(msgspec.Struct, kw_only=True):
     decided_seq: int = 0
     decided_at: float = 0.0
     explanation: str = ""
+    # replica -> seq of the decision that last changed its set: what its SetShardAdapters
+    # is keyed by (ids.adapters_key), so a decision for another replica is no new command.
+    changed_seq: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 # dict=True: room for derived indexes kept beside the fields (replica_index), which

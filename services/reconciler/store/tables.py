@@ -159,6 +159,7 @@ class AdapterHolding(Base):
     decided_seq: Mapped[int]
     decided_at: Mapped[float]
     explanation: Mapped[str] = mapped_column(Text)
+    changed_seq: Mapped[Json] = mapped_column(server_default="{}")  # replica -> seq
 
 
 class Tenant(Base):

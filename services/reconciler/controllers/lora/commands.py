@@ -14,7 +14,7 @@ from __future__ import annotations
 from llmgw import contracts as c
 from llmgw.reconciler.controllers.lora.placement import adapter_models, serving_replicas
 from llmgw.reconciler.state.ids import adapters_key
-from llmgw.reconciler.state.model import ClusterState
+from llmgw.reconciler.state.model import AdapterHoldings, ClusterState
 
 
 def adapter_commands(state: ClusterState) -> list[c.SetShardAdapters]:
@@ -38,9 +38,7 @@ def adapter_commands(state: ClusterState) -> list[c.SetShardAdapters]:
                 continue
             out.append(
                 c.SetShardAdapters(
-                    key=adapters_key(
-                        shard.shard_id, wanted, placed.decided_seq if placed is not None else 0
-                    ),
+                    key=adapters_key(shard.shard_id, wanted, _changed_at(placed, rid)),
                     node=shard.node,
                     shard_id=shard.shard_id,
                     adapters=[
@@ -50,3 +48,12 @@ def adapter_commands(state: ClusterState) -> list[c.SetShardAdapters]:
                 )
             )
     return out
+
+
+def _changed_at(placed: AdapterHoldings | None, rid: str) -> int:
+    """The seq of the decision that last changed the replica's set: a decision that
+    left it as it was is no new command (a slow or failing load is not sent again, nor
+    the agent's retries for it started over)."""
+    if placed is None:
+        return 0
+    return placed.changed_seq.get(rid, placed.decided_seq)

@@ -29,7 +29,7 @@ from llmgw import contracts as c
 from llmgw.reconciler.controllers.autoscale.rule import SUMMARY_TTL
 from llmgw.reconciler.controllers.lora import placement
 from llmgw.reconciler.controllers.lora.commands import adapter_commands
-from llmgw.reconciler.controllers.lora.demand import DemandSmoother
+from llmgw.reconciler.controllers.lora.demand import DemandSmoother, QueueAges
 from llmgw.reconciler.controllers.replicas.commands import CommandTracker
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state import changes as ch
@@ -58,6 +58,7 @@ class LoraController(Controller):
         self.monotonic = ctx.monotonic  # measures: summary age, smoothing, waits, retries
         self.demand = ctx.demand
         self.smoother = DemandSmoother()
+        self.ages = QueueAges()
         self.tuning = placement.Tuning()
         self.commands = CommandTracker(cfg.command_retry_initial, cfg.command_retry_max)
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
@@ -99,12 +100,19 @@ class LoraController(Controller):
         demand: dict[str, dict[str, float]],
         queued: dict[str, dict[str, int]],
         wall: float,
+        waited: dict[str, dict[str, float]] | None = None,
     ) -> list[c.AdaptersPlaced]:
         """The placements that change some replica's adapters, one per base model."""
         out = []
+        waited = waited or {}
         for model in placement.adapter_models(state):
             inp = placement.inputs_from(
-                state, model, demand.get(model, {}), queued.get(model, {}), wall
+                state,
+                model,
+                demand.get(model, {}),
+                queued.get(model, {}),
+                wall,
+                waited.get(model, {}),
             )
             decided = placement.place(inp, self.tuning)
             before = inp.current.holdings if inp.current is not None else {}
@@ -119,8 +127,10 @@ class LoraController(Controller):
                     demand=inp.demand,
                     waiting=sorted(inp.queued),
                     queued=inp.queued,
+                    waited=inp.waited,
                     based_on_seq=state.last_seq,
                     explanation=decided.explanation(),
+                    policy=placement.POLICY,
                 )
             )
         return out
@@ -130,8 +140,9 @@ class LoraController(Controller):
         # Every pass moves the rates on, deciding or not (the arrivals were counted as
         # they were heard, in _heard; the waiting are each router's latest).
         demand, queued = self.smoother.update(self.demand.fresh(now, SUMMARY_TTL), now)
+        waited = self.ages.update(queued, now)
         waiting = self._waiting_for_fold(state, now)
-        events = [] if waiting else self.decide(state, demand, queued, wall)
+        events = [] if waiting else self.decide(state, demand, queued, wall, waited)
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)

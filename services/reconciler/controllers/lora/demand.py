@@ -15,6 +15,14 @@ starts waiting (up to ten a second), and each one replaced the one before it, so
 arrivals of a summary replaced before a decision read it went uncounted (bench_lora: the
 most used adapter's rate levelled at 8-9.5 requests/s against the 11.7 sent). Requests
 waiting are a level, not a count of news: they are read from each router's latest summary.
+
+How long a queue has waited (`QueueAges`) is what lets it outbid incumbents in the end
+(placement.py, `max_wait`): routers say how many requests wait, not since when, so the
+leader counts from when it first heard of the queue until it is empty again. All of a
+queue's requests are served together once the adapter is loaded, so that is its oldest
+request's wait, give or take a summary's delay (a request turned away at admission's
+limit leaves it counting from the first: an overstatement, which only serves it sooner).
+A new leader starts counting anew.
 """
 
 from __future__ import annotations
@@ -75,3 +83,17 @@ def _by_model(values: dict[tuple[str, str], V]) -> dict[str, dict[str, V]]:
     for (model, adapter), value in values.items():
         out.setdefault(model, {})[adapter] = value
     return out
+
+
+class QueueAges:
+    """Since when each queue has been waiting, on the monotonic clock."""
+
+    def __init__(self) -> None:
+        self._since: dict[tuple[str, str], float] = {}
+
+    def update(self, queued: dict[str, dict[str, int]], now: float) -> dict[str, dict[str, float]]:
+        """(base model -> adapter -> seconds its queue has waited), for the queues in
+        `queued` (as DemandSmoother.update gives them); an emptied queue is forgotten."""
+        keys = {(model, a) for model, qs in queued.items() for a, n in qs.items() if n > 0}
+        self._since = {key: self._since.get(key, now) for key in keys}
+        return _by_model({key: now - since for key, since in self._since.items()})

@@ -23,14 +23,26 @@ simulation against loading wherever a request lands. The rules, in order:
    adapter's few waiting requests outweighed a popular adapter's rate, which was
    evicted, waited, and evicted another in turn (bench_lora: each of the ten most used
    evicted 6-9 times a minute). The longest queue first left the rarest adapters, whose
-   queues grow slowest, behind the others until some of their requests timed out;
+   queues grow slowest, behind the others until some of their requests timed out.
+   A queue's claim grows with how long its oldest request has waited (`waited`): once
+   that is `max_wait` seconds it is weighed over no horizon at all, so any unpinned slot
+   held `waiting_hold` whose adapter has no requests waiting for it is its (the least
+   demanded first: never the popular ones while the tail holds slots), and no queue
+   waits much past `max_wait`. Without it a rare adapter's queue of 2 could not outweigh
+   any incumbent expecting 2 in the horizon, and waited until admission's 30 s limit
+   (bench_lora: 14 requests). All at once rather than a horizon shrinking as the queue
+   waits: shrinking it from the first second served the tail sooner for many more loads
+   (bench_lora_policy, loads per 1,000, 57 without aging: 82 with the horizon shrinking
+   to none over 12 s, 61 as the 4th power over 16 s, 59 all at once at 15 s; each kept
+   the longest wait near its limit, from 26 s);
 4. otherwise an adapter below its share of replicas (its share of the demand, at least
    one copy while it has any) takes a free slot, or replaces an incumbent only when its
    demand per copy exceeds the incumbent's by `margin` and the incumbent has been held
    at least `min_hold`. An adapter loaded in this decision is never evicted by it.
 
 Demand is what the caller weighed (demand.py: requests per second, smoothed), and
-`queued` the requests waiting per adapter; an adapter nobody asks for stays loaded until a slot is wanted,
+`queued` the requests waiting per adapter and `waited` how long each queue's oldest has
+(demand.py: since the queue was first heard of); an adapter nobody asks for stays loaded until a slot is wanted,
 since an idle slot costs nothing. Times are wall times from the log (when each adapter
 was loaded, the decision's own timestamp), so `llmgw audit replay` re-derives a decision
 from the recorded demand exactly.
@@ -49,6 +61,13 @@ from llmgw import contracts as c
 from llmgw.reconciler.state.model import AdapterHoldings, ClusterState, Liveness
 from llmgw.reconciler.state.queries import is_ready
 
+# The rule's version, recorded on each AdaptersPlaced: `llmgw audit replay` re-derives a
+# decision only with the rule that made it. Bump it with any change that can decide
+# otherwise on the same inputs. 0 (not recorded): every rule before 1, the queue added to
+# the rate and the longest queue first among them; 1: the queue waiting longest first,
+# against what an incumbent expects over the horizon; 2: and over none once it has waited
+# `max_wait` (`waited` recorded).
+POLICY = 2
 MARGIN = 1.5  # a challenger replaces an incumbent only with this much more demand per copy
 MIN_HOLD = 30.0  # seconds an adapter stays before its slot can be taken for more demand
 # Seconds an adapter stays before its slot can be taken for requests waiting: short, since
@@ -58,6 +77,11 @@ WAITING_HOLD = 1.5
 # An incumbent gives its slot to a queue longer than the requests it would see in this
 # many seconds: longer keeps slots for the popular adapters and makes the tail wait.
 HORIZON = 6.0
+# Seconds a queue's oldest request may wait before the queue outweighs any incumbent held
+# `waiting_hold` (no requests expected of it over a horizon): well under admission's
+# 30 s wait, with room for the control loop's, so that a rare adapter's requests are
+# served, not turned away.
+MAX_WAIT = 15.0
 # Requests per second assumed of an adapter with a queue but no rate measured yet, when
 # its queue's age is estimated (queue / rate): as rare as an adapter is taken to be.
 RARE_RATE = 0.05
@@ -69,6 +93,7 @@ class Tuning:
     min_hold: float = MIN_HOLD
     waiting_hold: float = WAITING_HOLD
     horizon: float = HORIZON
+    max_wait: float = MAX_WAIT
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,8 @@ class Inputs:
     demand: dict[str, float]  # requests per second per adapter, smoothed
     queued: dict[str, int]  # adapters held nowhere -> requests waiting for them
     now: float  # wall time of the decision
+    # Adapters held nowhere -> seconds their queue's oldest request has waited.
+    waited: dict[str, float] = field(default_factory=dict)
     # Ready replicas on nodes that are unreachable: their engines still serve what they
     # hold, but nobody can tell them to load or unload. Kept as they are, counted as copies.
     unreachable: frozenset[str] = frozenset()
@@ -159,16 +186,24 @@ class _Plan:
         open_ = [r for r in open_ if a not in self.held[r]]
         return min(open_, key=lambda r: (len(self.held[r]), r), default=None)
 
-    def expected(self, a: str) -> float:
-        """Requests a copy of `a` would get within the horizon, counting those waiting for
-        it still (decided, but not yet held where the routers see it)."""
-        return self.per_copy(a) * self.tuning.horizon + self.inp.queued.get(a, 0)
+    def expected(self, a: str, horizon: float) -> float:
+        """Requests a copy of `a` would get within `horizon` seconds, counting those
+        waiting for it still (decided, but not yet held where the routers see it)."""
+        return self.per_copy(a) * horizon + self.inp.queued.get(a, 0)
+
+    def horizon_for(self, a: str) -> float:
+        """The horizon `a`'s queue is weighed over: the whole one, or none once its oldest
+        request has waited `max_wait` (then only requests waiting for an incumbent count)."""
+        if self.inp.waited.get(a, 0.0) >= self.tuning.max_wait:
+            return 0.0
+        return self.tuning.horizon
 
     def victim(
-        self, a: str, *, hold: float = 0.0, fewer_than: float | None = None
+        self, a: str, *, hold: float = 0.0, fewer_than: float | None = None, horizon: float = 0.0
     ) -> tuple[str, str] | None:
         """The slot to give up for `a`: the least demand per copy among the incumbents
-        held at least `hold` seconds (with `fewer_than`: expecting fewer requests)."""
+        held at least `hold` seconds (with `fewer_than`: expecting fewer requests within
+        `horizon`)."""
         out = []
         for rid in self.inp.replicas:
             if a in self.held[rid]:
@@ -178,7 +213,7 @@ class _Plan:
                     continue
                 if self.held_for(rid, inc) < hold:
                     continue
-                if fewer_than is not None and not self.expected(inc) < fewer_than:
+                if fewer_than is not None and not self.expected(inc, horizon) < fewer_than:
                     continue
                 out.append((self.per_copy(inc), -self.held_for(rid, inc), rid, inc))
         best = min(out, default=None)
@@ -230,12 +265,19 @@ def _place_waiting(plan: _Plan) -> list[str]:
         if rid is None:
             # Never an adapter that would queue more requests than this one has waiting:
             # they would wait next, and evict in turn.
-            spot = plan.victim(a, hold=plan.tuning.waiting_hold, fewer_than=queued[a])
+            spot = plan.victim(
+                a,
+                hold=plan.tuning.waiting_hold,
+                fewer_than=queued[a],
+                horizon=plan.horizon_for(a),
+            )
             if spot is None:
                 unplaced.append(a)
                 continue
             rid, inc = spot
-            plan.unload(rid, inc, f"made room for {a}, which had requests waiting")
+            aged = plan.horizon_for(a) == 0.0 and plan.tuning.horizon > 0.0
+            why = f"waiting {plan.inp.waited[a]:.0f} s" if aged else "waiting"
+            plan.unload(rid, inc, f"made room for {a}, which had requests {why}")
         plan.load(rid, a, "requests waiting and held nowhere")
     return unplaced
 
@@ -310,6 +352,7 @@ def inputs_from(
     demand: dict[str, float],
     queued: dict[str, int],
     now: float,
+    waited: dict[str, float] | None = None,
 ) -> Inputs:
     """A decision's inputs as the folded state has them, plus the demand it was given:
     the leader's and replay's one way to ask."""
@@ -323,6 +366,7 @@ def inputs_from(
         demand=dict(demand),
         queued=dict(queued),
         now=now,
+        waited=dict(waited or {}),
     )
 
 
@@ -332,12 +376,12 @@ def held_now(holdings: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def check(state: ClusterState, ev: c.AdaptersPlaced) -> list[str]:
-    """How a recorded decision differs from what this code decides on the same state (as
-    of its `based_on_seq`) and the demand it recorded; [] when they agree."""
+    """How a recorded decision of this rule (`ev.policy == POLICY`) differs from what this
+    code decides on the same state (as of its `based_on_seq`) and the demand and queues it
+    recorded; [] when they agree."""
     if ev.model not in state.models:
         return [f"model {ev.model} was not declared at seq {ev.based_on_seq}"]
-    queued = {a: ev.queued.get(a, 0) for a in ev.waiting}
-    derived = place(inputs_from(state, ev.model, ev.demand, queued, ev.ts))
+    derived = place(inputs_from(state, ev.model, ev.demand, ev.queued, ev.ts, ev.waited))
     recorded, now = held_now(ev.holdings), held_now(derived.holdings)
     if recorded == now:
         return []
