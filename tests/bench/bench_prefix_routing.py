@@ -48,8 +48,8 @@ the template), the routers hashing prompts with the model's own tokenizer
 /reset_prefix_cache, which also exercises AllBlocksCleared). Its targets: the default
 within 5% of round robin's mean TTFT, and KV events flowing from vLLM to the routers.
 `--tokens-per-request N` sets the routers' `prefix.affinity_tokens_per_request` (the
-prior of the rate the rule learns); the policy `default@N` fixes the rate at N
-(`affinity_learn_rate: false`) to measure others.
+rule's one knob) for every llmgw policy; the policy `default@N` runs the default with
+the rate N, to measure others beside it.
 
 `--pin` (on by default in the real-vLLM mode, `--no-pin` turns it off; off by default
 on the sims) keeps router CPU away from engine compute, as on a real fleet where
@@ -425,9 +425,9 @@ async def start_llmgw(name, args, endpoints, js, nats_url, directory, tokenizer=
     kv = await js.key_value(projection.ENDPOINTS_BUCKET)
     await kv.put(projection.model_key(MODEL), c.encode(rec))
     config = f"nats_url: {nats_url}\nlog_level: warning\naccess_log: false\n"
-    name, _, fixed = name.partition("@")  # default@N: the rule's rate fixed at N
+    name, _, fixed = name.partition("@")  # default@N: the rule's rate at N
     if fixed:
-        config += f"prefix: {{affinity_tokens_per_request: {fixed}, affinity_learn_rate: false}}\n"
+        config += f"prefix: {{affinity_tokens_per_request: {fixed}}}\n"
     elif args.tokens_per_request is not None:
         config += f"prefix: {{affinity_tokens_per_request: {args.tokens_per_request}}}\n"
     if args.router_config:
@@ -868,7 +868,7 @@ def main() -> int:
     parser.add_argument(
         "--tokens-per-request",
         type=int,
-        help="the routers' prefix.affinity_tokens_per_request (the learned rate's prior)",
+        help="the routers' prefix.affinity_tokens_per_request",
     )
     parser.add_argument("--router-config", help="YAML added to the llmgw routers' config")
     parser.add_argument(
