@@ -39,6 +39,7 @@ from yarl import URL
 
 HIGH_WATER = 256 * 1024  # unread response bytes before the engine's socket is paused
 _SCHEMES = {"http": 80, "https": 443}
+_FOREVER = float("inf")
 
 
 class UpstreamError(Exception):
@@ -285,9 +286,13 @@ class Response:
             conn = self._conn
             if conn is None:
                 return b""
+            parts = []
             while not conn.complete:
+                if conn.buffered > HIGH_WATER:
+                    parts.append(conn.take())  # resumes the socket paused for it
                 await conn._wait()
-            self._body = conn.take()
+            parts.append(conn.take())
+            self._body = parts[0] if len(parts) == 1 else b"".join(parts)
         return self._body
 
     def release(self) -> None:
@@ -330,7 +335,7 @@ class _Pool:
         keepalive = self.client.keepalive
         while idle:
             conn = idle.pop()
-            if conn.lost or conn.error is not None or now - conn.idle_since > keepalive:
+            if conn.lost or conn.error is not None or now - conn.idle_since >= keepalive:
                 conn.close()
                 continue
             return conn
@@ -460,18 +465,18 @@ class Client:
         self._sweep = None
         now = self.loop.time()
         keepalive = self.keepalive
-        left = False
+        oldest = _FOREVER
         for pool in self._pools.values():
             keep = []
             for conn in pool.idle:
-                if conn.lost or conn.error is not None or now - conn.idle_since > keepalive:
+                if conn.lost or conn.error is not None or now - conn.idle_since >= keepalive:
                     conn.close()
                 else:
                     keep.append(conn)
+                    oldest = min(oldest, conn.idle_since)
             pool.idle = keep
-            left = left or bool(keep)
-        if left:
-            self.sweep_later()
+        if oldest < _FOREVER and not self._closed:
+            self._sweep = self.loop.call_at(oldest + keepalive, self._sweep_idle)
 
     def opened(self, conn: _Connection) -> None:
         self._open.add(conn)
