@@ -13,8 +13,10 @@ from cryptography.hazmat.primitives import serialization
 from yarl import URL
 
 from llmgw import certs  # the development CA the NATS mTLS tests use
+from llmgw.contracts import DeadlineSpec
 from llmgw.dev.servers import free_port
 from llmgw.router.relay import http1
+from llmgw.router.relay.upstream import failure_of
 
 
 class Server:
@@ -445,3 +447,15 @@ async def test_https_upstreams_use_tls(tmp_path):
 def test_a_header_with_a_line_break_is_refused():
     with pytest.raises(ValueError, match="X-Evil"):
         http1._request(URL("http://h/x"), b"", {"X-Evil": "a\r\nInjected: 1"})
+
+
+def test_the_relay_maps_the_clients_errors_to_the_same_failures_as_before():
+    dl = DeadlineSpec(connect=2)
+    timeout, blames = failure_of(http1.ConnectTimeout("slow"), "e1", dl)
+    assert (timeout.kind, timeout.status, blames) == ("connect_timeout", 504, True)
+    refused = ConnectionRefusedError(111, "Connection refused")
+    error, blames = failure_of(http1.ConnectError("no", refused), "e1", dl)
+    assert (error.kind, error.status, blames) == ("connect_error", 502, True)
+    assert "Connection refused" in error.detail
+    broken, blames = failure_of(http1.Broken("cut"), "e1", dl)
+    assert (broken.kind, broken.status, blames) == ("upstream_broken", 502, True)
