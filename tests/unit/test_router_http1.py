@@ -459,3 +459,14 @@ def test_the_relay_maps_the_clients_errors_to_the_same_failures_as_before():
     assert "Connection refused" in error.detail
     broken, blames = failure_of(http1.Broken("cut"), "e1", dl)
     assert (broken.kind, broken.status, blames) == ("upstream_broken", 502, True)
+
+
+async def test_bytes_after_the_answer_make_the_connection_unusable():
+    async with Server(lambda no, req: sized(b"x") + b"HTTP/1.1 200 OK\r\n") as server:
+        client = http1.Client(limit=8, keepalive=30)
+        resp = await post(client, server)
+        assert await resp.read() == b"x"
+        await asyncio.sleep(0.05)  # the stray bytes arrive
+        resp.release()
+        assert client.idle_count() == 0
+        await client.close()

@@ -133,9 +133,10 @@ class _Connection(asyncio.Protocol):
         self.pool.client.opened(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.idle_since:
-            # Bytes on an idle connection answer no request of ours: never reuse it.
-            self._fail(Broken("the engine sent data on an idle connection"))
+        if self.idle_since or self.complete:
+            # Bytes after the answer, or on an idle connection, answer no request of
+            # ours: the connection is not to be trusted again.
+            self._fail(Broken("the engine sent data after its answer"))
             return
         self.answered = True
         try:
@@ -163,6 +164,10 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # ------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: not to be trusted again
+            self._fail(Broken("the engine sent data after its answer"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1").lower()
