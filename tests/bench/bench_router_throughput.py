@@ -49,6 +49,7 @@ LAYERS = [
     ("router: admission", ("router/admission/",)),
     ("uvicorn (client side HTTP, ASGI send)", ("uvicorn/",)),
     ("starlette (routing, middleware)", ("starlette/",)),
+    ("router: upstream HTTP client", ("router/relay/http1.py", "httptools/")),
     ("aiohttp client (upstream HTTP)", ("aiohttp/", "aiohappyeyeballs/", "yarl/", "multidict/")),
     ("asyncio / event loop", ("asyncio/", "uvloop/")),
 ]

@@ -9,7 +9,9 @@ so an engine that accepts a request and then never produces a token can still
 be retried. Whether a stream is complete is the kind's rule: `[DONE]` for chat,
 a terminal `event:` for the Responses API.
 
-An attempt is `_send` (the POST and its status: a busy or broken engine is a
+The request goes out on the proxy's own HTTP/1.1 client (http1.py: aiohttp's
+cost per request was the largest left in a router worker). An attempt is `_send`
+(the POST and its status: a busy or broken engine is a
 `walk.Failure` at once), then `_answer_whole` or `_relay`; whatever it raises
 is one `failure_of` table. It gives the circuit breaker its verdict (healthy,
 failed, or none when the engine was only busy or the client's budget ran out)
@@ -26,7 +28,7 @@ import aiohttp
 from llmgw.router.config import DeadlineSpec
 from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.relay import continuation
+from llmgw.router.relay import continuation, http1
 from llmgw.router.relay.circuit import Verdict
 from llmgw.router.relay.continuation import Sent
 from llmgw.router.relay.walk import (
@@ -52,6 +54,8 @@ class Upstream:
     def __init__(self, metrics: RouterMetrics, clock: Callable[[], float]):
         self.metrics = metrics
         self.clock = clock
+        self.client: http1.Client | None = None  # the relay's requests to engines
+        # The other calls to engines (P/D prefill legs, stored responses) still use aiohttp.
         self.session: aiohttp.ClientSession | None = None
         self._connect_timeouts: dict[float, aiohttp.ClientTimeout] = {}
         # Called with (response id, endpoint id, exchange) when a Responses API answer
@@ -82,7 +86,7 @@ class Upstream:
         """
         guard = ex.guard
         rule = req.api.stream
-        resp: aiohttp.ClientResponse | None = None
+        resp: http1.Response | None = None
         tracked = ex.sent  # a continuation's; else this attempt's, kept once its stream starts
         if not ex.started and req.stream:
             tracked = _tracked(route, req, body)
@@ -111,7 +115,7 @@ class Upstream:
                         return None
                     await self._answer_whole(ex, ep, req, resp, verdict)
                     return None
-            except (DeadlinePassed, aiohttp.ClientError) as exc:
+            except (DeadlinePassed, http1.UpstreamError) as exc:
                 failure, blames_engine = failure_of(exc, ep.id, route.deadlines)
                 if blames_engine:
                     verdict.healthy = False
@@ -133,15 +137,15 @@ class Upstream:
         body: bytes,
         path: str,
         verdict: Verdict,
-    ) -> aiohttp.ClientResponse | Failure:
+    ) -> http1.Response | Failure:
         """POST the request: the engine's response, or the Failure its status says
         (a 5xx, busy: 408 and 429, or a 404 for an adapter it no longer holds), its body
         then read and the connection released."""
-        resp = await self.session.post(  # type: ignore[union-attr]
+        resp = await self.client.post(  # type: ignore[union-attr]
             ep.target(path),
-            data=body,
-            headers=ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid)),
-            timeout=self.connect_timeout(route.deadlines.connect),
+            body,
+            ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid)),
+            route.deadlines.connect,
         )
         status = resp.status
         if status == 404 and route.adapter_of:
@@ -170,7 +174,7 @@ class Upstream:
         ex: Exchange,
         ep: EndpointRuntime,
         req: rq.Parsed,
-        resp: aiohttp.ClientResponse,
+        resp: http1.Response,
         verdict: Verdict,
     ) -> None:
         """Pass a non-streamed answer (or any answer not an SSE stream) on whole."""
@@ -194,7 +198,7 @@ class Upstream:
         route: ModelRoute,
         req: rq.Parsed,
         sent: Sent | None,
-        resp: aiohttp.ClientResponse,
+        resp: http1.Response,
         rule: StreamRule,
         verdict: Verdict,
     ) -> Failure | None:
@@ -204,7 +208,6 @@ class Upstream:
         dl = route.deadlines
         guard.arm("first_token", dl.first_token)
         idle = dl.idle
-        content = resp.content
         metrics = self.metrics
         clock = self.clock
         send = ex.send
@@ -215,7 +218,7 @@ class Upstream:
         last = 0.0
         complete = False
         while True:
-            chunk = await content.readany()
+            chunk = await resp.readany()
             if not chunk:
                 break
             if buf:
@@ -256,7 +259,7 @@ class Upstream:
         ex: Exchange,
         ep: EndpointRuntime,
         rule: StreamRule,
-        resp: aiohttp.ClientResponse,
+        resp: http1.Response,
         verdict: Verdict,
         complete: bool,
     ) -> Failure | None:
@@ -294,7 +297,7 @@ class Upstream:
         ex: Exchange,
         ep: EndpointRuntime,
         rule: StreamRule | None,
-        resp: aiohttp.ClientResponse,
+        resp: http1.Response,
     ) -> None:
         """A continuation answered with anything but a stream (a 400 for a prompt the
         text sent made too long, say): the client's status is long gone, so the stream
@@ -378,19 +381,19 @@ def failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failure
             detail=f"endpoint {endpoint}: {message}",
             final=phase == "total",
         ), phase != "total"
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, http1.ConnectTimeout):
         return Failure(
             "connect_timeout",
             f"no engine accepted a connection within {dl.connect}s",
             TIMEOUT_STATUS,
             detail=f"endpoint {endpoint} did not accept a connection within {dl.connect}s",
         ), True
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, http1.ConnectError):
         return Failure(
             "connect_error",
             "an engine refused the connection",
             BROKEN_STATUS,
-            detail=f"endpoint {endpoint} refused the connection: {exc.os_error}",
+            detail=f"endpoint {endpoint} refused the connection: {exc.os_error or exc}",
         ), True
     return Failure(
         "upstream_broken",
@@ -401,14 +404,14 @@ def failure_of(exc: Exception, endpoint: str, dl: DeadlineSpec) -> tuple[Failure
 
 
 async def _adapter_missing(
-    ep: EndpointRuntime, adapter: str, resp: aiohttp.ClientResponse
-) -> aiohttp.ClientResponse | Failure:
+    ep: EndpointRuntime, adapter: str, resp: http1.Response
+) -> http1.Response | Failure:
     """A 404 for an adapter request: the engine unloaded the adapter before its agent's
     report reached us. This router stops sending the adapter there until the projection
     sends the endpoint's record again (endpoints/view.py keeps a record's adapters as
     refuted here); the engine is healthy, so no verdict."""
     try:
-        body = await resp.read()  # kept by aiohttp: a 404 of another kind is relayed whole
+        body = await resp.read()  # kept by the response: a 404 of another kind is relayed whole
     except BaseException:
         resp.close()
         raise

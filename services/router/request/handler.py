@@ -14,7 +14,7 @@ Reading the request body has its own deadline (`body_read_seconds`, 408):
 uvicorn has none, so a client that declares more bytes than it sends would
 otherwise hold a connection and a coroutine forever.
 
-Deadlines (per model): connect (aiohttp's), then response headers, first
+Deadlines (per model): connect (the upstream client's), then response headers, first
 token, inter-token idle (the watchdog that tells a wedged engine from a slow
 one) and total, enforced by the request's Guard (guard.py), which also notices
 the client leaving: its task is cancelled, which closes the upstream
@@ -38,7 +38,7 @@ from llmgw import logs
 from llmgw.router.endpoints.view import EndpointView, ModelRoute
 from llmgw.router.http.errors import RouterError, error_body
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.relay import disagg
+from llmgw.router.relay import disagg, http1
 from llmgw.router.relay.upstream import Upstream
 from llmgw.router.relay.walk import TIMEOUT_STATUS, Walk
 from llmgw.router.request import body as rq
@@ -127,6 +127,11 @@ class Proxy:
         self.gate = gate or _OpenGate()
 
     async def start(self) -> None:
+        # The relay's own client (relay/http1.py) carries every attempt; aiohttp stays
+        # for the other calls to engines (P/D prefill legs, stored responses, models).
+        self.upstream.client = http1.Client(
+            self.settings.pool_limit, self.settings.keepalive_seconds
+        )
         connector = aiohttp.TCPConnector(
             limit=self.settings.pool_limit,
             keepalive_timeout=self.settings.keepalive_seconds,
@@ -142,6 +147,9 @@ class Proxy:
 
     async def stop(self) -> None:
         await self.releases.stop()
+        if self.upstream.client is not None:
+            await self.upstream.client.close()
+            self.upstream.client = None
         if self.upstream.session is not None:
             await self.upstream.session.close()
             self.upstream.session = None
