@@ -407,7 +407,7 @@ def llmgw_spec(name: str, args, tokenizer: str = "") -> c.SchedulingSpec:
     elif name.startswith("scorers:"):
         pairs = (item.split("=") for item in name.removeprefix("scorers:").split("/"))
         scorers = {scorer: float(weight) for scorer, weight in pairs}
-    if args.kv_weight is not None:
+    if args.kv_weight is not None and name != "random_key":  # oblivious stays oblivious
         scorers["kv_prefix"] = args.kv_weight
     if name == "approximate":
         scorers["prefix"] = scorers.pop("kv_prefix")

@@ -470,3 +470,85 @@ async def test_bytes_after_the_answer_make_the_connection_unusable():
         resp.release()
         assert client.idle_count() == 0
         await client.close()
+
+
+async def test_a_second_answer_in_the_same_segment_does_not_touch_the_first():
+    second = b"HTTP/1.1 500 Oops\r\nContent-Length: 4\r\n\r\nEVIL"
+    async with Server(lambda no, req: sized(b"x") + second) as server:
+        client = http1.Client(limit=8, keepalive=30)
+        resp = await post(client, server)
+        assert resp.status == 200
+        assert await resp.read() == b"x"
+        assert resp.headers.get("Content-Length") == "1"
+        resp.release()
+        assert client.idle_count() == 0
+        await client.close()
+
+
+async def test_a_reused_connection_lost_after_the_engine_had_the_request_is_not_resent():
+    # The engine takes the second request and dies after working on it a while: the
+    # request is not sent again (to a dead or restarted engine); the walk picks where next.
+    def answer(no, req):
+        if b"slow" in req:
+            return [0.4, b""]  # then the handler returns and the connection closes
+        return sized(b"x")
+
+    async with Server(answer) as server:
+        client = http1.Client(limit=8, keepalive=30)
+        resp = await post(client, server)
+        await resp.read()
+        resp.release()
+
+        async def kill_later():
+            await asyncio.sleep(http1.STALE_SECONDS + 0.2)
+            for w in server.writers:
+                w.transport.abort()
+
+        killer = asyncio.ensure_future(kill_later())
+        with pytest.raises(http1.Broken):
+            await post(client, server, b'{"slow":1}')
+        await killer
+        assert [r.endswith(b'{"slow":1}') for r in server.requests] == [False, True]
+        await client.close()
+
+
+async def test_a_waiter_cancelled_as_a_slot_frees_gets_its_own_error_not_a_crash():
+    async with Server(lambda no, req: sized(b"x")) as server:
+        client = http1.Client(limit=1, keepalive=30)
+        first = await post(client, server)
+        waiting = asyncio.ensure_future(post(client, server))
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the client left; its task resumes only on the next loop turn
+        await first.read()
+        first.release()  # pops the cancelled waiter before that task resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert client.in_use == 0
+        await client.close()
+
+
+async def test_a_configured_host_header_replaces_ours_and_values_are_utf8():
+    async with Server(lambda no, req: sized(b"x")) as server:
+        client = http1.Client(limit=8, keepalive=30)
+        resp = await client.post(
+            server.url(), b"{}", {"host": "engine.internal", "X-Team": "équipe"}, 2.0
+        )
+        await resp.read()
+        resp.release()
+        await client.close()
+    [request] = server.requests
+    assert request.count(b"ost: ") == 1 and b"host: engine.internal\r\n" in request
+    assert "X-Team: équipe\r\n".encode() in request
+
+
+async def test_after_close_waiters_fail_and_a_released_connection_is_not_pooled():
+    async with Server(lambda no, req: sized(b"x")) as server:
+        client = http1.Client(limit=1, keepalive=30)
+        first = await post(client, server)
+        waiting = asyncio.ensure_future(post(client, server))
+        await asyncio.sleep(0.01)
+        await client.close()
+        with pytest.raises(http1.ConnectError, match="closed"):
+            await waiting
+        first.release()
+        assert client.idle_count() == 0 and client.open_count() == 0

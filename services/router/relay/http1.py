@@ -31,6 +31,7 @@ exchange closes its connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections import deque
 
@@ -40,6 +41,10 @@ from yarl import URL
 HIGH_WATER = 256 * 1024  # unread response bytes before the engine's socket is paused
 _SCHEMES = {"http": 80, "https": 443}
 _FOREVER = float("inf")
+# A reused connection lost this soon after the request was written was closed by the
+# engine while idle, as the request went out: only then is it sent again. Lost later,
+# the engine may be dead or busy with the request; the walk decides where next.
+STALE_SECONDS = 0.25
 
 
 class UpstreamError(Exception):
@@ -169,13 +174,20 @@ class _Connection(asyncio.Protocol):
         if self.complete:  # a second answer to one request: not to be trusted again
             self._fail(Broken("the engine sent data after its answer"))
 
+    # After _fail (a second answer began) the rest of the segment is still parsed:
+    # none of it may land in the answer already taken.
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.error is not None:
+            return
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         old = dict.get(self.headers, key)
         self.headers[key] = text if old is None else f"{old}, {text}"
 
     def on_headers_complete(self) -> None:
+        if self.error is not None:
+            return
         self.status = self.parser.get_status_code()
         self.headed = True
         h = self.headers
@@ -187,10 +199,14 @@ class _Connection(asyncio.Protocol):
         )
 
     def on_body(self, body: bytes) -> None:
+        if self.error is not None:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.error is not None:
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it after this
 
@@ -305,7 +321,7 @@ class Response:
         if conn is None:
             return
         self._conn = None
-        if conn.reusable() and not conn.chunks:
+        if conn.reusable() and not conn.chunks and not conn.pool.client.closing:
             conn.pool.put(conn)
         else:
             conn.close()
@@ -386,7 +402,7 @@ class Client:
         self._ssl: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._open: set[_Connection] = set()
-        self._closed = False
+        self.closing = False
 
     def ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:
@@ -398,18 +414,19 @@ class Client:
     ) -> Response:
         """POST `body` to `url` with `headers` (Host and Content-Length added), and the
         response once its headers arrived."""
-        if self._closed:
+        if self.closing:
             raise ConnectError("the client is closed")
         pool = self._pool(url)
         request = _request(url, body, headers)
         await self._acquire(connect_timeout)
         try:
-            conn = pool.pop_idle(self.loop.time())
+            now = self.loop.time()
+            conn = pool.pop_idle(now)
             if conn is not None:
                 try:
                     return await conn.exchange(request)
                 except Broken as exc:
-                    if exc.answered:
+                    if exc.answered or self.loop.time() - now > STALE_SECONDS:
                         raise
                     # The engine closed the idle connection as we wrote: once more, fresh.
             conn = await pool.connect(connect_timeout)
@@ -440,11 +457,13 @@ class Client:
             async with asyncio.timeout(seconds):
                 await waiter
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.free_slot()  # handed a slot as we gave up: pass it on
             else:
                 waiter.cancel()
-                self._waiters.remove(waiter)
+                # free_slot may have popped it already, between its cancel and now
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
             if isinstance(exc, TimeoutError):
                 raise ConnectTimeout(
                     f"no free upstream connection (limit {self.limit}) within {seconds}s"
@@ -462,7 +481,7 @@ class Client:
         self.in_use -= 1
 
     def sweep_later(self) -> None:
-        if self._sweep is None and not self._closed:
+        if self._sweep is None and not self.closing:
             self._sweep = self.loop.call_later(self.keepalive, self._sweep_idle)
 
     def _sweep_idle(self) -> None:
@@ -480,7 +499,7 @@ class Client:
                     keep.append(conn)
                     oldest = min(oldest, conn.idle_since)
             pool.idle = keep
-        if oldest < _FOREVER and not self._closed:
+        if oldest < _FOREVER and not self.closing:
             self._sweep = self.loop.call_at(oldest + keepalive, self._sweep_idle)
 
     def opened(self, conn: _Connection) -> None:
@@ -498,10 +517,14 @@ class Client:
     async def close(self) -> None:
         """Close every connection, idle or in use (a response still being read then
         fails as `Broken`)."""
-        self._closed = True
+        self.closing = True
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(ConnectError("the client is closed"))
         for conn in list(self._open):
             conn.close()
         for pool in self._pools.values():
@@ -511,14 +534,20 @@ class Client:
 
 
 def _request(url: URL, body: bytes, headers: dict[str, str]) -> bytes:
-    """The request's bytes: request line, Host, Content-Length, `headers`, body."""
-    lines = [
-        f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}"
-        f"\r\nContent-Length: {len(body)}"
-    ]
+    """The request's bytes: request line, Host (unless `headers` names one, as aiohttp
+    let it), Content-Length (always this body's), `headers`, body."""
+    lines = [f"POST {url.raw_path_qs} HTTP/1.1", f"Content-Length: {len(body)}"]
+    host = True
     for name, value in headers.items():
         if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
             raise ValueError(f"upstream header {name!r} holds a line break")
+        lower = name.lower()
+        if lower == "content-length":
+            continue
+        if lower == "host":
+            host = False
         lines.append(f"{name}: {value}")
+    if host:
+        lines.insert(1, f"Host: {url.host_port_subcomponent}")
     lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1") + body
+    return "\r\n".join(lines).encode() + body  # UTF-8, as aiohttp encodes header values

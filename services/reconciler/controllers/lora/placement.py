@@ -26,7 +26,7 @@ simulation against loading wherever a request lands. The rules, in order:
    queues grow slowest, behind the others until some of their requests timed out.
    A queue's claim grows with how long its oldest request has waited (`waited`): once
    that is `max_wait` seconds it is weighed over no horizon at all, so any unpinned slot
-   held `waiting_hold` whose adapter has no requests waiting for it is its (the least
+   held `waiting_hold` whose adapter has fewer requests waiting than it is its (the least
    demanded first: never the popular ones while the tail holds slots), and no queue
    waits much past `max_wait`. Without it a rare adapter's queue of 2 could not outweigh
    any incumbent expecting 2 in the horizon, and waited until admission's 30 s limit
