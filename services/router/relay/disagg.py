@@ -38,11 +38,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import msgspec
+from yarl import URL
 
 from llmgw.router.endpoints.view import EndpointRuntime, ModelRoute
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.relay import http1
 from llmgw.router.relay.upstream import Upstream, failure_of
 from llmgw.router.relay.walk import BUSY, Failure
 from llmgw.router.request import body as rq
@@ -191,32 +192,34 @@ class Releases:
     ) -> bool:
         """Start the release read of `legs` (False: nothing to release)."""
         ep = legs.decode_ep
-        session = self.upstream.session
-        if legs.params is None or ep is None or session is None:
+        client = self.upstream.client
+        if legs.params is None or ep is None or client is None:
             return False
         headers = ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid))
         data = release_body(body, legs.params)
-        read = asyncio.ensure_future(self._read(session, ep.target(path), data, headers, route))
+        read = asyncio.ensure_future(
+            self._read(client, ep.target(path), data, headers, route, route.deadlines.connect)
+        )
         self._reads.add(read)
         read.add_done_callback(self._reads.discard)
         return True
 
     async def _read(
         self,
-        session: aiohttp.ClientSession,
-        url: str,
+        client: http1.Client,
+        url: URL,
         data: bytes,
         headers: dict[str, str],
         route: ModelRoute,
+        connect: float,
     ) -> None:
         outcome = "failed"
         try:
             async with asyncio.timeout(RELEASE_SECONDS):
-                async with session.post(url, data=data, headers=headers) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        outcome = "ok"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                status, _ = await post_whole(client, url, data, headers, connect)
+                if status == 200:
+                    outcome = "ok"
+        except (http1.UpstreamError, TimeoutError) as exc:
             log.warning("release read failed: %s", exc, extra={"model": route.name})
         self.upstream.metrics.pd_legs.inc((route.name, "release", outcome))
 
@@ -314,23 +317,16 @@ async def _attempt(
         guard.arm("first_token", dl.first_token)
         try:
             with guard:
-                async with upstream.session.post(  # type: ignore[union-attr]
+                status, data = await post_whole(
+                    upstream.client,  # type: ignore[arg-type]
                     ep.target(path),
-                    data=body,
-                    headers=ex.upstream_headers(
-                        ep.request_headers(route, req.content_type, ex.rid)
-                    ),
-                    timeout=upstream.connect_timeout(dl.connect),
-                ) as resp:
-                    data = await resp.read()
-                    status = resp.status
-        except DeadlinePassed as exc:
-            if exc.phase == "total":
+                    body,
+                    ex.upstream_headers(ep.request_headers(route, req.content_type, ex.rid)),
+                    dl.connect,
+                )
+        except (DeadlinePassed, http1.UpstreamError) as exc:
+            if isinstance(exc, DeadlinePassed) and exc.phase == "total":
                 raise
-            failure, _ = failure_of(exc, ep.id, dl)
-            verdict.healthy = False
-            return _Outcome(False, detail=failure.detail)
-        except aiohttp.ClientError as exc:
             failure, _ = failure_of(exc, ep.id, dl)
             verdict.healthy = False
             return _Outcome(False, detail=failure.detail)
@@ -347,3 +343,16 @@ async def _attempt(
         # Busy is the engine's state, any other 4xx the request's: the decode engine
         # answers it whole and the client hears its own status.
         return _Outcome(False, refused=status not in BUSY, detail=detail)
+
+
+async def post_whole(
+    client: http1.Client, url: URL, body: bytes, headers: dict[str, str], connect: float
+) -> tuple[int, bytes]:
+    """POST `body` and read the answer whole: its status and body. Interrupted (a
+    deadline, the client gone), the connection is closed, so the engine aborts the
+    request and frees what it held for it."""
+    resp = await client.post(url, body, headers, connect)
+    try:
+        return resp.status, await resp.read()
+    finally:
+        resp.release()  # back to the pool only when read to its end

@@ -54,21 +54,13 @@ class Upstream:
     def __init__(self, metrics: RouterMetrics, clock: Callable[[], float]):
         self.metrics = metrics
         self.clock = clock
-        self.client: http1.Client | None = None  # the relay's requests to engines
-        # The other calls to engines (P/D prefill legs, stored responses) still use aiohttp.
+        # The relay's requests to engines, P/D legs included.
+        self.client: http1.Client | None = None
+        # The calls off the request path (stored responses, /v1/models, scraping).
         self.session: aiohttp.ClientSession | None = None
-        self._connect_timeouts: dict[float, aiohttp.ClientTimeout] = {}
         # Called with (response id, endpoint id, exchange) when a Responses API answer
         # names its id.
         self.on_response_id: Callable[[bytes, str, Exchange], None] | None = None
-
-    def connect_timeout(self, seconds: float) -> aiohttp.ClientTimeout:
-        t = self._connect_timeouts.get(seconds)
-        if t is None:
-            t = self._connect_timeouts[seconds] = aiohttp.ClientTimeout(
-                total=None, sock_connect=seconds
-            )
-        return t
 
     async def attempt(
         self,
