@@ -44,7 +44,7 @@ class Model:
         self.state = ClusterState()
         self.seq = 0
         self.now = start
-        self.tracks: dict[str, autoscale.Track] = {}
+        self.tracks: dict[tuple[str, str], autoscale.Track] = {}
         self.fired: list[c.ModelScaled] = []
         self._fold(c.ModelDeclared(name="m", replicas=spec.min, autoscale=spec))
 
@@ -63,7 +63,7 @@ class Model:
             d = demand(self.desired) if callable(demand) else demand
             r = self.desired if ready is None else ready
             events, self.tracks = autoscale.decide(
-                self.state, {"m": sig(r, d, queued)}, self.tracks, self.now
+                self.state, {("m", ""): sig(r, d, queued)}, self.tracks, self.now
             )
             for ev in events:
                 assert autoscale.check(self.state, ev) == [], ev.explanation
@@ -355,7 +355,9 @@ def test_a_queue_target_settles_without_flapping_and_replays():
 
     for _ in range(300):
         m.now += 1
-        events, m.tracks = autoscale.decide(m.state, {"m": signals(m.desired, 20)}, m.tracks, m.now)
+        events, m.tracks = autoscale.decide(
+            m.state, {("m", ""): signals(m.desired, 20)}, m.tracks, m.now
+        )
         for ev in events:
             assert autoscale.check(m.state, ev) == [], ev.explanation
             m.fired.append(ev)
@@ -402,8 +404,8 @@ def decided_on(summaries: list[c.DemandSummary]) -> c.ModelScaled:
     """The scale-up a fresh model decides on these summaries."""
     st = ClusterState()
     fold.apply(st, 1, c.ModelDeclared(name="m", replicas=1, autoscale=UP_AT_ONCE))
-    signals = {"m": autoscale.combine(summaries, "m")}
-    inputs = {"m": autoscale.inputs_of(summaries, "m")}
+    signals = {("m", ""): autoscale.combine(summaries, "m")}
+    inputs = {("m", ""): autoscale.inputs_of(summaries, "m")}
     (ev,), _ = autoscale.decide(st, signals, {}, 100.0, inputs=inputs)
     return ev
 

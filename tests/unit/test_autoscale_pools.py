@@ -10,7 +10,7 @@ from llmgw.opcli import explain
 from llmgw.reconciler.audit import replay
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.state import fold
-from llmgw.reconciler.state.model import ClusterState, scaling_key
+from llmgw.reconciler.state.model import ClusterState
 from llmgw.reconciler.store import rows
 
 SPEC = c.AutoscaleSpec(min=1, max=4, target=0.8, scale_up_after_seconds=5)
@@ -61,9 +61,9 @@ def run(state: ClusterState, seconds: int, prefill: int, decode: int, seq0: int 
     for t in range(seconds):
         now = 1000.0 + t
         live = [summary(prefill, decode, state)]
-        keys = [(scaling_key(m, r), m, r) for m, r, _ in state.autoscaled()]
-        signals = {k: autoscale.combine(live, m, r) for k, m, r in keys}
-        inputs = {k: autoscale.inputs_of(live, m) for k, m, _ in keys}
+        keys = [(m, r) for m, r, _ in state.autoscaled()]
+        signals = {(m, r): autoscale.combine(live, m, r) for m, r in keys}
+        inputs = {(m, r): autoscale.inputs_of(live, m) for m, r in keys}
         events, tracks = autoscale.decide(state, signals, tracks, now, inputs=inputs)
         for ev in events:
             seq += 1

@@ -92,7 +92,7 @@ def test_a_model_scaled_to_zero_keeps_its_record_and_says_why_it_cannot_start():
     log.append(c.ModelDeclared(name="big", replicas=1))
     log.append(*reconcile.decide(log.state).events)
     log.append(c.ModelScaled(model="z", from_replicas=0, to_replicas=1, rule="from_zero", ts=5.0))
-    assert p.affected(log.state, {("scaled", "z")}) == {Key.model("z")}
+    assert p.affected(log.state, {("scaled", ("z", ""))}) == {Key.model("z")}
     log.append(*reconcile.decide(log.state).events)
     rec = p.model_record(log.state, "z")
     assert "z-r1 cannot be placed" in rec.unplaceable

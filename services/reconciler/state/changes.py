@@ -34,7 +34,7 @@ TENANT: Kind = "tenant"
 BANDS: Kind = "bands"  # key "": the bands are one declaration
 FAILURE: Kind = "failure"  # key: a replica id not placed yet
 TERM: Kind = "term"  # key: the leader term, as text
-# key: scaling_key(model, role) of a model's or pool's autoscaled count that changed or ended
+# key: the (model, role) of a model's or pool's autoscaled count that changed or ended
 SCALED: Kind = "scaled"
 ADAPTER: Kind = "adapter"  # key: a LoRA adapter declared, changed or removed
 HOLDINGS: Kind = "holdings"  # key: a base model whose adapter placement changed or ended
@@ -44,9 +44,13 @@ KINDS: frozenset[Kind] = frozenset(
 )
 
 
+# A change's key: an entity's id or name, or a (model, role) for SCALED.
+ChangeKey = str | tuple[str, str]
+
+
 class Change(NamedTuple):
     kind: Kind
-    key: str
+    key: ChangeKey
 
 
 class ChangeSet:
@@ -54,15 +58,15 @@ class ChangeSet:
 
     __slots__ = ("_by_kind",)
 
-    def __init__(self, changes: Iterable[tuple[str, str]] = ()):
-        self._by_kind: dict[str, set[str]] = {}
+    def __init__(self, changes: Iterable[tuple[str, ChangeKey]] = ()):
+        self._by_kind: dict[str, set[ChangeKey]] = {}
         self.update(changes)
 
-    def update(self, changes: Iterable[tuple[str, str]]) -> None:
+    def update(self, changes: Iterable[tuple[str, ChangeKey]]) -> None:
         for kind, key in changes:
             self._by_kind.setdefault(kind, set()).add(key)
 
-    def keys(self, kind: Kind) -> set[str]:
+    def keys(self, kind: Kind) -> set[ChangeKey]:
         """The keys of one kind (empty if none changed)."""
         return self._by_kind.get(kind, set())
 

@@ -23,7 +23,6 @@ from llmgw.reconciler.state.model import (
     autoscale_specs,
     pool_profile,
     profile_digest,
-    scaling_key,
 )
 
 
@@ -129,14 +128,14 @@ def _shard_status(state: ClusterState, seq: int, ev: c.ShardStatus) -> set[Chang
 def _model_declared(state: ClusterState, seq: int, ev: c.ModelDeclared) -> set[Change]:
     state.models[ev.name] = ev
     changes: set[Change] = {Change(ch.MODEL, ev.name)}
-    kept = {scaling_key(ev.name, role) for role, _ in autoscale_specs(ev)}
+    kept = {(ev.name, role) for role, _ in autoscale_specs(ev)}
     for key in _scaling_keys(state, ev.name) - kept:
         del state.scaled[key]  # a fixed count again: the autoscaler's is void
         changes.add(Change(ch.SCALED, key))
     return changes
 
 
-def _scaling_keys(state: ClusterState, model: str) -> set[str]:
+def _scaling_keys(state: ClusterState, model: str) -> set[tuple[str, str]]:
     return {key for key, ev in state.scaled.items() if ev.model == model}
 
 
@@ -230,7 +229,7 @@ def _model_scaled(state: ClusterState, seq: int, ev: c.ModelScaled) -> set[Chang
     decl = state.models.get(ev.model)
     if decl is None or ev.role not in dict(autoscale_specs(decl)):
         return set()  # decided just before the model (or pool) left or stopped autoscaling
-    key = scaling_key(ev.model, ev.role)
+    key = (ev.model, ev.role)
     state.scaled[key] = ev
     return {Change(ch.SCALED, key)}
 

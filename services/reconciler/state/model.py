@@ -118,8 +118,8 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     # The latest failure to place, per replica id not yet placed.
     failures: dict[str, c.PlacementFailed] = msgspec.field(default_factory=dict)
     # The autoscaler's latest decision per autoscaled model or pool (its `to_replicas` is
-    # the count), by scaling_key(model, role).
-    scaled: dict[str, c.ModelScaled] = msgspec.field(default_factory=dict)
+    # the count), by (model, role): role "" the whole model's count, prefill or decode a pool's.
+    scaled: dict[tuple[str, str], c.ModelScaled] = msgspec.field(default_factory=dict)
     # Declared LoRA adapters by name, and the latest adapter placement per base model.
     adapters: dict[str, c.AdapterDeclared] = msgspec.field(default_factory=dict)
     adapter_holdings: dict[str, AdapterHoldings] = msgspec.field(default_factory=dict)
@@ -147,12 +147,12 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
             if role not in c.PD_ROLES:
                 return 0
             pool: c.PoolSpec = getattr(decl.disaggregation, role)
-            return self._within(pool.autoscale, pool.replicas, scaling_key(model, role))
+            return self._within(pool.autoscale, pool.replicas, (model, role))
         if role:
             return 0
-        return self._within(decl.autoscale, decl.replicas, model)
+        return self._within(decl.autoscale, decl.replicas, (model, ""))
 
-    def _within(self, spec: c.AutoscaleSpec | None, fixed: int, key: str) -> int:
+    def _within(self, spec: c.AutoscaleSpec | None, fixed: int, key: tuple[str, str]) -> int:
         if spec is None:
             return fixed
         scaled = self.scaled.get(key)
@@ -189,24 +189,6 @@ class ClusterState(msgspec.Struct, kw_only=True, dict=True):
     def adapters_of(self, model: str) -> list[c.AdapterDeclared]:
         """The adapters declared on base `model`, by name."""
         return sorted((a for a in self.adapters.values() if a.base == model), key=lambda a: a.name)
-
-
-def scaling_key(model: str, role: str) -> str:
-    """Where `ClusterState.scaled` keeps the count of `model`'s pool `role` ("": the whole
-    model's). The unit separator is a control character no model name has, so a pool's
-    key is no other model's name (the table keeps model and role apart)."""
-    return f"{model}\x1f{role}" if role else model
-
-
-def scaling_parts(key: str) -> tuple[str, str]:
-    """The (model, role) a scaling_key names."""
-    model, _, role = key.partition("\x1f")
-    return model, role
-
-
-def scaled_model(key: str) -> str:
-    """The model a scaling_key names."""
-    return scaling_parts(key)[0]
 
 
 def autoscale_specs(decl: c.ModelDeclared) -> list[tuple[str, c.AutoscaleSpec]]:

@@ -20,15 +20,13 @@ from sqlalchemy import Table
 
 from llmgw import contracts as c
 from llmgw.reconciler.state import changes as ch
-from llmgw.reconciler.state.changes import Change
+from llmgw.reconciler.state.changes import Change, ChangeKey
 from llmgw.reconciler.state.model import (
     AdapterHoldings,
     ClusterState,
     NodeView,
     ReplicaView,
     ShardView,
-    scaling_key,
-    scaling_parts,
 )
 from llmgw.reconciler.store import tables as t
 
@@ -58,20 +56,20 @@ class Projection:
     table: Table
     key: str
     attr: str  # the ClusterState dict it projects
-    to_row: Callable[[str, Any], Row]
+    to_row: Callable[[ChangeKey, Any], Row]
     load: Callable[[ClusterState, Row], None]
     # The primary key's columns of a state key, for a delete: {key: state key} unless
     # the table's key has more than one column (model_scaling: model and role).
-    key_columns: Callable[[str], Row] | None = None
+    key_columns: Callable[[ChangeKey], Row] | None = None
 
-    def primary_key(self, key: str) -> Row:
+    def primary_key(self, key: ChangeKey) -> Row:
         return self.key_columns(key) if self.key_columns is not None else {self.key: key}
 
-    def entries(self, state: ClusterState) -> dict[str, Any]:
+    def entries(self, state: ClusterState) -> dict[Any, Any]:
         return getattr(state, self.attr)
 
 
-def _view_row(key: str, view: msgspec.Struct) -> Row:
+def _view_row(key: ChangeKey, view: msgspec.Struct) -> Row:
     return msgspec.to_builtins(view)
 
 
@@ -91,7 +89,7 @@ def _load_message(attr: str, cls: type[c.Message], key: str):
 
 def _load_scaling(state: ClusterState, row: Row) -> None:
     ev = _message_from_row(row, c.ModelScaled)
-    state.scaled[scaling_key(ev.model, ev.role)] = ev
+    state.scaled[ev.model, ev.role] = ev
 
 
 PROJECTIONS: dict[str, Projection] = {
@@ -152,7 +150,7 @@ PROJECTIONS: dict[str, Projection] = {
             "scaled",
             lambda k, m: _message_row(m),
             _load_scaling,
-            lambda k: dict(zip(("model", "role"), scaling_parts(k), strict=True)),
+            lambda k: {"model": k[0], "role": k[1]},
         ),
         Projection(
             "adapter",
@@ -186,13 +184,13 @@ class Writes:
     """What one batch writes to the state tables: upserts and deletes per table."""
 
     upserts: dict[str, list[Row]]
-    deletes: dict[str, list[str]]  # state keys (PROJECTIONS[kind].primary_key: columns)
+    deletes: dict[str, list[ChangeKey]]  # state keys (PROJECTIONS[kind].primary_key: columns)
     bands: list[Row] | None  # replace every band row when set
 
 
 def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
     """The rows to write so the tables equal `state` again after `changes`."""
-    keys: dict[str, set[str]] = {}
+    keys: dict[str, set[ChangeKey]] = {}
     bands = False
     for kind, key in changes:
         if kind == ch.BANDS:
@@ -204,7 +202,7 @@ def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
             raise ValueError(f"change kind {kind!r} has no projection table (see rows.py)")
         keys.setdefault(kind, set()).add(key)
     upserts: dict[str, list[Row]] = {}
-    deletes: dict[str, list[str]] = {}
+    deletes: dict[str, list[ChangeKey]] = {}
     for kind, kind_keys in keys.items():
         proj = PROJECTIONS[kind]
         entries = proj.entries(state)
@@ -217,7 +215,7 @@ def writes_for(state: ClusterState, changes: Iterable[Change]) -> Writes:
     return Writes(upserts, deletes, band_rows(state) if bands else None)
 
 
-def all_rows(state: ClusterState) -> dict[str, dict[str, Row]]:
+def all_rows(state: ClusterState) -> dict[str, dict[ChangeKey, Row]]:
     """Every state table's rows by primary key, as the projection should hold them."""
     out = {
         p.table.name: {key: p.to_row(key, entry) for key, entry in p.entries(state).items()}

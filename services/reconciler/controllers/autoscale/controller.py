@@ -5,10 +5,10 @@ Routers publish a DemandSummary about once a second on core NATS
 shared with the LoRA placement) and, every
 `autoscale_tick` seconds (the actor's config), combines those younger than
 `rule.SUMMARY_TTL` per autoscaled model, or per autoscaled pool of a
-disaggregated model (keyed by `scaling_key(model, role)`), and asks the pure `rule.decide` what to do. Each
-decision goes into the log as a ModelScaled event; the fold turns it into the
-model's desired count, and the replicas controller places or retires replicas
-from there (retired ones drain first). Summaries are not persisted: the event
+disaggregated model (keyed by the pair (model, role)), and asks the pure
+`rule.decide` what to do. Each decision goes into the log as a ModelScaled event;
+the fold turns it into the model's desired count, and the replicas controller
+places or retires replicas from there (retired ones drain first). Summaries are not persisted: the event
 records the combined values it was decided on and the per-router inputs they
 were combined from (at most `rule.INPUTS_CAP`), which is what `llmgw audit
 replay` checks.
@@ -38,7 +38,7 @@ from llmgw import contracts as c
 from llmgw.reconciler.controllers.autoscale import rule as autoscale
 from llmgw.reconciler.controllers.runtime import Context, Controller, Result
 from llmgw.reconciler.state.changes import ChangeSet
-from llmgw.reconciler.state.model import ClusterState, scaling_key
+from llmgw.reconciler.state.model import ClusterState
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,9 @@ class AutoscaleController(Controller):
         self.clock = ctx.clock  # wall clock: stamps events, never measures time
         self.monotonic = ctx.monotonic  # measures: summary age, conditions held, cool-down, waits
         self.demand = ctx.demand  # the routers' summaries, shared with the LoRA placement
-        self.tracks: dict[str, autoscale.Track] = {}
-        # scaling key -> (id of its latest ModelScaled, when it happened on the monotonic clock)
-        self.changed: dict[str, tuple[str, float]] = {}
+        self.tracks: dict[tuple[str, str], autoscale.Track] = {}
+        # (model, role) -> (id of its latest ModelScaled, when it happened on the monotonic clock)
+        self.changed: dict[tuple[str, str], tuple[str, float]] = {}
         self._awaiting: tuple[int, float] | None = None  # (our event's seq, since)
         self.ticks = 0  # evaluations made (not waiting for the fold): tests wait on it
 
@@ -74,21 +74,23 @@ class AutoscaleController(Controller):
 
     def signals(
         self, state: ClusterState, now: float
-    ) -> tuple[dict[str, c.ScaleSignals], dict[str, list[c.RouterInput]]]:
-        """Combined signals per autoscaled model or pool (by scaling key) from the
+    ) -> tuple[dict[tuple[str, str], c.ScaleSignals], dict[tuple[str, str], list[c.RouterInput]]]:
+        """Combined signals per autoscaled model or pool (by (model, role)) from the
         summaries still fresh at monotonic `now` (older ones are forgotten), and the
         inputs they came from."""
         live = self.demand.fresh(now, autoscale.SUMMARY_TTL)
         if not live:
             return {}, {}  # no router speaks: nothing is known, nothing is decided
-        counted = [(scaling_key(m, r), m, r) for m, r, _ in state.autoscaled()]
+        counted = [(m, r) for m, r, _ in state.autoscaled()]
         return (
-            {key: autoscale.combine(live, m, r) for key, m, r in counted},
-            {key: autoscale.inputs_of(live, m) for key, m, _ in counted},
+            {(m, r): autoscale.combine(live, m, r) for m, r in counted},
+            {(m, r): autoscale.inputs_of(live, m) for m, r in counted},
         )
 
-    def changed_at(self, state: ClusterState, now: float, wall: float) -> dict[str, float]:
-        """When each model or pool last changed (by scaling key), on the monotonic clock.
+    def changed_at(
+        self, state: ClusterState, now: float, wall: float
+    ) -> dict[tuple[str, str], float]:
+        """When each model or pool last changed (by (model, role)), on the monotonic clock.
         A change this controller
         did not see made (an earlier leader's) is placed once from its event's age; a
         wall-clock step after that moves nothing."""
@@ -120,7 +122,7 @@ class AutoscaleController(Controller):
         for ev in events:
             seq = await self.ctx.publish(ev)
             self._awaiting = (seq, now)
-            self.changed[scaling_key(ev.model, ev.role)] = (ev.id, now)
+            self.changed[ev.model, ev.role] = (ev.id, now)
             SCALED.labels(ev.rule).inc()
             log.info("%s: %s", ev.model, ev.explanation)
         return Result()

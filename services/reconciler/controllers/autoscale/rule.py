@@ -8,8 +8,8 @@ A disaggregated model's pools (prefill, decode) scale apart, each by its own
 spec, with the same rule: a pool's signals are its endpoints' in-flight
 requests, capacity, ready count and engine queues (the routers' per-pool
 demand), plus the model's queue in admission, which every pool will serve.
-Everything keyed "per model" below is keyed by `scaling_key(model, role)`,
-role "" for a whole model; the event records the role.
+Everything keyed "per model" below is keyed by the pair (model, role), role ""
+for a whole model; the event records the role.
 
 The rule (`propose`) reads one number, the spec's `signal`:
 
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 from llmgw import contracts as c
 from llmgw.reconciler.state.ids import event_id
-from llmgw.reconciler.state.model import ClusterState, scaling_key
+from llmgw.reconciler.state.model import ClusterState
 from llmgw.reconciler.state.wording import clock_text
 
 SCALE_UP = "scale_up"
@@ -301,26 +301,26 @@ def explanation(ev: c.ModelScaled, spec: c.AutoscaleSpec) -> str:
 
 def decide(
     state: ClusterState,
-    signals: dict[str, c.ScaleSignals],
-    tracks: dict[str, Track],
+    signals: dict[tuple[str, str], c.ScaleSignals],
+    tracks: dict[tuple[str, str], Track],
     now: float,
     *,
     wall: float | None = None,
-    changed_at: dict[str, float] | None = None,
-    inputs: dict[str, list[c.RouterInput]] | None = None,
-) -> tuple[list[c.ModelScaled], dict[str, Track]]:
+    changed_at: dict[tuple[str, str], float] | None = None,
+    inputs: dict[tuple[str, str], list[c.RouterInput]] | None = None,
+) -> tuple[list[c.ModelScaled], dict[tuple[str, str], Track]]:
     """ModelScaled events for every autoscaled model or pool whose rule fires now, and the
     new tracks. One without signals (no live router) is left as it is. Every dict here is
-    keyed by scaling_key(model, role).
+    keyed by (model, role).
 
     `now` measures (monotonic); `wall` stamps the events (default `now`). `changed_at`:
     when each model last changed, on the clock of `now` (default: the previous event's
     wall time, for callers whose `now` is a wall time). `inputs`: the per-router
     summaries each model's signals were combined from, recorded in the event."""
     events: list[c.ModelScaled] = []
-    new_tracks: dict[str, Track] = {}
+    new_tracks: dict[tuple[str, str], Track] = {}
     for model, role, spec in state.autoscaled():
-        key = scaling_key(model, role)
+        key = (model, role)
         desired = state.desired_replicas(model, role)
         if changed_at is not None:
             last_at = changed_at.get(key)
@@ -333,7 +333,7 @@ def decide(
         if prop is None:
             continue
         ev = c.ModelScaled(
-            id=event_id("scaled", key, state.last_seq, desired, prop.to),
+            id=event_id("scaled", *_id_parts(key), state.last_seq, desired, prop.to),
             ts=now if wall is None else wall,
             model=model,
             role=role,
@@ -351,6 +351,15 @@ def decide(
         events.append(ev)
         new_tracks.pop(key, None)  # the count changes: time the next condition afresh
     return events, new_tracks
+
+
+def _id_parts(key: tuple[str, str]) -> tuple[str, ...]:
+    """The event id's parts for a count: the model, then its pool's role if it has one.
+    Each decision keeps the id it had when the key was one string (model, or model and
+    role joined by event_id's own separator), so a leader of the older version
+    re-publishing it during an upgrade still dedupes."""
+    model, role = key
+    return (model, role) if role else (model,)
 
 
 def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
@@ -382,7 +391,7 @@ def check(state: ClusterState, ev: c.ModelScaled) -> list[str]:
         out.append(f"rule: recorded {ev.rule} to {ev.to_replicas}, now {prop.rule} to {prop.to}")
     if ev.sustained_seconds + 1e-6 < prop.after:
         out.append(f"held {ev.sustained_seconds:g} s, the rule needs {prop.after:g} s")
-    last = state.scaled.get(scaling_key(ev.model, ev.role))
+    last = state.scaled.get((ev.model, ev.role))
     if prop.rule == SCALE_DOWN and last is not None:
         # Measured on the leader's monotonic clock; older events only have wall times.
         gap = ev.since_last_change_seconds

@@ -33,7 +33,7 @@ from llmgw import projection as pj
 from llmgw.projection import Key
 from llmgw.reconciler.state import changes as ch
 from llmgw.reconciler.state.changes import Change
-from llmgw.reconciler.state.model import ClusterState, pool_profile, scaled_model
+from llmgw.reconciler.state.model import ClusterState, pool_profile
 from llmgw.reconciler.state.queries import next_replica_id
 
 SERVING = (c.ShardState.READY, c.ShardState.DRAINING)
@@ -155,7 +155,7 @@ def affected(state: ClusterState, changes: Iterable[Change]) -> set[Key]:
             # A failure cleared by a placement changes the replica, which names the model.
             model = failed.model if failed is not None else None
         elif kind == ch.SCALED:
-            model = scaled_model(key)
+            model, _ = key
         elif kind == ch.ADAPTER:
             declared = state.adapters.get(key)
             # A removed adapter no longer says its base: every model's record is
