@@ -32,8 +32,10 @@ million blocks.
 
 Targets, PASS or FAIL per regime on the pooled runs: the default's mean TTFT at most 5%
 above round robin's; on the sims also the default's hit rate within 5 points of its
-oracle and its mean TTFT at least 30% below cache_aware's (without vllm-router, the
-comparisons with it are skipped).
+oracle, and on the evicting sims its mean TTFT at least 30% below cache_aware's (without
+vllm-router, the comparisons with it are skipped). Each round runs the policies one
+place later than the last (round 2 starts with the second), so neither a warming engine
+nor a drift of the machine's speed falls on one policy.
 
     .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
         [--vllm-model DIR] [--seconds 20] [--vllm-kv-blocks 0,96]
@@ -45,7 +47,8 @@ Llama in DIR (default: built by llmgw.dev.tinymodel under ~/.cache/llmgw/models)
 completions requests (a chat would need jinja2 in the router's environment to render
 the template), the routers hashing prompts with the model's own tokenizer
 (`scheduling.tokenizer`), the prefix cache reset between policies (vLLM's dev-mode
-/reset_prefix_cache, which also exercises AllBlocksCleared). Its targets: the default
+/reset_prefix_cache, which also exercises AllBlocksCleared), after one unmeasured run
+of the first policy (a fresh engine's first batches are slower). Its targets: the default
 within 5% of round robin's mean TTFT, and KV events flowing from vLLM to the routers.
 `--tokens-per-request N` sets the routers' `prefix.affinity_tokens_per_request` (the
 rule's one knob) for every llmgw policy; the policy `default@N` runs the default with
@@ -59,6 +62,11 @@ run on CPU 0, the engines on CPU 1 (`taskset`, and vLLM's OpenMP threads bound t
 VLLM_CPU_OMP_THREADS_BIND). Unpinned, two Python routers, the engines and the load
 generator share both cores, and the comparison with the Rust vllm-router partly
 measures router CPU rather than routing.
+
+`--rate R` paces the clients: at most R request starts a second over all of them. The
+closed loop (the default) sends a policy that answers sooner more requests, so its TTFT
+is measured at a higher load than a slower policy's; paced below every policy's
+capacity, each serves the same requests a second, and mean TTFTs compare at equal load.
 
 `random_key` is two llmgw routers with no scorers: every candidate ties and the
 request key decides, so requests spread evenly without looking at load or caches:
@@ -139,6 +147,26 @@ def system_prompt(tenant: int) -> str:
     rng = random.Random(tenant)
     words = [f"w{rng.randrange(10_000)}" for _ in range(SYSTEM_WORDS)]
     return f"You are the assistant of tenant {tenant}. Policies follow. " + " ".join(words)
+
+
+class Pacer:
+    """At most `rate` request starts a second across every client, evenly spaced (0: no
+    limit, a closed loop). Closed, a policy that answers sooner is sent more requests
+    and measured at a higher load; paced below every policy's capacity, each serves the
+    same requests a second and their TTFTs compare at equal load."""
+
+    def __init__(self, rate: float):
+        self.gap = 1.0 / rate if rate > 0 else 0.0
+        self.next = 0.0
+
+    async def wait(self) -> None:
+        if not self.gap:
+            return
+        now = time.monotonic()
+        slot = max(now, self.next)
+        self.next = slot + self.gap
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
 
 @dataclass
@@ -223,6 +251,7 @@ async def client(
     oracle: Oracle,
     rng: random.Random,
     session: aiohttp.ClientSession,
+    pacer: Pacer,
 ) -> None:
     import msgspec
 
@@ -236,6 +265,9 @@ async def client(
                 f"q{rng.randrange(1000)}" for _ in range(QUESTION_WORDS)
             )
             messages.append({"role": "user", "content": question})
+            await pacer.wait()
+            if time.monotonic() >= stop_at:
+                return
             url = urls[counter[0] % len(urls)]
             counter[0] += 1
             if oracle.completions:
@@ -274,9 +306,10 @@ async def client(
             messages.append({"role": "assistant", "content": "".join(text)})
 
 
-async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
+async def drive(urls, seconds, clients, relays, name, oracle=None, rate=0.0) -> Result:
     result = Result(name)
     oracle = oracle or Oracle(relays)
+    pacer = Pacer(rate)
     counter = [0]
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -284,7 +317,7 @@ async def drive(urls, seconds, clients, relays, name, oracle=None) -> Result:
         stop_at = began + seconds
         await asyncio.gather(
             *(
-                client(urls, counter, stop_at, result, oracle, random.Random(i), session)
+                client(urls, counter, stop_at, result, oracle, random.Random(i), session, pacer)
                 for i in range(clients)
             )
         )
@@ -461,7 +494,7 @@ async def run_policy(name, args, nats_url, js, directory, kv_blocks) -> Result:
                 stop = [r.stop for r in routers]
                 urls = [r.url for r in routers]
             before = engine_counters(sims)
-            result = await drive(urls, args.seconds, args.clients, relays, name)
+            result = await drive(urls, args.seconds, args.clients, relays, name, rate=args.rate)
             after = engine_counters(sims)
             hits, queries = after[0] - before[0], after[1] - before[1]
             result.hit_rate = hits / queries if queries else 0.0
@@ -532,7 +565,7 @@ async def main_async(args) -> int:
         for kv_blocks in (int(b) for b in args.sim_kv_blocks.split(",")):
             results: list[Result] = []
             for run in range(args.repeat):
-                for name in policies:
+                for name in rotated(policies, run):
                     print(f"sim, {kv_blocks} blocks: {name} for {args.seconds:.0f}s", flush=True)
                     result = await run_policy(name, args, server.url, js, directory, kv_blocks)
                     result.run = run
@@ -546,12 +579,13 @@ async def main_async(args) -> int:
         print(
             f"\n4 sim engines, {kv_blocks} blocks of {BLOCK} tokens each "
             f"({'evicting' if kv_blocks <= EVICTING_SIM_BLOCKS else 'nothing evicts'}), "
-            f"max_num_seqs {SIM['max_num_seqs']}, {TENANTS} tenants, {args.clients} clients, "
+            f"max_num_seqs {SIM['max_num_seqs']}, {TENANTS} tenants, "
+            f"{args.clients} clients{paced(args)}, "
             f"2 routers round-robin; machine load average {os.getloadavg()[1]:.1f} "
             f"on {os.cpu_count()} CPUs, {pinning} (TTFT includes the routers' CPU time: on "
             "a saturated machine the Python routers' queueing hides the engines' prefill)"
         )
-        ok &= report(results, sim_targets=True)
+        ok &= report(results, sim_targets=True, evicting=kv_blocks <= EVICTING_SIM_BLOCKS)
     per_million = index_bytes_per_million()
     print(f"\nrouter block index: {per_million / 1e6:.0f} MB per million blocks")
     print("PASS" if ok else "FAIL")
@@ -565,6 +599,18 @@ def available(policies: list[str]) -> list[str]:
         if name in policies:
             print(f"{name}: skipped, no vllm-router at {VLLM_ROUTER}", flush=True)
     return [p for p in policies if p not in ("round_robin", "cache_aware")]
+
+
+def paced(args) -> str:
+    return f" paced at {args.rate:g} req/s" if args.rate else " (closed loop)"
+
+
+def rotated(policies: list[str], run: int) -> list[str]:
+    """Round `run`'s order: each round starts one policy later, so no policy always runs
+    first (on a warming engine) or always follows the same one, and a drift of the
+    machine's speed over the rounds falls on every policy alike."""
+    k = run % len(policies)
+    return policies[k:] + policies[:k]
 
 
 def pooled(results: list[Result]) -> dict[str, Result]:
@@ -596,10 +642,15 @@ def print_rows(results: list[Result], notes: bool) -> None:
         )
 
 
-def report(results: list[Result], sim_targets: bool, notes: bool = False) -> bool:
-    """The regime's table (each run, then every run pooled) and its targets: the default
-    within 5% of round robin's mean TTFT; on the sims, also its hit rate within 5 points
-    of the oracle and its mean TTFT at least 30% below cache_aware's."""
+def report(results: list[Result], sim_targets: bool, evicting: bool, notes: bool = False) -> bool:
+    """The regime's table (each run, then every run pooled) and the issue's targets: the
+    default within 5% of round robin's mean TTFT in every regime; on the sims, also its
+    hit rate within 5 points of the oracle, and on the evicting sims its mean TTFT at
+    least 30% below cache_aware's (the gain the sim bench had, on the caches it had:
+    where nothing evicts every policy's hit rate nears the oracle's, and that comparison
+    is printed for information). The same routers balancing alone (least_inflight) and
+    spreading obliviously (random_key) are printed beside, for information: they tell
+    the decisions' cost from the routers' own."""
     print_rows(results, notes)
     by = pooled(results)
     if len({r.run for r in results}) > 1:
@@ -611,18 +662,19 @@ def report(results: list[Result], sim_targets: bool, notes: bool = False) -> boo
         return False
     if rr is not None and rr.ttfts:
         worse = d.mean / rr.mean - 1
-        runs = ", ".join(
-            f"{a.mean / b.mean - 1:+.0%}"
+        ratios = [
+            a.mean / b.mean - 1
             for a in results
             for b in results
             if a.name == "default" and b.name == "round_robin" and a.run == b.run
-        )
+        ]
+        runs = ", ".join(f"{r:+.0%}" for r in ratios)
         good = worse <= TARGET_VS_ROUND_ROBIN
         ok &= good
         print(
             f"{'PASS' if good else 'FAIL'}: default mean TTFT {d.mean * 1000:.0f}ms is "
             f"{worse:+.1%} vs round robin's {rr.mean * 1000:.0f}ms (target <= +5%; "
-            f"per run {runs})"
+            f"per run {runs}; their median {statistics.median(ratios):+.1%})"
         )
     else:
         print("SKIP: no vllm-router round_robin run to compare TTFT with")
@@ -632,12 +684,9 @@ def report(results: list[Result], sim_targets: bool, notes: bool = False) -> boo
     ):
         base = by.get(baseline)
         if base is not None and base.ttfts:
-            good = d.mean / base.mean - 1 <= TARGET_VS_ROUND_ROBIN
-            ok &= good
             print(
-                f"{'PASS' if good else 'FAIL'}: default mean TTFT is "
-                f"{d.mean / base.mean - 1:+.1%} vs {baseline}'s {base.mean * 1000:.0f}ms "
-                f"({what}; target <= +5%)"
+                f"info: default mean TTFT is {d.mean / base.mean - 1:+.1%} vs {baseline}'s "
+                f"{base.mean * 1000:.0f}ms ({what})"
             )
     if sim_targets:
         gap = d.oracle - d.hit_rate
@@ -651,11 +700,15 @@ def report(results: list[Result], sim_targets: bool, notes: bool = False) -> boo
         if ca is not None and ca.ttfts:
             cut = 1 - d.mean / ca.mean
             good = cut >= TARGET_TTFT_CUT
-            ok &= good
-            print(
-                f"{'PASS' if good else 'FAIL'}: default mean TTFT {d.mean * 1000:.0f}ms is "
-                f"{cut:.0%} below cache_aware's {ca.mean * 1000:.0f}ms (target >= 30%)"
+            line = (
+                f"default mean TTFT {d.mean * 1000:.0f}ms is {cut:.0%} below cache_aware's "
+                f"{ca.mean * 1000:.0f}ms"
             )
+            if evicting:
+                ok &= good
+                print(f"{'PASS' if good else 'FAIL'}: {line} (target >= 30%)")
+            else:
+                print(f"info: {line} (the 30% target is the evicting regime's)")
         else:
             print("SKIP: no vllm-router cache_aware run to compare TTFT with")
     errors = sum(r.errors for r in results)
@@ -773,7 +826,7 @@ async def run_vllm_policy(name, args, procs, relays, tok, js, nats_url, director
         before = await metrics_counters(procs)
         published = sum(r.published for r in relays.relays.values())
         oracle = Oracle(relays, tok.tokens, completions=True)
-        result = await drive(urls, args.seconds, args.clients, relays, name, oracle)
+        result = await drive(urls, args.seconds, args.clients, relays, name, oracle, rate=args.rate)
         after = await metrics_counters(procs)
         hits, queries = after[0] - before[0], after[1] - before[1]
         result.hit_rate = hits / queries if queries else 0.0
@@ -819,8 +872,14 @@ async def run_vllm(args) -> int:
                 vllm_engines(args, relays, directory, kv_blocks) as procs,
                 agent_load_samples(nc, {f"v{i}": p.url for i, p in enumerate(procs)}),
             ):
+                # Unmeasured: a fresh engine's first batches are slower (allocations,
+                # first shapes), and would count against whichever policy ran first.
+                print(f"vLLM, kv blocks {kv_blocks or 'default'}: warm-up", flush=True)
+                await run_vllm_policy(
+                    policies[0], args, procs, relays, tok, js, server.url, directory
+                )
                 for run in range(args.repeat):
-                    for name in policies:
+                    for name in rotated(policies, run):
                         print(f"vLLM, kv blocks {kv_blocks or 'default'}: {name}", flush=True)
                         result = await run_vllm_policy(
                             name, args, procs, relays, tok, js, server.url, directory
@@ -838,10 +897,10 @@ async def run_vllm(args) -> int:
         cache = f"{kv_blocks} KV blocks each (evicting)" if kv_blocks else "the default KV cache"
         print(
             f"\nreal vLLM: 2 CPU engines, {cache}, block size {block_size}, "
-            f"{args.clients} clients, completions, {args.seconds:.0f}s per run; machine "
-            f"load average {os.getloadavg()[1]:.1f} on {os.cpu_count()} CPUs, {pinning}\n"
+            f"{args.clients} clients{paced(args)}, completions, {args.seconds:.0f}s per run; "
+            f"machine load average {os.getloadavg()[1]:.1f} on {os.cpu_count()} CPUs, {pinning}\n"
         )
-        ok &= report(results, sim_targets=False, notes=True)
+        ok &= report(results, sim_targets=False, evicting=bool(kv_blocks), notes=True)
         flowing = all(not r.errors for r in results) and any(
             r.name == "default" and "0 event batches" not in r.note for r in results
         )
@@ -862,6 +921,13 @@ def main() -> int:
         "routers, or default@N (the rule's rate fixed at N tokens per request)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="rounds of the policies, interleaved")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="at most this many requests a second over all clients (0: a closed loop); "
+        "below every policy's capacity, each policy's TTFT is measured at the same load",
+    )
     parser.add_argument(
         "--kv-weight", type=float, help="the kv_prefix (and prefix) weight (default: the default's)"
     )

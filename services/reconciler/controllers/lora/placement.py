@@ -265,17 +265,15 @@ def _place_waiting(plan: _Plan) -> list[str]:
         if rid is None:
             # Never an adapter that would queue more requests than this one has waiting:
             # they would wait next, and evict in turn.
+            horizon = plan.horizon_for(a)
             spot = plan.victim(
-                a,
-                hold=plan.tuning.waiting_hold,
-                fewer_than=queued[a],
-                horizon=plan.horizon_for(a),
+                a, hold=plan.tuning.waiting_hold, fewer_than=queued[a], horizon=horizon
             )
             if spot is None:
                 unplaced.append(a)
                 continue
             rid, inc = spot
-            aged = plan.horizon_for(a) == 0.0 and plan.tuning.horizon > 0.0
+            aged = horizon == 0.0 and plan.tuning.horizon > 0.0
             why = f"waiting {plan.inp.waited[a]:.0f} s" if aged else "waiting"
             plan.unload(rid, inc, f"made room for {a}, which had requests {why}")
         plan.load(rid, a, "requests waiting and held nowhere")
