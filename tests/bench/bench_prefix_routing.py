@@ -111,6 +111,9 @@ NODE = "bench"
 BLOCK = 16
 VLLM_ROUTER = os.environ.get("VLLM_ROUTER", "/root/.cache/llmgw/vllm-router-venv/bin/vllm-router")
 HAVE_VLLM_ROUTER = os.path.exists(VLLM_ROUTER)
+# Policies run by two vllm-router instances (`random` is its oblivious spread, to compare
+# with llmgw's `random_key`: the same decisions, the other router).
+VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 SIM = dict(
     model=MODEL,
     block_size=BLOCK,
@@ -481,7 +484,7 @@ async def run_policy(name, args, nats_url, js, directory, kv_blocks) -> Result:
     async with engines(nats_url, kv_blocks, args.pin) as (relays, sims):
         stop = []
         try:
-            if name in ("round_robin", "cache_aware"):
+            if name in VLLM_ROUTER_POLICIES:
                 procs = vllm_routers(name, sims, directory)
                 stop = [p.terminate for p in procs]
                 urls = [p.url for p in procs]  # type: ignore[attr-defined]
@@ -595,10 +598,10 @@ async def main_async(args) -> int:
 def available(policies: list[str]) -> list[str]:
     if HAVE_VLLM_ROUTER:
         return policies
-    for name in ("round_robin", "cache_aware"):
+    for name in VLLM_ROUTER_POLICIES:
         if name in policies:
             print(f"{name}: skipped, no vllm-router at {VLLM_ROUTER}", flush=True)
-    return [p for p in policies if p not in ("round_robin", "cache_aware")]
+    return [p for p in policies if p not in VLLM_ROUTER_POLICIES]
 
 
 def paced(args) -> str:
@@ -809,7 +812,7 @@ async def run_vllm_policy(name, args, procs, relays, tok, js, nats_url, director
     routers = []
     stop = []
     try:
-        if name in ("round_robin", "cache_aware"):
+        if name in VLLM_ROUTER_POLICIES:
             routers = vllm_routers(name, procs, directory)
             stop = [r.terminate for r in routers]
             urls = [r.url for r in routers]  # type: ignore[attr-defined]
