@@ -25,10 +25,16 @@ class MaxScore:
 
     name = "max_score"
 
+    def __init__(self) -> None:
+        self.turn = 0
+
     def pick(self, totals: Sequence[float], key: int) -> int:
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t >= best - 1e-9]
-        return ties[0] if len(ties) == 1 else ties[int(_unit(key) * len(ties))]
+        if len(ties) == 1:
+            return ties[0]
+        self.turn += 1
+        return ties[self.turn % len(ties)]
 
 
 class PowerOfTwo:
