@@ -68,10 +68,11 @@ closed loop (the default) sends a policy that answers sooner more requests, so i
 is measured at a higher load than a slower policy's; paced below every policy's
 capacity, each serves the same requests a second, and mean TTFTs compare at equal load.
 
-`random_key` is two llmgw routers with no scorers: every candidate ties and the
-request key decides, so requests spread evenly without looking at load or caches:
-round robin's obliviousness at the llmgw routers' own cost (the scheduling config
-has no stateful round-robin picker: pickers are pure functions of the request).
+`random_key` is two llmgw routers with no scorers: every candidate ties, so requests
+spread without looking at load or caches, at the llmgw routers' own cost. Its name is
+from when max_score broke ties by the request key (a random split); they now go in
+turn, so it is round robin in llmgw's routers. vllm-router's `random` policy (also
+`power_of_two`) can run beside it.
 """
 
 from __future__ import annotations
@@ -111,8 +112,7 @@ NODE = "bench"
 BLOCK = 16
 VLLM_ROUTER = os.environ.get("VLLM_ROUTER", "/root/.cache/llmgw/vllm-router-venv/bin/vllm-router")
 HAVE_VLLM_ROUTER = os.path.exists(VLLM_ROUTER)
-# Policies run by two vllm-router instances (`random` is its oblivious spread, to compare
-# with llmgw's `random_key`: the same decisions, the other router).
+# Policies run by two vllm-router instances (`random`: its random split of the requests).
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 SIM = dict(
     model=MODEL,
@@ -683,7 +683,7 @@ def report(results: list[Result], sim_targets: bool, evicting: bool, notes: bool
         print("SKIP: no vllm-router round_robin run to compare TTFT with")
     for baseline, what in (
         ("least_inflight", "the same routers balancing alone"),
-        ("random_key", "the same routers spreading obliviously, as round robin does"),
+        ("random_key", "the same routers with no scorers: ties in turn, as round robin"),
     ):
         base = by.get(baseline)
         if base is not None and base.ttfts:

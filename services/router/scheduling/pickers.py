@@ -1,8 +1,9 @@
 """Pickers: choose one endpoint from the summed scores.
 
-Pure and deterministic: where a picker needs chance (ties, p2c's two candidates,
-weighted_random's draw) it reads the request's key, a hash of its bytes, so two
-routers with the same view pick the same endpoint for the same request.
+Deterministic: where a picker needs chance (p2c's two candidates, weighted_random's
+draw) it reads the request's key, a hash of its bytes, so two routers with the same
+view pick the same endpoint for the same request. max_score's ties are the exception:
+they go in turn (see MaxScore).
 """
 
 from __future__ import annotations
@@ -20,15 +21,27 @@ def _unit(key: int) -> float:
 
 
 class MaxScore:
-    """The highest total; ties broken by the request key, so equal endpoints share the
-    load across distinct requests (and a repeated request goes where it went)."""
+    """The highest total; ties go in turn (this picker's count of ties so far), so equal
+    endpoints take every other request.
+
+    Not by the request key, as they once did: a random split of a steady stream sends
+    an engine bursts (two requests at once, then none), and on two real vLLM engines
+    at equal load it lost a quarter of mean TTFT to round robin's alternation (66 ms
+    against 84 with 96 blocks); in turn, the in-flight scorer alone matched it (66 to
+    68). The count is per profile and worker, so each alternates over its own share."""
 
     name = "max_score"
+
+    def __init__(self) -> None:
+        self.turn = 0
 
     def pick(self, totals: Sequence[float], key: int) -> int:
         best = max(totals)
         ties = [i for i, t in enumerate(totals) if t >= best - 1e-9]
-        return ties[0] if len(ties) == 1 else ties[int(_unit(key) * len(ties))]
+        if len(ties) == 1:
+            return ties[0]
+        self.turn += 1
+        return ties[self.turn % len(ties)]
 
 
 class PowerOfTwo:

@@ -4,12 +4,11 @@ Each unit is small, named and behind one interface (the plugins live in `filters
 `scorers`, `prefix`, `cached` and `pickers`; their names in the registries here). A
 `Profile` is one run of them, and a model's `Pipeline` holds its profiles (one by
 default; see `profiles`), assembled from its `contracts.SchedulingSpec` (names and
-weights). Pure: the
-caller passes the time, and there is no random source. Where a picker needs
-chance (ties, p2c's two candidates, weighted_random's draw) it reads the
+weights). The caller passes the time, and there is no random source. Where a
+picker needs chance (p2c's two candidates, weighted_random's draw) it reads the
 request's key, a hash of its bytes (`request_key`): two routers with the same
 view pick the same endpoint for the same request, and tests drive every
-decision.
+decision. max_score's ties go in turn (pickers.MaxScore).
 
 Filters drop endpoints that must not get the request. Scorers rate each
 remaining endpoint in 0..1 (higher is better); the pipeline sums them with the
@@ -95,7 +94,7 @@ class Context:
         self.prefix = prefix if prefix is not None else NO_PROMPT
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
-        self.key = key  # request_key(body): the pickers' only source of chance
+        self.key = key  # request_key(body): the pickers' source of chance
         # The KV indexer's work on this prompt (token ids, block hashes, what each
         # engine held), kept for the request's retries.
         self.kv: PromptWork | None = None
