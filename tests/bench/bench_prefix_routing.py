@@ -7,8 +7,8 @@ a real nats-server, in two regimes (`--sim-kv-blocks`): caches small enough to e
 (640 blocks: each holds a few tenants' system prompts, the fleet holds them all) and
 caches where nothing evicts (65,536 blocks). Clients run conversations (a tenant's long
 system prompt, then turns that each extend the previous prompt with the answer and a
-new question), streaming, closed loop, alternating requests between two router
-instances (a round-robin split). Each policy runs on fresh engines, the policies
+new question), streaming, closed loop (or paced, `--rate`), alternating requests
+between two router instances (a round-robin split). Each policy runs on fresh engines, the policies
 interleaved, `--repeat` rounds (2) of them:
 
   round_robin   two vllm-router instances, --policy round_robin
@@ -23,6 +23,9 @@ interleaved, `--repeat` rounds (2) of them:
   cache_aware   two vllm-router instances, --policy cache_aware (PyPI vllm-router
                 0.1.17 in its own venv: $VLLM_ROUTER, default
                 /root/.cache/llmgw/vllm-router-venv/bin/vllm-router)
+
+and, named in `--policies`: `random_key` (below), `random` and `power_of_two` (two
+vllm-router instances with that policy), `default@N` and `scorers:...`.
 
 Printed per regime, each run and then every run pooled: mean and p90 TTFT,
 throughput, the fleet's prefix cache hit rate (from the engines' /metrics counters),
@@ -920,8 +923,9 @@ def main() -> int:
     parser.add_argument(
         "--policies",
         default="round_robin,least_inflight,approximate,default,cache_aware",
-        help="a subset (also random_key), or scorers:NAME=WEIGHT/NAME=WEIGHT for the llmgw "
-        "routers, or default@N (the rule's rate fixed at N tokens per request)",
+        help="a subset (also random_key, random, power_of_two), or scorers:NAME=WEIGHT/"
+        "NAME=WEIGHT for the llmgw routers, or default@N (the rule's rate fixed at N tokens "
+        "per request)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="rounds of the policies, interleaved")
     parser.add_argument(
@@ -957,6 +961,11 @@ def main() -> int:
         help="each real-vLLM regime's KV blocks per engine (0: vLLM's default cache)",
     )
     args = parser.parse_args()
+    if not [
+        p for p in args.policies.split(",") if HAVE_VLLM_ROUTER or p not in VLLM_ROUTER_POLICIES
+    ]:
+        print(f"FAIL: no policy left to run (no vllm-router at {VLLM_ROUTER})")
+        return 1
     if args.pin is None:
         args.pin = bool(args.vllm_python)
     if args.vllm_python:

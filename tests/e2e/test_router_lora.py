@@ -125,7 +125,7 @@ async def test_adapter_requests_reach_holders_wait_for_a_load_and_unknown_ones_g
 
 
 def chat_n(model: str, n: int) -> dict:
-    """Distinct bodies: the scheduler breaks ties by the request's hash, so these spread."""
+    """Distinct bodies (the scheduler breaks ties in turn, so these spread)."""
     return {"model": model, "messages": [{"role": "user", "content": f"hi {n}"}], "max_tokens": 4}
 
 

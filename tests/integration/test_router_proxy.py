@@ -94,7 +94,7 @@ async def test_a_failure_before_the_first_byte_is_retried_on_another_endpoint(cl
             ),
         )
         async with running_router(cfg) as r:
-            # Distinct requests: ties between equal endpoints are broken by request content.
+            # Ties between equal endpoints go in turn, so a is tried.
             results = [
                 await post(client, r.url, {**CHAT, "stream": True, "user": f"u{i}"})
                 for i in range(6)

@@ -220,7 +220,7 @@ def test_the_prefill_profile_follows_the_prompts_prefix_and_the_decode_one_does_
     for question in (b"q2", b"q3", b"q4"):
         hashes = block_hashes(system + question + b'"}]', 256, 128)
         assert p.pick_prefill(eps, ctx(prefix=hashes, key=sc.request_key(question))) is first
-    # Decode picks spread by the request's key alone (equal load): the prefix is no reason.
+    # Decode picks spread by ties in turn alone (equal load): the prefix is no reason.
     picked = {p.pick(eps, ctx(prefix=block_hashes(system, 256, 128), key=k)) for k in range(64)}
     assert picked == {d1, d2, d3}
 
