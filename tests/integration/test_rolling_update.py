@@ -69,6 +69,8 @@ async def test_a_changed_profile_rolls_replicas_without_losing_a_ready_endpoint(
             collecting = asyncio.create_task(collect())
             archived = await asyncio.to_thread(apiclient.get_json, api, "/api/status")
             since = archived["last_archived_seq"]
+            before = await asyncio.to_thread(apiclient.get_json, api, "/api/replicas")
+            old_ids = {r["replica_id"] for r in before if r["model"] == "m" and not r["retired"]}
             await bus.publish(js, c.ModelDeclared(name="m", replicas=2, profile=NEW))
 
             # Operators see the roll while it runs: the old replicas marked outdated.
@@ -83,12 +85,16 @@ async def test_a_changed_profile_rolls_replicas_without_losing_a_ready_endpoint(
             assert "rolling update in progress: " in text and "(OUTDATED: " in text, text
 
             # Done: two replicas, both with the new profile, nothing of the old ones left.
+            # (Not the old two still active with none retired yet: that is the roll's start,
+            # and an API read can see it after explain already shows them outdated.)
             def finished(reps: list[dict]) -> bool:
                 active = [r for r in reps if r["model"] == "m" and not r["retired"]]
                 gone = all(
                     sh["state"] == "stopped" for r in reps if r["retired"] for sh in r["shards"]
                 )
-                return len(active) == 2 and all(r["state"] == "ready" for r in active) and gone
+                fresh = not old_ids & {r["replica_id"] for r in active}
+                ready = all(r["state"] == "ready" for r in active)
+                return len(active) == 2 and fresh and ready and gone
 
             reps = await api_until(api, "/api/replicas", finished, "the roll finished")
             await wait_kv(js, "m", lambda r: r and len(r.endpoints) == 2, "only the new endpoints")
