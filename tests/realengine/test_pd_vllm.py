@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -276,6 +277,7 @@ async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
     what the folder does not hold. Then a new StartShard relaunches P with
     its connector; its new URL is returned."""
     text = prompt("killed")
+    folders = set(os.listdir(shared))
     leg = asyncio.create_task(prefill_leg(p, text))
     await asyncio.sleep(0.05)
     seen = len(watch.messages)
@@ -286,12 +288,19 @@ async def _prefill_killed(js, watch, agent, model, shared, p, d, capsys) -> str:
     except httpx.HTTPError as exc:
         outcome = f"{type(exc).__name__}"
     failed = await watch.wait_for(status("p", S.FAILED), after=seen, timeout=60)
+    # A P killed mid-write leaves a folder missing a layer, or holding a torn one, that D
+    # would take as a hit and die loading (_partial_folder below measures that): whatever
+    # the killed leg left is removed here, so D computes the prompt itself.
+    left = sorted(set(os.listdir(shared)) - folders)
+    for name in left:
+        shutil.rmtree(shared / name)
     before = await sources(d)
     after_kill = await complete(d, text, 16)
     assert after_kill.status_code == 200, after_kill.text
     kit.report(
         capsys,
         f"P killed mid-leg: client saw {outcome}; agent: {failed.reason!r}; "
+        f"{len(left)} folder(s) the killed leg left removed; "
         f"D then served it with {delta(await sources(d), before)}",
     )
 
