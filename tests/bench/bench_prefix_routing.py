@@ -38,10 +38,11 @@ above round robin's; on the sims also the default's hit rate within 5 points of 
 oracle, and on the evicting sims its mean TTFT at least 30% below cache_aware's (without
 vllm-router, the comparisons with it are skipped). Each round runs the policies one
 place later than the last (round 2 starts with the second), so neither a warming engine
-nor a drift of the machine's speed falls on one policy. Under the round robin line, a
-90% interval for the gap, by bootstrap over the rounds, says whether the rounds settle
-the target: on two cores one run's mean moves by tens of percent from round to round,
-so a pooled gap of a few percent is often chance (then: more rounds, `--repeat`).
+nor a drift of the machine's speed falls on one policy. Under the round robin line, the
+gap over the rounds with a 90% interval (Student's t over the rounds' paired ratios)
+says whether the rounds settle the target: on two cores one run's mean moves by tens of
+percent from round to round, so a pooled gap of a few percent is often chance (then:
+more rounds, `--repeat`).
 
     .venv/bin/python tests/bench/bench_prefix_routing.py --vllm-python V/bin/python \
         [--vllm-model DIR] [--seconds 20] [--vllm-kv-blocks 0,96]
@@ -86,6 +87,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import random
 import statistics
@@ -651,53 +653,68 @@ def print_rows(results: list[Result], notes: bool) -> None:
         )
 
 
-def round_interval(
-    results: list[Result], name: str, base: str, level: float = 0.9, draws: int = 4000
-) -> tuple[float, float] | None:
-    """How far `name`'s pooled mean TTFT may be from `base`'s given how much rounds
-    differ: a `level` interval of the pooled ratio - 1, by bootstrap over the rounds
-    (each drawn round brings both policies' runs, so a slow round weighs on both).
-
-    One run's mean moves with the machine by tens of percent between rounds (two
-    engines time-slicing one CPU, a shared host), so a pooled gap of a few percent can
-    be chance; the interval says whether the rounds settle the 5% target. Seeded: the
-    same runs print the same interval. None with fewer than three rounds."""
+def paired_runs(results: list[Result], name: str, base: str) -> list[tuple[Result, Result]]:
+    """Each round's run of `name` with its run of `base`, rounds where either has no TTFT
+    left out (a round's two runs share the machine's state of the moment)."""
     runs: dict[int, dict[str, Result]] = {}
     for r in results:
         if r.ttfts:
             runs.setdefault(r.run, {})[r.name] = r
-    sums = [
-        (sum(both[name].ttfts), len(both[name].ttfts), sum(both[base].ttfts), len(both[base].ttfts))
-        for both in runs.values()
+    return [
+        (both[name], both[base])
+        for _, both in sorted(runs.items())
         if name in both and base in both
     ]
-    if len(sums) < 3:
+
+
+# Student's t at 95% one-sided (a two-sided 90% interval), by degrees of freedom; 1.645
+# (the normal's) beyond the table. Rounds are few, and the normal's would be too narrow.
+_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860,
+        9: 1.833, 10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 25: 1.708, 30: 1.697,
+        40: 1.684, 60: 1.671, 120: 1.658}  # fmt: skip
+MIN_ROUNDS = 3
+
+
+def t90(df: int) -> float:
+    """The table's value for the largest tabled df not above `df` (so never too narrow)."""
+    return _T90[max(k for k in _T90 if k <= df)] if df < 120 else 1.645
+
+
+def round_gap(pairs: list[tuple[Result, Result]]) -> tuple[float, float, float] | None:
+    """The gap of the first policy's mean TTFT to the second's over rounds, with a 90%
+    interval: Student's t over the rounds' paired log ratios, back as a gap (the rounds'
+    geometric mean ratio - 1, and its bounds). None below MIN_ROUNDS rounds.
+
+    One run's mean moves with the machine by tens of percent from round to round (two
+    engines time-slicing one CPU, a shared host), and both runs of a round move together,
+    so the rounds' ratios, not the runs, are the samples; the interval then says whether
+    the rounds settle the 5% target or more are needed. Each round's ratio is printed
+    with the run means, so rounds of several invocations can be pooled by hand."""
+    logs = [math.log(a.mean / b.mean) for a, b in pairs]
+    n = len(logs)
+    if n < MIN_ROUNDS:
         return None
-    rng = random.Random(0)
-    gaps = []
-    for _ in range(draws):
-        drawn = [sums[rng.randrange(len(sums))] for _ in sums]
-        a = sum(d[0] for d in drawn) / sum(d[1] for d in drawn)
-        b = sum(d[2] for d in drawn) / sum(d[3] for d in drawn)
-        gaps.append(a / b - 1)
-    gaps.sort()
-    tail = (1 - level) / 2
-    return gaps[int(draws * tail)], gaps[int(draws * (1 - tail)) - 1]
+    mid = statistics.fmean(logs)
+    half = t90(n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(mid) - 1, math.exp(mid - half) - 1, math.exp(mid + half) - 1
 
 
-def settled(interval: tuple[float, float] | None, target: float) -> str:
-    """Whether the rounds decide `gap <= target`: the whole interval on one side."""
-    if interval is None:
-        return "fewer than 3 rounds: no interval"
-    lo, hi = interval
+def settled(gap: tuple[float, float, float] | None, rounds: int, target: float) -> str:
+    """Whether the rounds decide `gap <= target`: the whole interval on one side of it."""
+    if gap is None:
+        return f"{rounds} rounds with both policies: no interval below {MIN_ROUNDS}"
+    mid, lo, hi = gap
     verdict = (
-        "the rounds settle it: met"
+        "the rounds settle the target: met"
         if hi <= target
-        else "the rounds settle it: missed"
+        else "the rounds settle the target: missed"
         if lo > target
-        else "the rounds do not settle it"
+        else "the rounds do not settle the target"
     )
-    return f"90% interval over rounds {lo:+.1%}..{hi:+.1%}, {verdict}"
+    return (
+        f"over {rounds} rounds the gap is {mid:+.1%} (90% interval {lo:+.1%}..{hi:+.1%}): "
+        f"{verdict} (information; PASS/FAIL above is the pooled gap)"
+    )
 
 
 def report(results: list[Result], sim_targets: bool, evicting: bool, notes: bool = False) -> bool:
@@ -720,22 +737,18 @@ def report(results: list[Result], sim_targets: bool, evicting: bool, notes: bool
         return False
     if rr is not None and rr.ttfts:
         worse = d.mean / rr.mean - 1
-        ratios = [
-            a.mean / b.mean - 1
-            for a in results
-            for b in results
-            if a.name == "default" and b.name == "round_robin" and a.run == b.run
-        ]
-        runs = ", ".join(f"{r:+.0%}" for r in ratios)
+        pairs = paired_runs(results, "default", "round_robin")
+        ratios = [a.mean / b.mean - 1 for a, b in pairs]
+        runs = ", ".join(f"{r:+.0%}" for r in ratios) or "none paired"
+        median = f"; their median {statistics.median(ratios):+.1%}" if ratios else ""
         good = worse <= TARGET_VS_ROUND_ROBIN
         ok &= good
         print(
             f"{'PASS' if good else 'FAIL'}: default mean TTFT {d.mean * 1000:.0f}ms is "
             f"{worse:+.1%} vs round robin's {rr.mean * 1000:.0f}ms (target <= +5%; "
-            f"per run {runs}; their median {statistics.median(ratios):+.1%})"
+            f"per round {runs}{median})"
         )
-        interval = round_interval(results, "default", "round_robin")
-        print(f"      {settled(interval, TARGET_VS_ROUND_ROBIN)}")
+        print(f"      {settled(round_gap(pairs), len(pairs), TARGET_VS_ROUND_ROBIN)}")
     else:
         print("SKIP: no vllm-router round_robin run to compare TTFT with")
     for baseline, what in (
