@@ -260,8 +260,7 @@ async def prefill(
     metrics = upstream.metrics
     clock = upstream.clock
     legs = Legs()
-    pctx = Context(ctx.now, ctx.model, ctx.prefix, ctx.session, [], ctx.key, ctx.salt)
-    pctx.adapter = ctx.adapter
+    pctx = ctx.for_leg()
     leg_body = prefill_body(body)
     started = clock()
     tried = 0

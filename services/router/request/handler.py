@@ -47,7 +47,7 @@ from llmgw.router.request.exchange import Exchange, request_id
 from llmgw.router.request.guard import ClientGone, DeadlinePassed, Guard
 from llmgw.router.request.holder import HOLDER_WAIT_SECONDS, HolderWait
 from llmgw.router.request.stored import StoredResponses
-from llmgw.router.scheduling.pipeline import Context, request_key
+from llmgw.router.scheduling.pipeline import Context
 
 if TYPE_CHECKING:
     # The admission package implements the seam; the proxy only calls it.
@@ -264,7 +264,7 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, req: rq.Parsed, route: ModelRoute, path: str) -> None:
         ex.guard.total_at = self._ltime() + route.deadlines.total
-        ctx = Context(ex.t0, route.name, exclude=[], key=request_key(req.body), salt=req.cache_salt)
+        ctx = Context(ex.t0, route.name, exclude=[], salt=req.cache_salt, body=req.body)
         walk = Walk(
             route,
             self.view.route,

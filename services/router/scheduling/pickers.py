@@ -31,6 +31,7 @@ class MaxScore:
     68). The count is per profile and worker, so each alternates over its own share."""
 
     name = "max_score"
+    needs_key = False
 
     def __init__(self) -> None:
         self.turn = 0
@@ -49,6 +50,7 @@ class PowerOfTwo:
     endpoint under bursts of distinct requests."""
 
     name = "p2c"
+    needs_key = True
 
     def pick(self, totals: Sequence[float], key: int) -> int:
         n = len(totals)
@@ -64,6 +66,7 @@ class WeightedRandom:
     """Chance proportional to the total score (uniform when every total is zero)."""
 
     name = "weighted_random"
+    needs_key = True
 
     def pick(self, totals: Sequence[float], key: int) -> int:
         weights = [t if t > 0 else 0.0 for t in totals]

@@ -75,7 +75,18 @@ class Settings:
 class Context:
     """What the pipeline knows about one request."""
 
-    __slots__ = ("now", "model", "prefix", "session", "exclude", "key", "kv", "salt", "adapter")
+    __slots__ = (
+        "now",
+        "model",
+        "prefix",
+        "session",
+        "exclude",
+        "_key",
+        "body",
+        "kv",
+        "salt",
+        "adapter",
+    )
 
     def __init__(
         self,
@@ -84,8 +95,9 @@ class Context:
         prefix: PromptBlocks | None = None,
         session: str | None = None,
         exclude: Sequence[str] = (),
-        key: int = 0,
+        key: int | None = None,
         salt: str | None = None,
+        body: bytes = b"",
     ):
         self.now = now
         self.model = model
@@ -94,7 +106,8 @@ class Context:
         self.prefix = prefix if prefix is not None else NO_PROMPT
         self.session = session
         self.exclude = exclude  # endpoint ids already tried for this request
-        self.key = key  # request_key(body): the pickers' source of chance
+        self._key = key
+        self.body = body  # the request's bytes, hashed into `key` only when read
         # The KV indexer's work on this prompt (token ids, block hashes, what each
         # engine held), kept for the request's retries.
         self.kv: PromptWork | None = None
@@ -102,6 +115,22 @@ class Context:
         self.salt = salt
         # The LoRA adapter the request names (its route's name), None for a base model.
         self.adapter: str | None = None
+
+    @property
+    def key(self) -> int:
+        """request_key(body), the source of chance for the pickers that need one
+        (`needs_key`), hashed on first read: max_score, the default, never reads it."""
+        if self._key is None:
+            self._key = request_key(self.body)
+        return self._key
+
+    def for_leg(self) -> Context:
+        """The same request for another leg (P/D's prefill): its own tried endpoints."""
+        leg = Context(
+            self.now, self.model, self.prefix, self.session, [], self._key, self.salt, self.body
+        )
+        leg.adapter = self.adapter
+        return leg
 
 
 # Bytes hashed from each end of a body: O(1) for any size, and the end is where
@@ -147,6 +176,7 @@ class Scorer(Protocol):
 
 class Picker(Protocol):
     name: ClassVar[str]
+    needs_key: ClassVar[bool]  # reads the request key (else it is never hashed)
 
     def pick(self, totals: Sequence[float], key: int) -> int: ...
 
@@ -228,7 +258,7 @@ class Profile:
                 per_scorer.append(vals)
                 for i in range(n):
                     totals[i] += weight * vals[i]
-            idx = self.picker.pick(totals, ctx.key)
+            idx = self.picker.pick(totals, ctx.key if self.picker.needs_key else 0)
             chosen = cands[idx]
             if observer is not None:
                 for (scorer, _), vals in zip(self.scorers, per_scorer, strict=True):
