@@ -667,8 +667,8 @@ def paired_runs(results: list[Result], name: str, base: str) -> list[tuple[Resul
     ]
 
 
-# Student's t at 95% one-sided (a two-sided 90% interval), by degrees of freedom; 1.645
-# (the normal's) beyond the table. Rounds are few, and the normal's would be too narrow.
+# Student's t at 95% one-sided (a two-sided 90% interval), by degrees of freedom. Rounds
+# are few, and the normal's 1.645 would be too narrow.
 _T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860,
         9: 1.833, 10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 25: 1.708, 30: 1.697,
         40: 1.684, 60: 1.671, 120: 1.658}  # fmt: skip
@@ -677,7 +677,7 @@ MIN_ROUNDS = 3
 
 def t90(df: int) -> float:
     """The table's value for the largest tabled df not above `df` (so never too narrow)."""
-    return _T90[max(k for k in _T90 if k <= df)] if df < 120 else 1.645
+    return _T90[max(k for k in _T90 if k <= df)]
 
 
 def round_gap(pairs: list[tuple[Result, Result]]) -> tuple[float, float, float] | None:
@@ -699,18 +699,19 @@ def round_gap(pairs: list[tuple[Result, Result]]) -> tuple[float, float, float] 
     return math.exp(mid) - 1, math.exp(mid - half) - 1, math.exp(mid + half) - 1
 
 
-def settled(gap: tuple[float, float, float] | None, rounds: int, target: float) -> str:
+def settled(pairs: list[tuple[Result, Result]], target: float) -> str:
     """Whether the rounds decide `gap <= target`: the whole interval on one side of it."""
+    rounds = len(pairs)
+    gap = round_gap(pairs)
     if gap is None:
         return f"{rounds} rounds with both policies: no interval below {MIN_ROUNDS}"
     mid, lo, hi = gap
-    verdict = (
-        "the rounds settle the target: met"
-        if hi <= target
-        else "the rounds settle the target: missed"
-        if lo > target
-        else "the rounds do not settle the target"
-    )
+    if hi <= target:
+        verdict = "the rounds settle the target: met"
+    elif lo > target:
+        verdict = "the rounds settle the target: missed"
+    else:
+        verdict = "the rounds do not settle the target"
     return (
         f"over {rounds} rounds the gap is {mid:+.1%} (90% interval {lo:+.1%}..{hi:+.1%}): "
         f"{verdict} (information; PASS/FAIL above is the pooled gap)"
@@ -748,7 +749,7 @@ def report(results: list[Result], sim_targets: bool, evicting: bool, notes: bool
             f"{worse:+.1%} vs round robin's {rr.mean * 1000:.0f}ms (target <= +5%; "
             f"per round {runs}{median})"
         )
-        print(f"      {settled(round_gap(pairs), len(pairs), TARGET_VS_ROUND_ROBIN)}")
+        print(f"      {settled(pairs, TARGET_VS_ROUND_ROBIN)}")
     else:
         print("SKIP: no vllm-router round_robin run to compare TTFT with")
     for baseline, what in (
