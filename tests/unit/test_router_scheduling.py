@@ -100,7 +100,7 @@ def test_inflight_scorer_uses_the_routers_own_count():
     assert out == [1.0, 0.0, 0.5]
 
 
-def test_least_loaded_endpoint_wins_with_default_weights():
+def test_least_loaded_endpoint_wins_with_the_load_scorers():
     busy = ep("busy", waiting=5, kv=0.9, inflight=3)
     idle = ep("idle", waiting=0, kv=0.1, inflight=0)
     assert pipeline().pick([busy, idle], ctx()) is idle

@@ -11,7 +11,7 @@ has one profile, `default`, run by `SingleProfile`, unless its model is disaggre
   what makes one cheaper than another. Aggregated endpoints of the model (role "")
   compute prompts too, and are picked by it when they serve a request whole.
 - `decode`: the same filters and the load scorers only (`inflight` when the section
-  names none, as the default section does not). A decode engine loads the
+  names none; the default section's one load scorer is `inflight` too). A decode engine loads the
   prompt's KV from the prefill engine whichever it is, so what tells decode engines
   apart is how busy they are (llm-d's decode profile drops the prefix scorer too).
 
