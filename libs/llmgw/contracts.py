@@ -202,8 +202,12 @@ class SchedulingSpec(msgspec.Struct, kw_only=True):
     """The router's scheduling pipeline for one model: filters, weighted scorers, picker."""
 
     filters: list[str] = msgspec.field(default_factory=lambda: ["serves_model", "ready", "circuit"])
+    # By default only signals that differ between routers or are exact: this router's own
+    # requests in flight, and what the engines' KV events say they hold. `queue` and `kv`
+    # read a load sample every router shares and that is up to `stale_after` old, so they
+    # send every router's near-ties the same way until the next sample (docs/router.md).
     scorers: dict[str, float] = msgspec.field(
-        default_factory=lambda: {"queue": 2.0, "kv": 2.0, "inflight": 1.0, "kv_prefix": 6.0}
+        default_factory=lambda: {"inflight": 1.0, "kv_prefix": 6.0}
     )
     picker: str = "max_score"  # max_score | p2c | weighted_random
     session_header: str = "x-session-id"

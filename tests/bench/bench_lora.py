@@ -19,7 +19,7 @@ what is popular (which a fleet does once), not its steady state. Then --seconds 
   into a least-recently-used slot on its first request there, as vLLM's LRU does with
   every adapter registered everywhere), behind two routers in router-only mode whose
   file declares every adapter name as a model served by all 4 sims: the router's default
-  pipeline (queue and load scorers) puts each request wherever it likes, with no adapter
+  pipeline (in-flight and prefix scorers) puts each request wherever it likes, with no adapter
   filter, no affinity and no placement.
 
 A load is an adapter brought into an engine's slot (`llmgw_sim_lora_loads_total`,

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.contracts import SchedulingSpec
 from llmgw.dev.routerkit import config_for, fake_engines, running_router
 from llmgw.router import config as rc
 
@@ -96,8 +97,13 @@ async def _served_until(client, url, engine, n) -> bool:
 async def test_scraped_load_shows_up_goes_stale_and_steers_traffic(client):
     async with fake_engines("busy", "calm") as (busy, calm):
         busy.waiting, busy.kv_usage = 12, 0.9
+        # The scorers that read the scraped sample (the default reads only in-flight
+        # counts and caches, so with nothing in flight it would take the two in turn).
+        sample_scorers = SchedulingSpec(scorers={"queue": 2, "kv": 2, "inflight": 1})
         cfg = config_for(
-            [busy, calm], scrape=rc.ScrapeConfig(interval_seconds=0.05, stale_after_seconds=1.0)
+            [busy, calm],
+            scrape=rc.ScrapeConfig(interval_seconds=0.05, stale_after_seconds=1.0),
+            models=[rc.ModelConfig(name="m", scheduling=sample_scorers)],
         )
         async with running_router(cfg) as r:
 

@@ -375,8 +375,10 @@ def test_two_routers_fed_the_same_records_and_samples_decide_alike():
             for r, picks in ((r1, picks1), (r2, picks2)):
                 r.view.endpoints[picks[-1]].inflight -= 1
     assert picks1 == picks2
-    # The samples count: both idle, freshly sampled endpoints share the traffic.
-    assert set(picks1) == {"a-0", "a-2"} and min(Counter(picks1).values()) > 50
+    # The default reads no shared sample (its queue and KV usage): every endpoint takes
+    # its share by this router's in-flight counts and turns, waiting or not, sampled or not.
+    counts = Counter(picks1)
+    assert set(counts) == {f"a-{i}" for i in range(6)} and min(counts.values()) > 20
 
     # Admission: rpm 40 shared by 2 live routers is 20 each, for both alike.
     verdicts1 = [r1.admit(KEY) for _ in range(25)]

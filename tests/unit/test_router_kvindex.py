@@ -375,7 +375,7 @@ def test_a_cache_counts_only_where_it_pays_for_the_requests_in_front():
 
 
 def default_pipeline(index):
-    """The catalog's default scheduling (queue, kv, inflight, kv_prefix) on this index."""
+    """The catalog's default scheduling (inflight, kv_prefix) on this index."""
     return sc.Pipeline(SchedulingSpec(), sc.Settings(stale_after=1.0, indexer=Indexer(index)))
 
 
@@ -388,10 +388,13 @@ def warm_and_cold(prompt: bytes):
 
 def test_the_default_sends_a_short_shared_prefix_to_the_idle_engine_not_the_busy_warm_one():
     # A fleet where nothing evicts: the warm engine's ~150 cached tokens save less
-    # prefill than waiting behind its two requests costs, so the idle engine gets it.
+    # prefill than waiting behind its two requests costs (2 x 128), so the idle engine
+    # gets it; they pay for one (a conversation's next turn keeps its engine).
     turn1 = chat("You are a careful assistant. " * 20, "q")
     index, cold, warm = warm_and_cold(turn1)
     p = default_pipeline(index)
+    warm.inflight = 1
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
     warm.inflight = 2
     assert p.pick([cold, warm], context(turn1)).id == "cold"
     # Equally loaded, the cache decides.
@@ -400,14 +403,14 @@ def test_the_default_sends_a_short_shared_prefix_to_the_idle_engine_not_the_busy
 
 
 def test_the_default_keeps_a_long_prefix_on_its_warm_engine_despite_a_few_requests_more():
-    # ~3,000 tokens held pay for two requests more (1,024 tokens' worth at 512 each).
+    # ~3,000 tokens held pay for ten requests more (1,280 tokens' worth at 128 each).
     turn1 = chat("You are a careful assistant. " * 400, "q")
     index, cold, warm = warm_and_cold(turn1)
     p = default_pipeline(index)
-    warm.inflight = 2
-    assert p.pick([cold, warm], context(turn1)).id == "warm"
-    # ... but not for ten.
     warm.inflight = 10
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+    # ... but not for thirty.
+    warm.inflight = 30
     assert p.pick([cold, warm], context(turn1)).id == "cold"
 
 

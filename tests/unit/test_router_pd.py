@@ -172,12 +172,12 @@ def test_the_decode_profile_drops_the_prefix_scorers_and_keeps_the_load_ones():
     spec = SchedulingSpec(scorers={"queue": 2, "kv": 2, "inflight": 1, "kv_prefix": 6})
     assert decode_spec(spec).scorers == {"queue": 2, "kv": 2, "inflight": 1}
     assert decode_spec(spec).filters == spec.filters
-    # Nothing left to rate decode engines by: the default load scorers.
-    assert decode_spec(SchedulingSpec(scorers={"prefix": 1})).scorers == {
-        "queue": 2.0,
-        "kv": 2.0,
-        "inflight": 1.0,
-    }
+    # Nothing left to rate decode engines by: this router's requests in flight, as the
+    # default section (whose decode profile is that section less its kv_prefix).
+    assert decode_spec(SchedulingSpec(scorers={"prefix": 1})).scorers == {"inflight": 1.0}
+    assert decode_spec(SchedulingSpec()).scorers == {"inflight": 1.0}
+    # A section naming only a stale load scorer keeps it: any load scorer counts.
+    assert decode_spec(SchedulingSpec(scorers={"kv": 1, "prefix": 1})).scorers == {"kv": 1}
 
 
 def test_a_disaggregated_pipeline_has_the_two_profiles_and_a_plain_one_keeps_its_one():

@@ -100,10 +100,28 @@ def test_inflight_scorer_uses_the_routers_own_count():
     assert out == [1.0, 0.0, 0.5]
 
 
-def test_least_loaded_endpoint_wins_with_default_weights():
+def test_least_loaded_endpoint_wins_with_the_load_scorers():
     busy = ep("busy", waiting=5, kv=0.9, inflight=3)
     idle = ep("idle", waiting=0, kv=0.1, inflight=0)
     assert pipeline().pick([busy, idle], ctx()) is idle
+
+
+def test_the_default_takes_equal_endpoints_in_turn_whatever_their_shared_load_sample_says():
+    # Every router reads the same load sample, up to `stale_after` old: were its small
+    # differences (a's cache a little freer, b's queue a little longer) to break ties,
+    # every router would send its ties to `a` until the next sample. The default reads
+    # what differs per router (its own requests in flight) and the engines' caches.
+    a = ep("a", kv=0.10, waiting=0)
+    b = ep("b", kv=0.30, waiting=1)
+    p = sc.Pipeline(SchedulingSpec(), sc.Settings(stale_after=1.0))
+    picks = [
+        p.pick([a, b], ctx(prefix=block_hashes(b"question %d " % i * 40, 256, 128))).id
+        for i in range(6)
+    ]
+    assert picks in (["a", "b"] * 3, ["b", "a"] * 3)
+    # Its own requests in flight still count: one more at `a` sends the next to `b`.
+    a.inflight = 1
+    assert p.pick([a, b], ctx(prefix=block_hashes(b"another", 256, 128))) is b
 
 
 def test_prefix_affinity_sends_a_shared_prefix_back_where_it_went():

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from llmgw.router.scheduling.pipeline import Context, Settings
 
 # What lora_affinity weighs unless the model's scheduling section names it: as much as the
-# queue, since a request that must wait for an adapter slot is a request in a queue.
+# `queue` scorer weighed in the default before issue #21, since a request that must wait
+# for an adapter slot is a request in a queue.
 DEFAULT_AFFINITY_WEIGHT = 2.0
 
 RUNNING, ROOM, WAITING = 1.0, 0.8, 0.6

@@ -41,8 +41,10 @@ class PrefixConfig(cfg.ConfigStruct):
     affinity_max_pending_tokens: int = 8192
     # ... and, relative to the least-loaded candidate, the prefill one more request there
     # is worth: a warm engine keeps its affinity only while the prompt tokens it holds
-    # beyond that candidate's pay for its extra requests at this rate. 0: off.
-    affinity_tokens_per_request: int = 512
+    # beyond that candidate's pay for its extra requests at this rate. 0: off. 128, one
+    # vLLM block: at 512 a conversation's next turn left its warm engine whenever that
+    # engine had one request more in flight (docs/router.md, "Cache against load").
+    affinity_tokens_per_request: int = 128
 
 
 class PromptBlocks:

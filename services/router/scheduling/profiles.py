@@ -10,7 +10,8 @@ has one profile, `default`, run by `SingleProfile`, unless its model is disaggre
   load scorers). Prefill engines compute prompts, so the prompt's cached prefix is
   what makes one cheaper than another. Aggregated endpoints of the model (role "")
   compute prompts too, and are picked by it when they serve a request whole.
-- `decode`: the same filters and the load scorers only. A decode engine loads the
+- `decode`: the same filters and the load scorers only (`inflight` when the section
+  names none; the default section's one load scorer is `inflight` too). A decode engine loads the
   prompt's KV from the prefill engine whichever it is, so what tells decode engines
   apart is how busy they are (llm-d's decode profile drops the prefix scorer too).
 
@@ -40,8 +41,10 @@ DECODE = "decode"
 
 # Scorers that rate what an endpoint has cached of the prompt: the prefill profile's.
 PREFIX_SCORERS = frozenset({"kv_prefix", "prefix"})
-# What the decode profile scores by when the model's section names no load scorer.
-DEFAULT_DECODE_SCORERS = {"queue": 2.0, "kv": 2.0, "inflight": 1.0}
+# The load scorers, and what the decode profile scores by when the model's section names
+# none of them: by default this router's own requests in flight (as the default section).
+LOAD_SCORERS = frozenset({"queue", "kv", "inflight"})
+DEFAULT_DECODE_SCORERS = {"inflight": 1.0}
 
 
 class ProfileHandler(Protocol):
@@ -71,7 +74,7 @@ def decode_spec(spec: SchedulingSpec) -> SchedulingSpec:
     """The decode profile's section: the model's, less its prefix scorers (and with the
     default load scorers when nothing else is left to rate decode engines by)."""
     scorers = {name: w for name, w in spec.scorers.items() if name not in PREFIX_SCORERS}
-    if not any(name in DEFAULT_DECODE_SCORERS and w > 0 for name, w in scorers.items()):
+    if not any(name in LOAD_SCORERS and w > 0 for name, w in scorers.items()):
         scorers.update(DEFAULT_DECODE_SCORERS)
     return msgspec.structs.replace(spec, scorers=scorers)
 
