@@ -42,9 +42,9 @@ DECODE = "decode"
 # Scorers that rate what an endpoint has cached of the prompt: the prefill profile's.
 PREFIX_SCORERS = frozenset({"kv_prefix", "prefix"})
 # The load scorers, and what the decode profile scores by when the model's section names
-# none of them: by default this router's own requests in flight (as the default section).
+# none of them: the default section's own load scorers (derived, so the two never part).
 LOAD_SCORERS = frozenset({"queue", "kv", "inflight"})
-DEFAULT_DECODE_SCORERS = {"inflight": 1.0}
+DEFAULT_DECODE_SCORERS = {n: w for n, w in SchedulingSpec().scorers.items() if n in LOAD_SCORERS}
 
 
 class ProfileHandler(Protocol):
