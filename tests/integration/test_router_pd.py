@@ -55,7 +55,7 @@ async def metrics_of(client, r) -> str:
 
 
 async def prefilling(client, r) -> dict[str, int]:
-    """Per endpoint, this router's requests there before their first token."""
+    """Per endpoint, `prefilling`: streams before their first event, prefill legs whole."""
     async with client.get(r.admin_url + "/debug/endpoints") as resp:
         return {e["id"]: e["prefilling"] for e in (await resp.json())["endpoints"]}
 

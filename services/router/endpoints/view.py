@@ -95,8 +95,9 @@ class EndpointRuntime:
         # Uncached prompt tokens per request this router sent here (moving average): what
         # each queued request will cost the engine's prefill (kv_prefix).
         self.uncached_tokens = 0.0
-        # This router's streamed requests here still waiting for their first event: their
-        # prefill is ahead of a request sent now (kv_prefix).
+        # This router's streamed requests here still waiting for their first event, and
+        # prefill legs until their answer: their prefill is ahead of a request sent now
+        # (kv_prefix).
         self.prefilling = 0
         self.adapters = frozenset(spec.adapters)  # the LoRA adapters its engine holds now
 

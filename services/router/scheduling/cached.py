@@ -42,8 +42,9 @@ def worth_their_load(
     An estimate of time to first token in prefill tokens: each request already there is
     worth `tokens_per_request` of waiting, each prompt token queued there for prefill
     (`queued`, weighed by the caller; none if None) one, each cached token one of
-    prefill saved. So the least-loaded candidate always qualifies unless another holds
-    enough more of the prompt to make up for its extra requests, and equally loaded
+    prefill saved. So the least-loaded candidate qualifies unless another holds enough
+    more of the prompt to make up for its extra requests, or its own queued prefill
+    outweighs that, and equally loaded
     candidates are told apart by their caches and queued prefill alone."""
     costs = [tokens_per_request * n - held for n, held in zip(loads, cached, strict=True)]
     if queued is not None:
@@ -74,7 +75,8 @@ class CachedPrefixScorer(StatelessScorer):
     one, so between samples they would all pile onto the engine it shows least loaded
     (measured on two vLLM engines); each router balancing its own share balances the sum.
     The prefill this router has queued there counts too: its streamed requests still
-    waiting for their first event (`prefilling`) x the uncached tokens of its requests
+    waiting for their first event and its prefill legs (`prefilling`) x the uncached
+    tokens of its requests
     there, at `prefix.affinity_queued_prefill` per token. That average is learned from
     KV events only, so the term is 0 for engines without them.
     """
