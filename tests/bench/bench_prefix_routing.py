@@ -58,8 +58,10 @@ the template), the routers hashing prompts with the model's own tokenizer
 of the first policy (a fresh engine's first batches are slower). Its targets: the default
 within 5% of round robin's mean TTFT, and KV events flowing from vLLM to the routers.
 `--tokens-per-request N` sets the routers' `prefix.affinity_tokens_per_request` (the
-rule's one knob) for every llmgw policy; the policy `default@N` runs the default with
-the rate N, to measure others beside it.
+rule's rate) for every llmgw policy; the policy `default@N` runs the default with
+the rate N, to measure others beside it, and `default@N/FIELD=VALUE/...` sets other
+`prefix:` fields too (`default@128/affinity_queued_prefill=0`: the rule without the
+queued prefill); N given there wins over `--tokens-per-request`.
 
 `--pin` (on by default in the real-vLLM mode, `--no-pin` turns it off; off by default
 on the sims) keeps router CPU away from engine compute, as on a real fleet where
@@ -469,11 +471,16 @@ async def start_llmgw(name, args, endpoints, js, nats_url, directory, tokenizer=
     kv = await js.key_value(projection.ENDPOINTS_BUCKET)
     await kv.put(projection.model_key(MODEL), c.encode(rec))
     config = f"nats_url: {nats_url}\nlog_level: warning\naccess_log: false\n"
-    name, _, fixed = name.partition("@")  # default@N: the rule's rate at N
-    if fixed:
-        config += f"prefix: {{affinity_tokens_per_request: {fixed}}}\n"
-    elif args.tokens_per_request is not None:
-        config += f"prefix: {{affinity_tokens_per_request: {args.tokens_per_request}}}\n"
+    # default@N: the rule's rate at N; default@N/field=value/...: prefix fields too
+    name, _, fixed = name.partition("@")
+    prefix = {}
+    if args.tokens_per_request is not None:
+        prefix["affinity_tokens_per_request"] = str(args.tokens_per_request)
+    for item in filter(None, fixed.split("/")):
+        field, eq, value = item.partition("=")
+        prefix.update({field: value} if eq else {"affinity_tokens_per_request": item})
+    if prefix:
+        config += "prefix: {" + ", ".join(f"{k}: {v}" for k, v in prefix.items()) + "}\n"
     if args.router_config:
         config += args.router_config + "\n"
     routers = []
@@ -993,7 +1000,7 @@ def main() -> int:
         default="round_robin,least_inflight,approximate,default,cache_aware",
         help="a subset (also random_key, random, power_of_two), or scorers:NAME=WEIGHT/"
         "NAME=WEIGHT for the llmgw routers, or default@N (the rule's rate fixed at N tokens "
-        "per request)",
+        "per request), or default@N/FIELD=VALUE/... (prefix: fields too)",
     )
     parser.add_argument("--repeat", type=int, default=2, help="rounds of the policies, interleaved")
     parser.add_argument(

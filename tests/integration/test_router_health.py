@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.contracts import SchedulingSpec
+from llmgw.contracts import DeadlineSpec, SchedulingSpec
 from llmgw.dev.routerkit import config_for, fake_engines, running_router
 from llmgw.router import config as rc
 
@@ -262,3 +262,45 @@ async def test_the_public_probes_say_503_while_the_router_cannot_route(client):
                 assert resp.status == 503
         async with client.get(r.url + "/version") as resp:
             assert resp.status == 200 and await resp.json() == {"version": __version__}
+
+
+async def test_a_stream_counts_as_prefilling_until_its_first_event(client):
+    # The kv_prefix rule weighs the prefill queued at an engine: this router's streamed
+    # requests there that have not had their first event. A stuck engine shows both
+    # states: `prefilling` sends headers and nothing more, `decoding` one event.
+    async with fake_engines("prefilling", "decoding") as (prefilling, decoding):
+        prefilling.hang_after, decoding.hang_after = 0, 1
+        cfg = config_for(
+            [prefilling, decoding],
+            model_defaults=rc.ModelDefaults(
+                scheduling=rc.SchedulingSpec(scorers={"inflight": 1}, picker="max_score"),
+                deadlines=DeadlineSpec(connect=1.0, headers=30, first_token=30, idle=30, total=60),
+            ),
+        )
+        async with running_router(cfg) as r:
+            streams = [
+                asyncio.create_task(_stream(client, r.url)) for _ in range(2)
+            ]  # one each: the inflight scorer sends the second to the other engine
+
+            async def one_prefilling_one_decoding():
+                eps = await debug(client, r)
+                counts = {name: (e["inflight"], e["prefilling"]) for name, e in eps.items()}
+                return counts == {"prefilling": (1, 1), "decoding": (1, 0)}
+
+            await wait_for(one_prefilling_one_decoding)
+            for s in streams:
+                s.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+            async def all_done():
+                eps = await debug(client, r)
+                return all(e["inflight"] == 0 for e in eps.values())
+
+            await wait_for(all_done)  # the client left: nothing counts any more
+            assert all(e["prefilling"] == 0 for e in (await debug(client, r)).values())
+
+
+async def _stream(client, url):
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+        async for _ in resp.content:
+            pass

@@ -54,6 +54,12 @@ async def metrics_of(client, r) -> str:
     return await (await client.get(r.admin_url + "/metrics")).text()
 
 
+async def prefilling(client, r) -> dict[str, int]:
+    """Per endpoint, `prefilling`: streams before their first event, prefill legs whole."""
+    async with client.get(r.admin_url + "/debug/endpoints") as resp:
+        return {e["id"]: e["prefilling"] for e in (await resp.json())["endpoints"]}
+
+
 async def when_seen(engines: list[FakeEngine]) -> FakeEngine:
     """The first of `engines` to receive a request."""
     async with asyncio.timeout(5):
@@ -180,12 +186,15 @@ async def test_a_client_gone_during_the_prefill_leg_cancels_it_and_no_decode_is_
         async with running_router(pd([p1, d1], {"p1": "prefill", "d1": "decode"})) as r:
             task = asyncio.create_task(post(client, r.url, CHAT))
             await when_seen([p1])
+            during = await prefilling(client, r)  # the leg is all prefill: counted whole
             task.cancel()
             async with asyncio.timeout(5):
                 while not p1.cancelled:
                     await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)  # time for a decode leg that should not come
             metrics = await metrics_of(client, r)
+            after = await prefilling(client, r)
+    assert during == {"p1": 1, "d1": 0} and after == {"p1": 0, "d1": 0}
     assert p1.cancelled == 1 and not d1.seen
     assert metric_sum(metrics, "llmgw_router_client_disconnects_total", model="m") == 1
 

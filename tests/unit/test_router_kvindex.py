@@ -414,6 +414,39 @@ def test_the_default_keeps_a_long_prefix_on_its_warm_engine_despite_a_few_reques
     assert p.pick([cold, warm], context(turn1)).id == "cold"
 
 
+def test_uncached_prefill_queued_at_the_warm_engine_counts_against_its_cache():
+    # Equally loaded, 300 tokens held against none: the warm engine wins ...
+    assert worth_their_load([2, 2], [300.0, 0.0], 128, [0.0, 0.0]) == [True, False]
+    # ... until its queued prefill (two of this router's requests before their first
+    # token, 250 uncached tokens each) costs more than its cache saves.
+    assert worth_their_load([2, 2], [300.0, 0.0], 128, [500.0, 0.0]) == [False, True]
+    assert worth_their_load([2, 2], [300.0, 0.0], 128, [200.0, 0.0]) == [True, False]
+
+
+def test_the_default_sends_a_turn_away_from_a_warm_engine_busy_with_prefills():
+    # A closed loop's burst: several clients finished on the warm engine at once and
+    # their next turns wait for their first token there. Its ~150 cached tokens pay for
+    # one request more in flight (128); what they do not pay for is those prefills.
+    turn1 = chat("You are a careful assistant. " * 20, "q")
+    index, cold, warm = warm_and_cold(turn1)
+    p = default_pipeline(index)
+    cold.inflight, warm.inflight = 2, 3
+    warm.uncached_tokens = 400.0
+    assert p.pick([cold, warm], context(turn1)).id == "warm"
+    warm.prefilling = 2  # 800 uncached tokens queued, weighed at half: 400
+    assert p.pick([cold, warm], context(turn1)).id == "cold"
+    # Off, the in-flight counts and caches alone decide.
+    off = sc.Pipeline(
+        SchedulingSpec(),
+        sc.Settings(
+            stale_after=1.0,
+            indexer=Indexer(index),
+            prefix=PrefixConfig(affinity_queued_prefill=0),
+        ),
+    )
+    assert off.pick([cold, warm], context(turn1)).id == "warm"
+
+
 def test_the_load_weighed_is_this_routers_in_flight_not_a_shared_sample():
     turn1 = chat("You are a careful assistant. " * 20, "q")
     index, cold, warm = warm_and_cold(turn1)

@@ -50,3 +50,20 @@ def test_no_snapshot_means_not_ready_whatever_the_port(tmp_path):
         listening.listen()
         stats = MergedStats(tmp_path, workers=2, public=("127.0.0.1", listening.getsockname()[1]))
         assert stats.readiness() == (False, "no worker has reported yet")
+
+
+def test_debug_endpoints_sums_the_workers_in_flight_and_prefilling(tmp_path):
+    # Each worker balances only its own requests; the parent shows their sum.
+    def worker(pid, inflight, prefilling):
+        ep = {"id": "e1", "inflight": inflight, "prefilling": prefilling, "load_age_s": None}
+        ep["circuit"] = {"state": "closed"}
+        snap = snapshots.Snapshot(
+            pid=pid, written_at=time.time(), ready=True, metrics={}, endpoints=[ep]
+        )
+        snapshots.Writer(tmp_path, lambda: snap).flush()
+
+    worker(os.getpid(), inflight=3, prefilling=1)
+    worker(os.getppid(), inflight=2, prefilling=2)  # another live process
+    [merged] = MergedStats(tmp_path, workers=2).endpoints()["endpoints"]
+    assert (merged["inflight"], merged["prefilling"]) == (5, 3)
+    assert sorted(w["prefilling"] for w in merged["per_worker"]) == [1, 2]

@@ -71,6 +71,7 @@ class EndpointRuntime:
         "pushed_at",
         "headers",
         "uncached_tokens",
+        "prefilling",
         "adapters",
     )
 
@@ -94,6 +95,10 @@ class EndpointRuntime:
         # Uncached prompt tokens per request this router sent here (moving average): what
         # each queued request will cost the engine's prefill (kv_prefix).
         self.uncached_tokens = 0.0
+        # This router's streamed requests here still waiting for their first event, and
+        # prefill legs until their answer: their prefill is ahead of a request sent now
+        # (kv_prefix).
+        self.prefilling = 0
         self.adapters = frozenset(spec.adapters)  # the LoRA adapters its engine holds now
 
     def target(self, path: str) -> URL:
@@ -124,6 +129,7 @@ class EndpointRuntime:
             "engine": self.spec.engine,
             "node": self.spec.node,
             "inflight": self.inflight,
+            "prefilling": self.prefilling,
             "circuit": self.circuit.describe(now),
             "load": None,
             "load_age_s": None,

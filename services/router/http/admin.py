@@ -123,7 +123,12 @@ class MergedStats:
             for ep in snap.endpoints:
                 cur = merged.get(ep["id"])
                 if cur is None:
-                    cur = merged[ep["id"]] = {**ep, "inflight": 0, "per_worker": []}
+                    cur = merged[ep["id"]] = {
+                        **ep,
+                        "inflight": 0,
+                        "prefilling": 0,
+                        "per_worker": [],
+                    }
                 elif ep["load_age_s"] is not None and (
                     cur["load_age_s"] is None or ep["load_age_s"] < cur["load_age_s"]
                 ):
@@ -131,8 +136,14 @@ class MergedStats:
                     for key in ("load", "load_age_s", "stale", "scrape_error"):
                         cur[key] = ep[key]
                 cur["inflight"] += ep["inflight"]
+                cur["prefilling"] += ep["prefilling"]
                 cur["per_worker"].append(
-                    {"pid": snap.pid, "inflight": ep["inflight"], "circuit": ep["circuit"]}
+                    {
+                        "pid": snap.pid,
+                        "inflight": ep["inflight"],
+                        "prefilling": ep["prefilling"],
+                        "circuit": ep["circuit"],
+                    }
                 )
         for cur in merged.values():
             # The circuit as the worst worker sees it; each worker's is listed.

@@ -313,6 +313,7 @@ async def _attempt(
     dl = route.deadlines
     with ep.circuit.verdict(upstream.clock) as verdict:
         ep.inflight += 1
+        ep.prefilling += 1  # the whole leg is prefill (max_tokens 1)
         guard.arm("first_token", dl.first_token)
         try:
             with guard:
@@ -332,6 +333,7 @@ async def _attempt(
         finally:
             guard.no_deadline()
             ep.inflight -= 1
+            ep.prefilling -= 1
         if status == 200:
             verdict.healthy = True
             return _Outcome(True, transfer_params(data))

@@ -86,6 +86,9 @@ class Upstream:
                 body = tracked.upstream_body()
         with ep.circuit.verdict(self.clock) as verdict:
             ep.inflight += 1
+            if req.stream:
+                ep.prefilling += 1
+                ex.prefilling = True
             # An engine sends a non-streamed answer's headers with the answer, when it is
             # complete: only the total deadline can bound that wait.
             guard.arm("headers", route.deadlines.headers if req.stream else _FOREVER)
@@ -117,6 +120,7 @@ class Upstream:
             finally:
                 guard.no_deadline()
                 ep.inflight -= 1
+                _prefilled(ex, ep)
                 if resp is not None:
                     resp.close()  # an answer read whole was released already: this cuts the rest
 
@@ -222,6 +226,7 @@ class Upstream:
             cut += 2
             out, buf = chunk[:cut], chunk[cut:]
             now = clock()
+            _prefilled(ex, ep)
             if not ex.started:
                 ep.circuit.success()
                 metrics.ttft.observe(key, now - ex.t0)
@@ -426,6 +431,14 @@ def _tracked(route: ModelRoute, req: rq.Parsed, body: bytes) -> Sent | None:
         log.debug("stream not migratable: %s", why, extra={"model": route.name})
         return None
     return Sent(rule, body, route.migrations)
+
+
+def _prefilled(ex: Exchange, ep: EndpointRuntime) -> None:
+    """The attempt's stream had its first event (or ended): its prefill is no longer
+    ahead of a request sent to `ep` now."""
+    if ex.prefilling:
+        ep.prefilling -= 1
+        ex.prefilling = False
 
 
 def _in_band(endpoint: str) -> Failure:

@@ -47,6 +47,7 @@ class Exchange:
         "model",
         "owner",
         "sent",
+        "prefilling",
     )
 
     def __init__(
@@ -73,6 +74,8 @@ class Exchange:
         self.owner: str | None = None  # the tenant its stored responses belong to
         # What a migratable stream has sent, so another replica can continue it.
         self.sent: Sent | None = None
+        # Counted in its endpoint's `prefilling` until its stream's first event.
+        self.prefilling = False
 
     def upstream_headers(self, base: dict[str, str]) -> dict[str, str]:
         """`base` plus the W3C trace context the client sent, for the engine."""

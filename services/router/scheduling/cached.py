@@ -31,17 +31,24 @@ _BYTES_PER_TOKEN = 4
 
 
 def worth_their_load(
-    loads: Sequence[int], cached: Sequence[float], tokens_per_request: float
+    loads: Sequence[int],
+    cached: Sequence[float],
+    tokens_per_request: float,
+    queued: Sequence[float] | None = None,
 ) -> list[bool]:
     """Per candidate: whether the prompt tokens it holds pay for the requests it has,
-    i.e. whether it is among the cheapest by `load x tokens_per_request - cached`.
+    i.e. whether it is among the cheapest by `load x tokens_per_request + queued - cached`.
 
     An estimate of time to first token in prefill tokens: each request already there is
-    worth `tokens_per_request` of waiting, each cached token one of prefill saved. So the
-    least-loaded candidate always qualifies unless another holds enough more of the
-    prompt to make up for its extra requests, and equally loaded candidates are told
-    apart by their caches alone."""
+    worth `tokens_per_request` of waiting, each prompt token queued there for prefill
+    (`queued`, weighed by the caller; none if None) one, each cached token one of
+    prefill saved. So the least-loaded candidate qualifies unless another holds enough
+    more of the prompt to make up for its extra requests, or its own queued prefill
+    outweighs that, and equally loaded
+    candidates are told apart by their caches and queued prefill alone."""
     costs = [tokens_per_request * n - held for n, held in zip(loads, cached, strict=True)]
+    if queued is not None:
+        costs = [cost + q for cost, q in zip(costs, queued, strict=True)]
     best = min(costs)
     return [cost <= best for cost in costs]
 
@@ -67,6 +74,11 @@ class CachedPrefixScorer(StatelessScorer):
     flight: a load sample is up to `stale_after` old and every router reads the same
     one, so between samples they would all pile onto the engine it shows least loaded
     (measured on two vLLM engines); each router balancing its own share balances the sum.
+    The prefill this router has queued there counts too: its streamed requests still
+    waiting for their first event and its prefill legs (`prefilling`) x the uncached
+    tokens of its requests
+    there, at `prefix.affinity_queued_prefill` per token. That average is learned from
+    KV events only, so the term is 0 for engines without them.
     """
 
     name = "kv_prefix"
@@ -79,6 +91,7 @@ class CachedPrefixScorer(StatelessScorer):
         self.max_pending = settings.prefix.affinity_max_pending
         self.max_pending_tokens = settings.prefix.affinity_max_pending_tokens
         self.tokens_per_request = settings.prefix.affinity_tokens_per_request
+        self.queued_prefill = settings.prefix.affinity_queued_prefill
         self.batches = settings.batches
         self.tokenizer = ""
 
@@ -147,7 +160,11 @@ class CachedPrefixScorer(StatelessScorer):
             out[i] = share
         if self.tokens_per_request and any(out):
             loads = [ep.inflight for ep in cands]
-            for i, worth in enumerate(worth_their_load(loads, cached, self.tokens_per_request)):
+            w = self.queued_prefill
+            queued = [w * ep.prefilling * ep.uncached_tokens for ep in cands] if w else None
+            for i, worth in enumerate(
+                worth_their_load(loads, cached, self.tokens_per_request, queued)
+            ):
                 if not worth:
                     out[i] = 0.0
 
