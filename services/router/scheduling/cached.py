@@ -44,11 +44,13 @@ def worth_their_load(
     (`queued`, weighed by the caller; none if None) one, each cached token one of
     prefill saved. So the least-loaded candidate qualifies unless another holds enough
     more of the prompt to make up for its extra requests, or its own queued prefill
-    outweighs that, and equally loaded
-    candidates are told apart by their caches and queued prefill alone."""
-    costs = [tokens_per_request * n - held for n, held in zip(loads, cached, strict=True)]
-    if queued is not None:
-        costs = [cost + q for cost, q in zip(costs, queued, strict=True)]
+    outweighs that, and equally loaded candidates are told apart by their caches and
+    queued prefill alone."""
+    if queued is None:
+        queued = [0.0] * len(loads)
+    costs = [
+        tokens_per_request * n + q - held for n, q, held in zip(loads, queued, cached, strict=True)
+    ]
     best = min(costs)
     return [cost <= best for cost in costs]
 
@@ -76,8 +78,7 @@ class CachedPrefixScorer(StatelessScorer):
     (measured on two vLLM engines); each router balancing its own share balances the sum.
     The prefill this router has queued there counts too: its streamed requests still
     waiting for their first event and its prefill legs (`prefilling`) x the uncached
-    tokens of its requests
-    there, at `prefix.affinity_queued_prefill` per token. That average is learned from
+    tokens of its requests there, at `prefix.affinity_queued_prefill` per token. That average is learned from
     KV events only, so the term is 0 for engines without them.
     """
 

@@ -47,9 +47,8 @@ class PrefixConfig(cfg.ConfigStruct):
     affinity_tokens_per_request: int = 128
     # ... plus, per uncached prompt token this router has queued there (estimated: its
     # requests still waiting for their first event x their average uncached tokens),
-    # this many tokens. 0: off. 0.5, not
-    # 1: measured, 1 also sent turns away from their warm engines at equal load
-    # (docs/router.md, "Queued prefill").
+    # this many tokens. 0: off. 0.5, not 1: measured, 1 also sent turns away from their
+    # warm engines at equal load (docs/router.md, "Queued prefill").
     affinity_queued_prefill: float = 0.5
 
 
