@@ -11,7 +11,9 @@ way the engine makes them:
   `tokenizers` package (special tokens added, as vLLM does); chat requests are
   rendered with the directory's chat template (tokenizer_config.json, jinja2), content
   lists flattened to text as vLLM does; the tokenizer is loaded in a thread when the
-  route is installed (TokenizerLoader), and until then there are no token ids;
+  route is installed (TokenizerLoader), and until then there are no token ids; a
+  prompt that begins as a recent one did reuses that one's ids and tokenizes only the
+  rest, where the tokenizer's shape makes that exact (splice.py);
 - anything else has no token ids.
 
 Without token ids an endpoint is scored by the approximate prefix guess instead. The
@@ -26,6 +28,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -33,6 +36,7 @@ import msgspec
 from llmgw.chatprompt import content_text, message_text, pack_token_ids, render_chat
 from llmgw.engines import ENGINES
 from llmgw.kvblocks import sim_token_bytes
+from llmgw.router.kvcache.splice import PrefixTokens, splices_exactly
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,11 @@ class HfTokens:
         p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
         self.tokenizer = Tokenizer.from_file(str(file))
+        spec = json.loads(file.read_text())
+        # Completions prompts get the engine's special tokens (a BOS), rendered chats
+        # carry theirs in the template's text.
+        self.prompt_ids = self._prefix_tokens(spec, True)
+        self.chat_ids = self._prefix_tokens(spec, False)
         self.template = None
         self.special: dict[str, str] = {}
         cfg_file = file.parent / "tokenizer_config.json"
@@ -132,6 +141,21 @@ class HfTokens:
                 except ImportError:
                     log.info("no jinja2: chat requests to %s are scored approximately", path)
 
+    def _prefix_tokens(self, spec: dict, special: bool) -> Callable[[str], list[int]]:
+        """Token ids of a text: from a recent prompt's where that is exact (splice.py),
+        else the tokenizer's whole encoding."""
+        encode = self.tokenizer.encode
+
+        def whole(text: str):
+            return encode(text, add_special_tokens=special)
+
+        def rest(text: str):
+            return encode(text, add_special_tokens=False)
+
+        if splices_exactly(spec, whole, rest):
+            return PrefixTokens(whole, rest).ids
+        return lambda text: whole(text).ids
+
     def tokens(self, raw: bytes) -> list[int] | None:
         msgs = _messages(raw)
         if msgs is not None:
@@ -143,10 +167,10 @@ class HfTokens:
                 )
             except Exception:
                 return None
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self.chat_ids(text)
         prompt = _completion(raw)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            return self.prompt_ids(prompt)
         return prompt
 
 

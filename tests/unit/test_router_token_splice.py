@@ -1,0 +1,210 @@
+"""A prompt that begins as a recent one is tokenized from that one's ids, exactly.
+
+The router hashes blocks of these ids against the blocks the engine announces, so an id
+off anywhere makes every later block miss: each test compares the spliced ids with the
+tokenizer's own encoding of the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from llmgw.router.kvcache.splice import PrefixTokens, splices_exactly
+from llmgw.router.kvcache.tokens import HfTokens
+
+# Llama 3's split pattern (tokenizer.json of Meta-Llama-3-8B).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PIECES = (
+    "tenant", "policy", "Answer", "the", "model", "12345", "3.14", "-", "(x)", "don't",
+    "ünïcödé", "中文", "🙂", "  ", "\t", "!!", "...", "q17", "w4821", "<|user|>",
+)  # fmt: skip
+
+
+def random_line(rng: random.Random) -> str:
+    line = " ".join(rng.choice(PIECES) for _ in range(rng.randint(0, 12)))
+    return rng.choice(("", " ", "  ", "- ", "1. ")) + line + rng.choice(("", " ", "\r", ":"))
+
+
+def train(pre, special: bool = True, normalizer=None) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre
+    tok.normalizer = normalizer
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    rng = random.Random(0)
+    # Multi-line texts, so merges across newlines and indents ("\n  ") are learnt.
+    texts = ["\n".join(random_line(rng) for _ in range(8)) for _ in range(300)]
+    tok.train_from_iterator(texts, trainer=trainer)
+    if special:  # a BOS added to every completions prompt, as Llama's tokenizers do
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    return tok
+
+
+def byte_level() -> Tokenizer:
+    return train(pre_tokenizers.ByteLevel(add_prefix_space=False))
+
+
+def llama3_like() -> Tokenizer:
+    return train(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
+
+
+def encoders(tok: Tokenizer, special: bool = True):
+    def whole(text):
+        return tok.encode(text, add_special_tokens=special)
+
+    def rest(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    return whole, rest
+
+
+def spec_of(tok: Tokenizer) -> dict:
+    return json.loads(tok.to_str())
+
+
+def conversations(rng: random.Random, steps: int):
+    """Prompts as multi-turn traffic sends them: a few system prompts shared by many
+    conversations, each turn the last prompt plus an answer and a question."""
+    systems = ["\n".join(random_line(rng) for _ in range(rng.randint(4, 10))) for _ in range(4)]
+    live = [[rng.choice(systems)] for _ in range(6)]
+    for _ in range(steps):
+        turns = rng.choice(live)
+        turns.append(random_line(rng))
+        yield "\n".join(turns)
+        turns.append(random_line(rng) + rng.choice(("", "\n", "\n\n", " \n")))
+        if len(turns) > 12:
+            turns[:] = [rng.choice(systems)]
+
+
+def check_against_whole(tok: Tokenizer, special: bool, steps: int = 400, **kw) -> PrefixTokens:
+    whole, rest = encoders(tok, special)
+    assert splices_exactly(spec_of(tok), whole, rest)
+    pt = PrefixTokens(whole, rest, **kw)
+    total = 0
+    for i, prompt in enumerate(conversations(random.Random(special), steps)):
+        assert pt.ids(prompt) == whole(prompt).ids, f"prompt {i}: {prompt!r}"
+        total += len(prompt)
+    assert pt.tokenized_chars < total / 2, "most of the text was tokenized again"
+    return pt
+
+
+def test_byte_level_bpe_prompts_are_spliced_and_identical_to_whole_encoding():
+    tok = byte_level()
+    pt = check_against_whole(tok, special=True)
+    assert pt.spliced > 300
+    check_against_whole(tok, special=False)  # rendered chats: no BOS added
+
+
+def test_llama3_style_split_then_byte_level_is_spliced_exactly():
+    check_against_whole(llama3_like(), special=True)
+
+
+def test_a_new_conversation_reuses_its_system_prompt_from_another_conversation():
+    tok = byte_level()
+    whole, rest = encoders(tok)
+    pt = PrefixTokens(whole, rest)
+    system = "\n".join(f"Rule {i}: answer tenant seven politely, cite (x) 12345" for i in range(12))
+    pt.ids(system + "\nFirst user asks about the model")
+    before = pt.tokenized_chars
+    other = system + "\nA different user asks something else"
+    assert pt.ids(other) == whole(other).ids
+    assert pt.spliced == 1
+    assert pt.tokenized_chars - before < len("\nA different user asks something else") + 60
+
+
+def test_the_kept_ids_stay_within_capacity_and_stay_exact():
+    tok = byte_level()
+    pt = check_against_whole(tok, special=True, capacity_tokens=2000)
+    assert pt._tokens <= 2000
+    assert sum(len(e.ids) for e in pt._lru.values()) == pt._tokens
+
+
+def test_tokenizers_of_other_shapes_are_never_spliced():
+    metaspace = train(pre_tokenizers.Metaspace(), special=False)
+    with_normalizer = train(
+        pre_tokenizers.ByteLevel(add_prefix_space=False), normalizer=normalizers.NFKC()
+    )
+    prefix_space = train(pre_tokenizers.ByteLevel(add_prefix_space=True))
+    newline_token = byte_level()
+    newline_token.add_special_tokens(["<|end|>\n"])
+    for tok in (metaspace, with_normalizer, prefix_space, newline_token):
+        assert not splices_exactly(spec_of(tok), *encoders(tok))
+
+
+def test_the_self_check_refuses_a_split_that_spans_lines():
+    # Admissible in shape (Split, then ByteLevel) but its pieces are runs of 7
+    # characters, newlines included: a cut after a newline is not safe.
+    tok = train(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"[\s\S]{1,7}"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
+    whole, rest = encoders(tok)
+    text = "\n".join(f"line {i} of the text" for i in range(40))
+    spliced = PrefixTokens(whole, rest)
+    spliced.ids(text[:400])
+    assert spliced.ids(text) != whole(text).ids  # what splicing it would get wrong
+    assert not splices_exactly(spec_of(tok), whole, rest)
+
+
+def test_hf_tokens_splices_completions_and_chats_through_the_router_path(tmp_path):
+    tok = byte_level()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    hf = HfTokens(str(tmp_path))
+    rng = random.Random(3)
+    messages = [{"role": "system", "content": "\n".join(random_line(rng) for _ in range(20))}]
+    prompt = messages[0]["content"]
+    for _ in range(6):
+        question = random_line(rng) + " what now?"
+        messages.append({"role": "user", "content": question})
+        prompt += "\n" + question
+        got = hf.tokens(msgspec.json.encode(prompt))
+        assert got == tok.encode(prompt, add_special_tokens=True).ids
+        text = hf.template.render(messages=messages, add_generation_prompt=True)
+        assert (
+            hf.tokens(msgspec.json.encode(messages))
+            == tok.encode(text, add_special_tokens=False).ids
+        )
+        answer = random_line(rng) + " done"
+        messages.append({"role": "assistant", "content": answer})
+        prompt += "\n" + answer
+    assert hf.prompt_ids.__self__.spliced >= 4
+    assert hf.chat_ids.__self__.spliced >= 4
