@@ -33,6 +33,7 @@ LLAMA3_SPLIT = (
 PIECES = (
     "tenant", "policy", "Answer", "the", "model", "12345", "3.14", "-", "(x)", "don't",
     "ünïcödé", "中文", "🙂", "  ", "\t", "!!", "...", "q17", "w4821", "<|user|>",
+    "<|assistant|>", "<b>", "<", "|",
 )  # fmt: skip
 
 
@@ -88,10 +89,6 @@ def encoders(tok: Tokenizer, special: bool = True):
     return whole, rest
 
 
-def spec_of(tok: Tokenizer) -> dict:
-    return json.loads(tok.to_str())
-
-
 def conversations(rng: random.Random, steps: int):
     """Prompts as multi-turn traffic sends them: a few system prompts shared by many
     conversations, each turn the last prompt plus an answer and a question."""
@@ -99,7 +96,7 @@ def conversations(rng: random.Random, steps: int):
     live = [[rng.choice(systems)] for _ in range(6)]
     for _ in range(steps):
         turns = rng.choice(live)
-        turns.append(random_line(rng))
+        turns.append(rng.choice(("", "<|user|>", "<b>")) + random_line(rng))
         yield "\n".join(turns)
         turns.append(random_line(rng) + rng.choice(("", "\n", "\n\n", " \n")))
         if len(turns) > 12:
@@ -108,7 +105,7 @@ def conversations(rng: random.Random, steps: int):
 
 def check_against_whole(tok: Tokenizer, special: bool, steps: int = 400, **kw) -> PrefixTokens:
     whole, rest = encoders(tok, special)
-    assert splices_exactly(spec_of(tok), whole, rest)
+    assert splices_exactly(tok, special)
     pt = PrefixTokens(whole, rest, **kw)
     total = 0
     for i, prompt in enumerate(conversations(random.Random(special), steps)):
@@ -144,9 +141,55 @@ def test_a_new_conversation_reuses_its_system_prompt_from_another_conversation()
 
 def test_the_kept_ids_stay_within_capacity_and_stay_exact():
     tok = byte_level()
-    pt = check_against_whole(tok, special=True, capacity_tokens=2000)
-    assert pt._tokens <= 2000
-    assert sum(len(e.ids) for e in pt._lru.values()) == pt._tokens
+    pt = check_against_whole(tok, special=True, capacity_bytes=20_000)
+    assert pt._bytes <= 20_000
+    kept = list(pt._lru.values())
+    assert sum(4 * len(e.ids) + len(e.text) for e in kept) == pt._bytes
+    by_anchor = [e for group in pt._anchors.values() for e in group]
+    assert sorted(map(id, by_anchor)) == sorted(map(id, kept))
+    assert all(pt._anchors.values())
+
+
+def test_many_conversations_under_one_system_prompt_each_extend_their_own():
+    tok = byte_level()
+    whole, rest = encoders(tok)
+    pt = PrefixTokens(whole, rest)
+    system = "\n".join(f"Rule {i}: answer politely, cite (x) 12345" for i in range(10))
+    rng = random.Random(5)
+    conversations = [system] * 60  # more than fit one anchor's list before
+    total = 0
+    for turn in range(4):
+        for k in range(len(conversations)):
+            conversations[k] += f"\nUser {k} turn {turn}: {random_line(rng)}x\nAnswer {turn}"
+            prompt = conversations[k]
+            assert pt.ids(prompt) == whole(prompt).ids
+            total += len(prompt)
+    assert pt.tokenized_chars < total / 4
+
+
+def test_a_blank_line_before_an_added_token_is_never_a_cut():
+    # GPT-2's regex splits two line breaks one way before a letter ("ĊĊ" merged) and
+    # another before an added token, so no cut may follow a run of whitespace.
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["para one.\n\nPara two.\n\n<b>x</b>\n\n"] * 50, trainer=trainer)
+    assert tok.token_to_id("ĊĊ") is not None
+    system = "You are a helpful assistant.\nBe brief.\n" * 10
+    a = system + "\n\n<|im_start|>user\nhello"
+    b = system + "\n\n<b>bold</b> and more text"
+    whole, rest = encoders(tok, special=False)
+    assert splices_exactly(tok, special=False)
+    for first, second in ((a, b), (b, a)):
+        pt = PrefixTokens(whole, rest)
+        pt.ids(first)
+        assert pt.ids(second) == whole(second).ids
+        assert pt.spliced == 1  # from the system prompt's single line breaks
 
 
 def test_tokenizers_of_other_shapes_are_never_spliced():
@@ -158,7 +201,28 @@ def test_tokenizers_of_other_shapes_are_never_spliced():
     newline_token = byte_level()
     newline_token.add_special_tokens(["<|end|>\n"])
     for tok in (metaspace, with_normalizer, prefix_space, newline_token):
-        assert not splices_exactly(spec_of(tok), *encoders(tok))
+        assert not splices_exactly(tok, special=True)
+    # An EOS appended to every prompt: a prefix's ids are not the start of the whole's.
+    eos = byte_level()
+    eos.post_processor = processors.TemplateProcessing(
+        single="<s> $A <unk>", special_tokens=[("<s>", 1), ("<unk>", 0)]
+    )
+    assert not splices_exactly(eos, special=True)
+    assert splices_exactly(eos, special=False)  # rendered chats add no special tokens
+
+
+def test_a_split_that_keeps_line_breaks_inside_pieces_is_refused_whatever_it_learnt():
+    # Pieces end only at digits: a line break is inside a piece, and a merge across it
+    # ("Ċ" + a capital) would make a cut wrong, whether or not the check text has one.
+    tok = train(
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    )
+    assert not splices_exactly(tok, special=True)
 
 
 def test_the_self_check_refuses_a_split_that_spans_lines():
@@ -177,7 +241,7 @@ def test_the_self_check_refuses_a_split_that_spans_lines():
     spliced = PrefixTokens(whole, rest)
     spliced.ids(text[:400])
     assert spliced.ids(text) != whole(text).ids  # what splicing it would get wrong
-    assert not splices_exactly(spec_of(tok), whole, rest)
+    assert not splices_exactly(tok, special=True)
 
 
 def test_hf_tokens_splices_completions_and_chats_through_the_router_path(tmp_path):

@@ -10,15 +10,21 @@ they share and tokenizes only the rest.
 
 It must be exact, not close: the router hashes blocks of these ids to match the blocks
 the engine announces, and one id off shifts every later block. A cut is safe where no
-token can span it. In a byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's: a
-ByteLevel pre-tokenizer, perhaps after regex Splits; no normalizer) a newline followed
-by a non-space character is such a place: the split regexes end every piece there, and
-BPE merges only inside a piece. So the ids before such a cut depend only on the text up
-to the character after it, and the ids after it are the encoding of the rest alone.
-`splices_exactly` admits a tokenizer only in that shape (added tokens without newlines
-or stripping), and only if a fixed set of texts split at every cut tokenizes exactly as
-whole; any other tokenizer (SentencePiece's Metaspace, a normalizer) is always
-tokenized whole.
+token can span it and nothing before it depends on what follows. In a byte-level BPE
+tokenizer (GPT-2's, Llama 3's: a ByteLevel pre-tokenizer, perhaps after regex Splits; no
+normalizer) a line break that stands alone, a non-space character before it and after
+it, is such a place: the split regexes end a piece before and after it, and BPE merges
+only inside a piece. (A longer run of whitespace is not: GPT-2's regex splits two line
+breaks one way before a letter and another before an added token.) So the ids before
+such a cut depend only on the text up to the character after it, and the ids after it
+are the encoding of the rest alone.
+
+`splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer splits
+two lines joined at such a cut into the pieces of each alone (for lines ending and
+beginning with every kind of character, its own added tokens among them: this holds
+whatever the merges), and only if a check text cut at every line tokenizes exactly as
+whole. Any other tokenizer
+(SentencePiece's Metaspace; a normalizer, Qwen 2's NFC included) is tokenized whole.
 """
 
 from __future__ import annotations
@@ -33,20 +39,22 @@ from typing import Any
 MIN_CHARS = 256
 # Recent prompts are found by their first characters (a tenant's system prompt, say).
 ANCHOR_CHARS = 64
-# Prompts kept per anchor: conversations sharing a system prompt share an anchor.
-PER_ANCHOR = 32
-# Token ids kept in all, 4 bytes each (2 Mi ids, 8 MiB: ~500 conversations of 4k tokens).
-CAPACITY_TOKENS = 1 << 21
+# Prompts kept per anchor: conversations sharing a system prompt share an anchor, and
+# each is one compare of the shared text (a few µs) when a prompt is looked up.
+PER_ANCHOR = 128
+# Bytes kept in all: 4 per id and the text (8 MiB: ~400 conversations of 4k tokens).
+CAPACITY_BYTES = 8 << 20
 
 
 class _Entry:
-    __slots__ = ("text", "ids", "cut_chars", "cut_tokens")
+    __slots__ = ("text", "ids", "cut_chars", "cut_tokens", "size")
 
     def __init__(self, text: str, ids: array, cut_chars: list[int], cut_tokens: list[int]):
         self.text = text
         self.ids = ids  # array('i'): a ninth of a list's memory, ~25 µs per 1k ids to convert
         self.cut_chars = cut_chars  # ascending: safe cuts, as character offsets
         self.cut_tokens = cut_tokens  # ids before each cut
+        self.size = 4 * len(ids) + len(text)
 
     def cut_before(self, limit: int) -> int:
         """The index in the cuts of the last one below `limit`, or -1."""
@@ -55,12 +63,13 @@ class _Entry:
 
 def _cuts(text: str, start: int, enc: Any, base_tokens: int, chars: list[int], tokens: list[int]):
     """Append the safe cuts of text[start:] (whose encoding is `enc`, after
-    `base_tokens` ids) to chars / tokens."""
+    `base_tokens` ids) to chars / tokens: after each line break with a non-space
+    character on both sides."""
     end = len(text)
     i = text.find("\n", start)
     while i != -1:
         c = i + 1
-        if c < end and not text[c].isspace():
+        if c < end and i > 0 and not text[c].isspace() and not text[i - 1].isspace():
             t = enc.char_to_token(c - start)
             if t is not None:
                 chars.append(c)
@@ -91,14 +100,14 @@ class PrefixTokens:
         self,
         whole: Callable[[str], Any],
         rest: Callable[[str], Any],
-        capacity_tokens: int = CAPACITY_TOKENS,
+        capacity_bytes: int = CAPACITY_BYTES,
     ) -> None:
         self.whole = whole
         self.rest = rest
-        self.capacity_tokens = capacity_tokens
+        self.capacity_bytes = capacity_bytes
         self._anchors: dict[str, list[_Entry]] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
-        self._tokens = 0
+        self._bytes = 0
         self.spliced = 0  # prompts tokenized from a cut (for tests and /debug)
         self.tokenized_chars = 0  # characters handed to the tokenizer
 
@@ -119,6 +128,7 @@ class PrefixTokens:
             self.tokenized_chars += len(text)
         else:
             at, before = best.cut_chars[cut], best.cut_tokens[cut]
+            self._touch(best, entries)  # type: ignore[arg-type]
             enc = self.rest(text[at:])
             ids = best.ids[:before].tolist() + enc.ids
             chars, tokens = best.cut_chars[: cut + 1], best.cut_tokens[: cut + 1]
@@ -129,17 +139,17 @@ class PrefixTokens:
         return ids
 
     def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry | None, int]:
-        """The entry and cut index sharing the most text with `text`: entries it extends
-        first (the conversation's last turn), else the most recent few by common prefix."""
+        """The entry and cut index sharing the most text with `text`: the latest entry it
+        extends (the conversation's last turn), else the most recent few by common
+        prefix (another conversation under the same system prompt)."""
         best, best_at, cut = None, 0, -1
-        for e in entries:
-            if len(e.text) <= len(text) and text.startswith(e.text):
+        n = len(text)
+        for e in reversed(entries):
+            if len(e.text) <= n and text.startswith(e.text):
                 # A cut must leave the character after it in the shared text.
                 i = e.cut_before(len(e.text))
-                if i >= 0 and e.cut_chars[i] > best_at:
-                    best, best_at, cut = e, e.cut_chars[i], i
-        if best is not None:
-            return best, cut
+                if i >= 0:
+                    return e, i
         for e in entries[-4:]:
             i = e.cut_before(_common_prefix(text, e.text))
             if i >= 0 and e.cut_chars[i] > best_at:
@@ -151,27 +161,35 @@ class PrefixTokens:
             entries = self._anchors[anchor] = []
         else:
             # A prompt this one extends is dominated by it: any text shares at least as
-            # much with the longer one, at the same cuts.
+            # much with the longer one, at the same cuts. One it does not extend (the
+            # base of a new conversation) was used: it is recent again.
             for old in [e for e in entries if entry.text.startswith(e.text)]:
                 self._drop(old, entries)
             if len(entries) >= PER_ANCHOR:
                 self._drop(entries[0], entries)
         entries.append(entry)
         self._lru[id(entry)] = entry
-        self._tokens += len(entry.ids)
-        while self._tokens > self.capacity_tokens and self._lru:
+        self._bytes += entry.size
+        while self._bytes > self.capacity_bytes and self._lru:
             _, old = self._lru.popitem(last=False)
-            self._tokens -= len(old.ids)
+            self._bytes -= old.size
             group = self._anchors.get(old.text[:ANCHOR_CHARS])
             if group is not None:
                 group.remove(old)
                 if not group:
                     del self._anchors[old.text[:ANCHOR_CHARS]]
 
+    def _touch(self, entry: _Entry, entries: list[_Entry]) -> None:
+        """`entry` served as a base: keep it longest (last in the anchor and the LRU)."""
+        if entries and entries[-1] is not entry:
+            entries.remove(entry)
+            entries.append(entry)
+        self._lru.move_to_end(id(entry))
+
     def _drop(self, entry: _Entry, entries: list[_Entry]) -> None:
         entries.remove(entry)
         if self._lru.pop(id(entry), None) is not None:
-            self._tokens -= len(entry.ids)
+            self._bytes -= entry.size
 
 
 # Texts for the self-check: lines that begin with letters, digits, punctuation, added
@@ -188,27 +206,35 @@ _CHECK_LINES = (
     "line with a trailing space ",
     "windows line\r",
     "'s 're 've contractions don't break",
-    "<|user|>hello<|assistant|>",
+    "<b>bold</b> <|user|>hello<|assistant|>",
     "def f(x):\n    return x * 2",
     "",
     "",
     "!!! punctuation ??? ...",
 )
+# Characters a line may end or begin with, for the pre-tokenizer probe.
+_EDGES = "aZé中🙂09'\"_-.,;:!?()[]{}<>|/\\@#$%^&*+=~`\u0301\u00a0\u2028"
 
 
-def _check_text() -> str:
-    lines = []
+def _check_text(added: list[str]) -> str:
+    lines = list(_CHECK_LINES)
+    for tok in added[:16]:  # the tokenizer's own: its chat template's markers, say
+        lines += [f"{tok}user", "", f"{tok}", f"text {tok}", f"{tok[:1]}b{tok[1:]}"]
+    out = []
     for i in range(3):
-        for j, line in enumerate(_CHECK_LINES):
-            lines.append(line if (i + j) % 3 else f"{line} w{i * 31 + j}")
-    return "\n".join(lines)
+        for j, line in enumerate(lines):
+            out.append(line if (i + j) % 3 else f"{line} w{i * 31 + j}")
+    return "\n".join(out)
 
 
-def splices_exactly(spec: dict, whole: Callable[[str], Any], rest: Callable[[str], Any]) -> bool:
-    """Whether prompts may be spliced for the tokenizer described by `spec` (its
-    tokenizer.json): the shape argued in this module's docstring, then a self-check that
-    the check text split at every cut, and every extension of its prefixes, tokenize as
-    whole."""
+def _probe_pairs(added: list[str]) -> list[tuple[str, str]]:
+    """Two lines for every (last character, next line's first) pair of `_EDGES` and the
+    added tokens that meets at a cut (`_cuts`: neither is whitespace)."""
+    edges = [e for e in (*_EDGES, *added[:16]) if not e[0].isspace() and not e[-1].isspace()]
+    return [(f"w{e}", f"{s}w") for e in edges for s in edges]
+
+
+def _shape_admits(spec: dict) -> bool:
     if spec.get("normalizer") is not None:
         return False
     if (spec.get("model") or {}).get("type") != "BPE":
@@ -231,10 +257,45 @@ def splices_exactly(spec: dict, whole: Callable[[str], Any], rest: Callable[[str
         content = added.get("content", "")
         if "\n" in content or "\r" in content or added.get("lstrip") or added.get("rstrip"):
             return False
-    text = _check_text()
+    return True
+
+
+def _pieces_split_at_cuts(pre_tokenizer: Any, pairs: list[tuple[str, str]]) -> bool:
+    """Whether, for each pair of lines, the pre-tokenizer's pieces of the two joined at a
+    line break are the pieces of the first with the break, then those of the second
+    alone: no piece spans the cut, and neither side's depends on the other (what an
+    added token after the break would change). Then no merge, whatever the vocabulary,
+    crosses a cut."""
+    pieces = pre_tokenizer.pre_tokenize_str
+    for left, right in pairs:
+        joined = f"{left}\n{right}"
+        shift = len(left) + 1
+        alone = [(p, (a + shift, b + shift)) for p, (a, b) in pieces(right)]
+        if pieces(joined) != pieces(left + "\n") + alone:
+            return False
+    return True
+
+
+def splices_exactly(tokenizer: Any, special: bool) -> bool:
+    """Whether prompts may be spliced for `tokenizer` (a `tokenizers.Tokenizer`; with
+    `special`, its post-processor's special tokens added to whole prompts): the shape
+    argued in this module's docstring, a line break its own piece at every cut of the
+    probe text, and the check text and its forks tokenized as whole when spliced."""
+    import json
+
     try:
+        spec = json.loads(tokenizer.to_str())
+    except Exception:
+        return False
+    if not _shape_admits(spec):
+        return False
+    added = [a.get("content", "") for a in spec.get("added_tokens") or () if a.get("content")]
+    try:
+        if not _pieces_split_at_cuts(tokenizer.pre_tokenizer, _probe_pairs(added)):
+            return False
+        whole, rest = _encoders(tokenizer, special)
+        text = _check_text(added)
         probe = PrefixTokens(whole, rest)
-        full = whole(text).ids
         # Every prefix that ends at a line's end, then the whole text: each extends the
         # last, so each is spliced from its predecessor.
         ends = [i for i, ch in enumerate(text) if ch == "\n"] + [len(text)]
@@ -242,10 +303,34 @@ def splices_exactly(spec: dict, whole: Callable[[str], Any], rest: Callable[[str
             part = text[:end]
             if len(part) >= MIN_CHARS and probe.ids(part) != whole(part).ids:
                 return False
-        if probe.ids(text) != full:
-            return False
-        # A text that shares only a beginning: the binary-searched common prefix.
-        fork = text[: len(text) // 2] + "\nDifferent continuation 42\n" + text[:80]
-        return probe.ids(fork) == whole(fork).ids and probe.spliced > 0
+        # Texts that share only a beginning: the binary-searched common prefix.
+        for fork in (
+            text[: len(text) // 2] + "\nDifferent continuation 42\n" + text[:80],
+            text[: len(text) // 3] + "\n<b>" + text[:80],
+        ):
+            if probe.ids(fork) != whole(fork).ids:
+                return False
+        return probe.spliced > 0
     except Exception:
         return False
+
+
+def _encoders(tokenizer: Any, special: bool) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
+    encode = tokenizer.encode
+
+    def whole(text: str) -> Any:
+        return encode(text, add_special_tokens=special)
+
+    def rest(text: str) -> Any:
+        return encode(text, add_special_tokens=False)
+
+    return whole, rest
+
+
+def token_ids(tokenizer: Any, special: bool) -> Callable[[str], list[int]]:
+    """A text's token ids from `tokenizer` (with `special`: its special tokens added):
+    spliced from recent prompts' where `splices_exactly` admits it, else whole."""
+    whole, rest = _encoders(tokenizer, special)
+    if splices_exactly(tokenizer, special):
+        return PrefixTokens(whole, rest).ids
+    return lambda text: whole(text).ids

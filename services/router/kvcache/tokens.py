@@ -28,7 +28,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -36,7 +35,7 @@ import msgspec
 from llmgw.chatprompt import content_text, message_text, pack_token_ids, render_chat
 from llmgw.engines import ENGINES
 from llmgw.kvblocks import sim_token_bytes
-from llmgw.router.kvcache.splice import PrefixTokens, splices_exactly
+from llmgw.router.kvcache.splice import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +114,10 @@ class HfTokens:
         p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
         self.tokenizer = Tokenizer.from_file(str(file))
-        spec = json.loads(file.read_text())
         # Completions prompts get the engine's special tokens (a BOS), rendered chats
         # carry theirs in the template's text.
-        self.prompt_ids = self._prefix_tokens(spec, True)
-        self.chat_ids = self._prefix_tokens(spec, False)
+        self.prompt_ids = token_ids(self.tokenizer, special=True)
+        self.chat_ids = token_ids(self.tokenizer, special=False)
         self.template = None
         self.special: dict[str, str] = {}
         cfg_file = file.parent / "tokenizer_config.json"
@@ -140,21 +138,6 @@ class HfTokens:
                     self.template = env.from_string(template)
                 except ImportError:
                     log.info("no jinja2: chat requests to %s are scored approximately", path)
-
-    def _prefix_tokens(self, spec: dict, special: bool) -> Callable[[str], list[int]]:
-        """Token ids of a text: from a recent prompt's where that is exact (splice.py),
-        else the tokenizer's whole encoding."""
-        encode = self.tokenizer.encode
-
-        def whole(text: str):
-            return encode(text, add_special_tokens=special)
-
-        def rest(text: str):
-            return encode(text, add_special_tokens=False)
-
-        if splices_exactly(spec, whole, rest):
-            return PrefixTokens(whole, rest).ids
-        return lambda text: whole(text).ids
 
     def tokens(self, raw: bytes) -> list[int] | None:
         msgs = _messages(raw)
