@@ -317,6 +317,13 @@ class EndpointSeries:
             ("endpoint",),
             merge="sum",
         )
+        self.prefilling = Gauge(
+            "llmgw_router_endpoint_prefilling",
+            "Streamed requests this router has at the endpoint that have had no event yet "
+            "(and prefill legs it has there): the prefill queued ahead of a new request.",
+            ("endpoint",),
+            merge="sum",
+        )
         self.circuit = Gauge(
             "llmgw_router_endpoint_circuit_state",
             "0 closed, 1 half-open (probing), 2 open; the worst across workers.",
@@ -358,6 +365,7 @@ class EndpointSeries:
         return [
             self.scrape_errors,
             self.inflight,
+            self.prefilling,
             self.circuit,
             self.waiting,
             self.running,
@@ -369,12 +377,14 @@ class EndpointSeries:
     def set_endpoint_gauges(self, endpoints: Iterable[Any], now: float) -> None:
         """Set the per-endpoint gauges from the view (at scrape time, not per request)."""
         circuit_codes = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
-        for gauge in (self.inflight, self.circuit, self.waiting, self.running, self.kv_usage):
+        gauges = (self.inflight, self.prefilling, self.circuit, self.waiting, self.running)
+        for gauge in (*gauges, self.kv_usage):
             gauge.values.clear()
         self.load_age.values.clear()
         for ep in endpoints:
             key = (ep.id,)
             self.inflight.set(key, float(ep.inflight))
+            self.prefilling.set(key, float(ep.prefilling))
             self.circuit.set(key, circuit_codes.get(ep.circuit.state, 0.0))
             load = ep.load
             if load is None:

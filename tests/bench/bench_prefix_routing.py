@@ -191,6 +191,7 @@ class Result:
     seconds: float = 0.0
     hit_rate: float = 0.0
     oracle: float = 0.0
+    router_cpu: float = 0.0  # CPU seconds the two routers spent in the run (every process)
     note: str = ""
 
     @property
@@ -206,6 +207,27 @@ class Result:
     @property
     def throughput(self) -> float:
         return len(self.ttfts) / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_per_request(self) -> float:
+        """The routers' CPU seconds per request answered."""
+        return self.router_cpu / len(self.ttfts) if self.ttfts else float("nan")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user and system) the processes and their children have used; what
+    two Python routers take from a shared machine against vllm-router."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+    return total
 
 
 def relay_flag(relay: EngineRelay) -> str:
@@ -503,6 +525,7 @@ async def run_policy(name, args, nats_url, js, directory, kv_blocks) -> Result:
                 procs = vllm_routers(name, sims, directory)
                 stop = [p.terminate for p in procs]
                 urls = [p.url for p in procs]  # type: ignore[attr-defined]
+                pids = [p.pid for p in procs]
             else:
                 eps = [
                     c.Endpoint(id=f"e{i}", url=s.url, node=NODE, engine="sim")
@@ -511,8 +534,11 @@ async def run_policy(name, args, nats_url, js, directory, kv_blocks) -> Result:
                 routers = await start_llmgw(name, args, eps, js, nats_url, directory)
                 stop = [r.stop for r in routers]
                 urls = [r.url for r in routers]
+                pids = [r.proc.pid for r in routers]
             before = engine_counters(sims)
+            cpu = cpu_seconds(pids)
             result = await drive(urls, args.seconds, args.clients, relays, name, rate=args.rate)
+            result.router_cpu = cpu_seconds(pids) - cpu
             after = engine_counters(sims)
             hits, queries = after[0] - before[0], after[1] - before[1]
             result.hit_rate = hits / queries if queries else 0.0
@@ -643,6 +669,7 @@ def pooled(results: list[Result]) -> dict[str, Result]:
         p.errors = sum(r.errors for r in runs)
         p.hit_rate = statistics.fmean(r.hit_rate for r in runs)
         p.oracle = statistics.fmean(r.oracle for r in runs)
+        p.router_cpu = sum(r.router_cpu for r in runs)
         out[name] = p
     return out
 
@@ -650,13 +677,14 @@ def pooled(results: list[Result]) -> dict[str, Result]:
 def print_rows(results: list[Result], notes: bool) -> None:
     print(
         f"{'policy':<15} {'mean TTFT':>10} {'p90 TTFT':>10} {'req/s':>7} {'hit rate':>9} "
-        f"{'oracle':>7} {'errors':>6}" + ("  events" if notes else "")
+        f"{'oracle':>7} {'errors':>6} {'router CPU/req':>14}" + ("  events" if notes else "")
     )
     for r in results:
         label = r.name if r.run < 0 else f"{r.name} #{r.run + 1}"
         print(
             f"{label:<15} {r.mean * 1000:>8.0f}ms {r.p90 * 1000:>8.0f}ms {r.throughput:>7.1f} "
-            f"{r.hit_rate:>8.1%} {r.oracle:>7.1%} {r.errors:>6}" + (f"  {r.note}" if notes else "")
+            f"{r.hit_rate:>8.1%} {r.oracle:>7.1%} {r.errors:>6} "
+            f"{r.cpu_per_request * 1000:>12.2f}ms" + (f"  {r.note}" if notes else "")
         )
 
 
@@ -894,6 +922,7 @@ async def run_vllm_policy(name, args, procs, relays, tok, js, nats_url, director
             routers = vllm_routers(name, procs, directory)
             stop = [r.terminate for r in routers]
             urls = [r.url for r in routers]  # type: ignore[attr-defined]
+            pids = [r.pid for r in routers]
         else:
             eps = [
                 c.Endpoint(id=f"v{i}", url=p.url, node=NODE, engine="vllm")
@@ -904,10 +933,13 @@ async def run_vllm_policy(name, args, procs, relays, tok, js, nats_url, director
             )
             stop = [r.stop for r in routers]
             urls = [r.url for r in routers]
+            pids = [r.proc.pid for r in routers]
         before = await metrics_counters(procs)
         published = sum(r.published for r in relays.relays.values())
         oracle = Oracle(relays, tok.tokens, completions=True)
+        cpu = cpu_seconds(pids)
         result = await drive(urls, args.seconds, args.clients, relays, name, oracle, rate=args.rate)
+        result.router_cpu = cpu_seconds(pids) - cpu
         after = await metrics_counters(procs)
         hits, queries = after[0] - before[0], after[1] - before[1]
         result.hit_rate = hits / queries if queries else 0.0

@@ -288,6 +288,10 @@ async def test_a_stream_counts_as_prefilling_until_its_first_event(client):
                 return counts == {"prefilling": (1, 1), "decoding": (1, 0)}
 
             await wait_for(one_prefilling_one_decoding)
+            async with client.get(r.admin_url + "/metrics") as resp:
+                exposition = await resp.text()
+            assert 'llmgw_router_endpoint_prefilling{endpoint="prefilling"} 1' in exposition
+            assert 'llmgw_router_endpoint_prefilling{endpoint="decoding"} 0' in exposition
             for s in streams:
                 s.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
