@@ -11,20 +11,20 @@ they share and tokenizes only the rest.
 It must be exact, not close: the router hashes blocks of these ids to match the blocks
 the engine announces, and one id off shifts every later block. A cut is safe where no
 token can span it and nothing before it depends on what follows. In a byte-level BPE
-tokenizer (GPT-2's, Llama 3's: a ByteLevel pre-tokenizer, perhaps after regex Splits; no
-normalizer) a line break that stands alone, a non-space character before it and after
-it, is such a place: the split regexes end a piece before and after it, and BPE merges
-only inside a piece. (A longer run of whitespace is not: GPT-2's regex splits two line
-breaks one way before a letter and another before an added token.) So the ids before
-such a cut depend only on the text up to the character after it, and the ids after it
-are the encoding of the rest alone.
+tokenizer (GPT-2's, Llama 3's: a ByteLevel pre-tokenizer, perhaps after regex Splits;
+no normalizer) a line break that stands alone, a non-space character before it and
+after it, is such a place: the split regexes end a piece right after it, whatever
+follows, and BPE merges only inside a piece. (After a run of whitespace it is not:
+GPT-2's regex splits two line breaks one way before a letter and another before an
+added token.) So the ids before such a cut depend only on the text up to the character
+after it, and the ids after it are the encoding of the rest alone.
 
-`splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer splits
-two lines joined at such a cut into the pieces of each alone (for lines ending and
-beginning with every kind of character, its own added tokens among them: this holds
-whatever the merges), and only if a check text cut at every line tokenizes exactly as
-whole. Any other tokenizer
-(SentencePiece's Metaspace; a normalizer, Qwen 2's NFC included) is tokenized whole.
+`splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer
+splits two lines joined at such a cut into the pieces of each alone (for lines ending
+and beginning with every kind of character, its own added tokens among them: this
+holds whatever the merges), and only if a check text cut at every line tokenizes
+exactly as whole. Any other tokenizer (SentencePiece's Metaspace; a normalizer, Qwen
+2's NFC included) is tokenized whole.
 """
 
 from __future__ import annotations
