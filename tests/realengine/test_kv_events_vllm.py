@@ -94,8 +94,24 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
         assert block_size > 0, "no BlockStored from vLLM reached the relay"
 
         # The router's view of the prompt: the model's own tokenizer, as vLLM tokenizes it.
-        tokens = HfTokens(str(tiny)).tokens(msgspec.json.encode(PROMPT))
+        router_tokens = HfTokens(str(tiny))
+        tokens = router_tokens.tokens(msgspec.json.encode(PROMPT))
         assert len(tokens) == prompt_tokens
+        # Chats too: the template from chat_template.jinja (where transformers saves it),
+        # and each turn after the first tokenized from the one before (splice.py), id for
+        # id as vLLM's /tokenize renders and tokenizes them.
+        messages = [{"role": "system", "content": "Answer briefly.\n" + PROMPT}]
+        async with httpx.AsyncClient(timeout=60) as http:
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"Question {turn}: and then?"})
+                r = await http.post(
+                    f"{vllm.url}/tokenize",
+                    json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
+                )
+                r.raise_for_status()
+                assert router_tokens.tokens(msgspec.json.encode(messages)) == r.json()["tokens"]
+                messages.append({"role": "assistant", "content": f"Answer {turn}."})
+        assert router_tokens.chat_ids.__self__.spliced >= 2
         expected = kvblocks.prompt_hashes(tokens, block_size, prompt_tokens // block_size)
         assert expected and set(expected) <= set(relay.blocks.hashes())
 

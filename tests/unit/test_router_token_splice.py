@@ -22,7 +22,7 @@ from tokenizers import (
     trainers,
 )
 
-from llmgw.router.kvcache.splice import PrefixTokens, splices_exactly
+from llmgw.router.kvcache.splice import PrefixTokens, prefix_tokens, splices_exactly
 from llmgw.router.kvcache.tokens import HfTokens
 
 # Llama 3's split pattern (tokenizer.json of Meta-Llama-3-8B).
@@ -104,9 +104,11 @@ def conversations(rng: random.Random, steps: int):
 
 
 def check_against_whole(tok: Tokenizer, special: bool, steps: int = 400, **kw) -> PrefixTokens:
-    whole, rest = encoders(tok, special)
+    whole, _ = encoders(tok, special)
     assert splices_exactly(tok, special)
-    pt = PrefixTokens(whole, rest, **kw)
+    pt = prefix_tokens(tok, special)
+    assert pt is not None
+    pt.capacity_bytes = kw.get("capacity_bytes", pt.capacity_bytes)
     total = 0
     for i, prompt in enumerate(conversations(random.Random(special), steps)):
         assert pt.ids(prompt) == whole(prompt).ids, f"prompt {i}: {prompt!r}"
@@ -272,3 +274,45 @@ def test_hf_tokens_splices_completions_and_chats_through_the_router_path(tmp_pat
         prompt += "\n" + answer
     assert hf.prompt_ids.__self__.spliced >= 4
     assert hf.chat_ids.__self__.spliced >= 4
+
+
+def test_a_chat_template_without_line_breaks_is_cut_before_its_added_tokens():
+    # Llama 3's template: a blank line after each role header, none between messages,
+    # so single-line contents leave no line-break cut; the added tokens are the cuts.
+    tok = byte_level()
+    tok.add_special_tokens(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    pt = prefix_tokens(tok, special=False)
+    assert pt is not None and pt.added_len == len("<|start_header_id|>")
+    whole, _ = encoders(tok, special=False)
+    rng = random.Random(7)
+
+    def render(messages):
+        return (
+            "<s>"
+            + "".join(
+                f"<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
+                for role, content in messages
+            )
+            + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+
+    system = ("system", " ".join(random_line(rng) for _ in range(8)))
+    chats = [[system] for _ in range(5)]
+    total = 0
+    for _ in range(6):
+        for chat in chats:
+            chat.append(("user", random_line(rng) + " question?"))
+            text = render(chat)
+            assert pt.ids(text) == whole(text).ids, text
+            total += len(text)
+            chat.append(("assistant", random_line(rng)))
+    assert pt.spliced >= 5 * 6 - 1
+    assert pt.tokenized_chars < total / 3
+    # A text that has all but the last character of an added token where a kept one
+    # has it whole shares no cut before it: there the space before is a piece of its
+    # own, here it joins the punctuation that follows.
+    base = render([system]) + "words and more words "
+    kept = base + "<|eot_id|>" + render([system])
+    pt.ids(kept)
+    near = base + "<|eot_id| not a token"
+    assert pt.ids(near) == whole(near).ids

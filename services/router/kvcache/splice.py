@@ -17,7 +17,11 @@ after it, is such a place: the split regexes end a piece right after it, whateve
 follows, and BPE merges only inside a piece. (After a run of whitespace it is not:
 GPT-2's regex splits two line breaks one way before a letter and another before an
 added token.) So the ids before such a cut depend only on the text up to the character
-after it, and the ids after it are the encoding of the rest alone.
+after it, and the ids after it are the encoding of the rest alone. The place before an
+added token (a chat template's role markers) is another: added tokens are split out
+of the text before anything else (leftmost, longest), so the text before one is
+tokenized alone, if the other text shares the whole token and as much more as the
+longest added token is long.
 
 `splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer
 splits two lines joined at such a cut into the pieces of each alone (for lines ending
@@ -46,35 +50,43 @@ PER_ANCHOR = 128
 CAPACITY_BYTES = 8 << 20
 
 
-class _Entry:
-    __slots__ = ("text", "ids", "cut_chars", "cut_tokens", "size")
+class _Cuts:
+    __slots__ = ("chars", "tokens", "needs")
 
-    def __init__(self, text: str, ids: array, cut_chars: list[int], cut_tokens: list[int]):
+    def __init__(self, chars=None, tokens=None, needs=None) -> None:
+        self.chars: list[int] = chars if chars is not None else []
+        self.tokens: list[int] = tokens if tokens is not None else []
+        self.needs: list[int] = needs if needs is not None else []
+
+    def add(self, char: int, tokens: int, need: int) -> None:
+        if self.chars and self.chars[-1] >= char:  # the same place, found both ways
+            if self.chars[-1] == char:
+                self.needs[-1] = min(self.needs[-1], need)
+            return
+        self.chars.append(char)
+        self.tokens.append(tokens)
+        self.needs.append(need)
+
+
+class _Entry:
+    __slots__ = ("text", "ids", "cut_chars", "cut_tokens", "cut_needs", "size")
+
+    def __init__(self, text: str, ids: array, cuts: _Cuts):
         self.text = text
         self.ids = ids  # array('i'): a ninth of a list's memory, ~25 µs per 1k ids to convert
-        self.cut_chars = cut_chars  # ascending: safe cuts, as character offsets
-        self.cut_tokens = cut_tokens  # ids before each cut
+        self.cut_chars = cuts.chars  # ascending: safe cuts, as character offsets
+        self.cut_tokens = cuts.tokens  # ids before each cut
+        self.cut_needs = cuts.needs  # how much text another must share for the cut to hold
         self.size = 4 * len(ids) + len(text)
 
-    def cut_before(self, limit: int) -> int:
-        """The index in the cuts of the last one below `limit`, or -1."""
-        return bisect.bisect_left(self.cut_chars, limit) - 1
-
-
-def _cuts(text: str, start: int, enc: Any, base_tokens: int, chars: list[int], tokens: list[int]):
-    """Append the safe cuts of text[start:] (whose encoding is `enc`, after
-    `base_tokens` ids) to chars / tokens: after each line break with a non-space
-    character on both sides."""
-    end = len(text)
-    i = text.find("\n", start)
-    while i != -1:
-        c = i + 1
-        if c < end and i > 0 and not text[c].isspace() and not text[i - 1].isspace():
-            t = enc.char_to_token(c - start)
-            if t is not None:
-                chars.append(c)
-                tokens.append(base_tokens + t)
-        i = text.find("\n", c)
+    def cut_before(self, shared: int) -> int:
+        """The index of the last cut that holds for a text sharing `shared` characters
+        with this one, or -1."""
+        i = bisect.bisect_left(self.cut_chars, shared) - 1
+        needs = self.cut_needs
+        while i >= 0 and needs[i] > shared:
+            i -= 1
+        return i
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -101,10 +113,19 @@ class PrefixTokens:
         whole: Callable[[str], Any],
         rest: Callable[[str], Any],
         capacity_bytes: int = CAPACITY_BYTES,
+        added: dict[int, int] | None = None,
     ) -> None:
         self.whole = whole
         self.rest = rest
         self.capacity_bytes = capacity_bytes
+        # Added tokens (id -> characters) a cut may precede: the tokenizer splits them
+        # out of the text before anything else, so the text before one is tokenized
+        # alone. Another text shares such a cut when it shares the text up to the end
+        # of the longest added token after it: no other match can then start before the
+        # cut and span it.
+        self.added = added or {}
+        self.added_ids = frozenset(self.added)
+        self.added_len = max(self.added.values(), default=0)
         self._anchors: dict[str, list[_Entry]] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
@@ -118,25 +139,51 @@ class PrefixTokens:
         anchor = text[:ANCHOR_CHARS]
         entries = self._anchors.get(anchor)
         best, cut = self._best_cut(text, entries) if entries else (None, -1)
-        chars: list[int]
-        tokens: list[int]
         if best is None:
             enc = self.whole(text)
-            ids = enc.ids
-            chars, tokens = [], []
-            _cuts(text, 0, enc, 0, chars, tokens)
+            ids = new = enc.ids
+            cuts = _Cuts()
+            self._cuts(text, 0, enc, new, 0, cuts)
             self.tokenized_chars += len(text)
         else:
             at, before = best.cut_chars[cut], best.cut_tokens[cut]
             self._touch(best, entries)  # type: ignore[arg-type]
             enc = self.rest(text[at:])
-            ids = best.ids[:before].tolist() + enc.ids
-            chars, tokens = best.cut_chars[: cut + 1], best.cut_tokens[: cut + 1]
-            _cuts(text, at, enc, before, chars, tokens)
+            new = enc.ids
+            ids = best.ids[:before].tolist() + new
+            n = cut + 1
+            cuts = _Cuts(best.cut_chars[:n], best.cut_tokens[:n], best.cut_needs[:n])
+            self._cuts(text, at, enc, new, before, cuts)
             self.spliced += 1
             self.tokenized_chars += len(text) - at
-        self._keep(anchor, _Entry(text, array("i", ids), chars, tokens), entries)
+        self._keep(anchor, _Entry(text, array("i", ids), cuts), entries)
         return ids
+
+    def _cuts(self, text: str, start: int, enc: Any, ids: list[int], base: int, cuts: _Cuts):
+        """Add the safe cuts of text[start:] (encoded as `enc`, its `ids` after `base`
+        ids) to `cuts`, in order: after each line break with a non-space character on
+        both sides, and before each added token."""
+        found: list[tuple[int, int, int]] = []
+        end = len(text)
+        i = text.find("\n", start)
+        while i != -1:
+            c = i + 1
+            if c < end and i > 0 and not text[c].isspace() and not text[i - 1].isspace():
+                t = enc.char_to_token(c - start)
+                if t is not None:
+                    found.append((c, base + t, c + 1))
+            i = text.find("\n", c)
+        if self.added_ids and not self.added_ids.isdisjoint(ids):
+            added = self.added
+            for t, tid in enumerate(ids):
+                if tid in added:
+                    span = enc.token_to_chars(t)
+                    if span is not None and start + span[0] > 0:
+                        c = start + span[0]
+                        found.append((c, base + t, c + self.added_len))
+            found.sort()
+        for c, t, need in found:
+            cuts.add(c, t, need)
 
     def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry | None, int]:
         """The entry and cut index sharing the most text with `text`: the latest entry it
@@ -146,7 +193,6 @@ class PrefixTokens:
         n = len(text)
         for e in reversed(entries):
             if len(e.text) <= n and text.startswith(e.text):
-                # A cut must leave the character after it in the shared text.
                 i = e.cut_before(len(e.text))
                 if i >= 0:
                     return e, i
@@ -281,38 +327,45 @@ def splices_exactly(tokenizer: Any, special: bool) -> bool:
     `special`, its post-processor's special tokens added to whole prompts): the shape
     argued in this module's docstring, a line break its own piece at every cut of the
     probe text, and the check text and its forks tokenized as whole when spliced."""
+    return _admitted(tokenizer, special) is not None
+
+
+def _admitted(tokenizer: Any, special: bool) -> dict[int, int] | None:
+    """The added tokens a cut may precede (id -> characters) if `splices_exactly`, else
+    None."""
     import json
 
     try:
         spec = json.loads(tokenizer.to_str())
     except Exception:
-        return False
+        return None
     if not _shape_admits(spec):
-        return False
-    added = [a.get("content", "") for a in spec.get("added_tokens") or () if a.get("content")]
+        return None
+    entries = [a for a in spec.get("added_tokens") or () if a.get("content")]
+    added = [a["content"] for a in entries]
+    # A single_word token matches only between word boundaries: what precedes it counts.
+    cut_before = {a["id"]: len(a["content"]) for a in entries if not a.get("single_word")}
     try:
         if not _pieces_split_at_cuts(tokenizer.pre_tokenizer, _probe_pairs(added)):
-            return False
+            return None
         whole, rest = _encoders(tokenizer, special)
         text = _check_text(added)
-        probe = PrefixTokens(whole, rest)
+        probe = PrefixTokens(whole, rest, added=cut_before)
         # Every prefix that ends at a line's end, then the whole text: each extends the
         # last, so each is spliced from its predecessor.
         ends = [i for i, ch in enumerate(text) if ch == "\n"] + [len(text)]
-        for end in ends:
-            part = text[:end]
-            if len(part) >= MIN_CHARS and probe.ids(part) != whole(part).ids:
-                return False
-        # Texts that share only a beginning: the binary-searched common prefix.
-        for fork in (
+        forks = [
             text[: len(text) // 2] + "\nDifferent continuation 42\n" + text[:80],
             text[: len(text) // 3] + "\n<b>" + text[:80],
-        ):
-            if probe.ids(fork) != whole(fork).ids:
-                return False
-        return probe.spliced > 0
+        ]
+        for tok in added[:8]:  # an added token, then a text that stops one short of it
+            forks += [text[:300] + f"x{tok}y " + text[:40], text[:300] + f"x{tok[:-1]}y"]
+        for part in [text[:end] for end in ends] + [text, *forks]:
+            if len(part) >= MIN_CHARS and probe.ids(part) != whole(part).ids:
+                return None
+        return cut_before if probe.spliced > 0 else None
     except Exception:
-        return False
+        return None
 
 
 def _encoders(tokenizer: Any, special: bool) -> tuple[Callable[[str], Any], Callable[[str], Any]]:
@@ -327,10 +380,20 @@ def _encoders(tokenizer: Any, special: bool) -> tuple[Callable[[str], Any], Call
     return whole, rest
 
 
+def prefix_tokens(tokenizer: Any, special: bool) -> PrefixTokens | None:
+    """Splicing token ids for `tokenizer` (with `special`: its special tokens added to
+    whole prompts), or None where `splices_exactly` does not admit it."""
+    added = _admitted(tokenizer, special)
+    if added is None:
+        return None
+    return PrefixTokens(*_encoders(tokenizer, special), added=added)
+
+
 def token_ids(tokenizer: Any, special: bool) -> Callable[[str], list[int]]:
-    """A text's token ids from `tokenizer` (with `special`: its special tokens added):
-    spliced from recent prompts' where `splices_exactly` admits it, else whole."""
-    whole, rest = _encoders(tokenizer, special)
-    if splices_exactly(tokenizer, special):
-        return PrefixTokens(whole, rest).ids
+    """A text's token ids from `tokenizer`: spliced from recent prompts' where that is
+    exact (`prefix_tokens`), else the whole encoding's."""
+    spliced = prefix_tokens(tokenizer, special)
+    if spliced is not None:
+        return spliced.ids
+    whole, _ = _encoders(tokenizer, special)
     return lambda text: whole(text).ids

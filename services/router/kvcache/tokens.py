@@ -105,6 +105,20 @@ def flatten_contents(msgs: list[dict]) -> list[dict]:
     return out
 
 
+def chat_template(cfg: dict, directory: Path) -> str | None:
+    """The model's chat template as vLLM finds it: tokenizer_config.json's
+    `chat_template` (a string, or a list of named ones: "default"), else the
+    chat_template.jinja beside it (where transformers has saved it since 4.43)."""
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja = directory / "chat_template.jinja"
+    return jinja.read_text() if jinja.is_file() else None
+
+
 class HfTokens:
     """A model's own tokenizer (tokenizers) and, with jinja2, its chat template."""
 
@@ -121,23 +135,22 @@ class HfTokens:
         self.template = None
         self.special: dict[str, str] = {}
         cfg_file = file.parent / "tokenizer_config.json"
-        if cfg_file.exists():
-            cfg = json.loads(cfg_file.read_text())
-            for key in ("bos_token", "eos_token"):
-                tok = cfg.get(key)
-                if isinstance(tok, dict):
-                    tok = tok.get("content")
-                if isinstance(tok, str):
-                    self.special[key] = tok
-            template = cfg.get("chat_template")
-            if isinstance(template, str):
-                try:
-                    from jinja2.sandbox import ImmutableSandboxedEnvironment
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        for key in ("bos_token", "eos_token"):
+            tok = cfg.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if isinstance(tok, str):
+                self.special[key] = tok
+        template = chat_template(cfg, file.parent)
+        if template is not None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-                    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                    self.template = env.from_string(template)
-                except ImportError:
-                    log.info("no jinja2: chat requests to %s are scored approximately", path)
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self.template = env.from_string(template)
+            except ImportError:
+                log.info("no jinja2: chat requests to %s are scored approximately", path)
 
     def tokens(self, raw: bytes) -> list[int] | None:
         msgs = _messages(raw)
