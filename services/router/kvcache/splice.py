@@ -20,8 +20,8 @@ added token.) So the ids before such a cut depend only on the text up to the cha
 after it, and the ids after it are the encoding of the rest alone. The place before an
 added token (a chat template's role markers) is another: added tokens are split out
 of the text before anything else (leftmost, longest), so the text before one is
-tokenized alone, if the other text shares the whole token and as much more as the
-longest added token is long.
+tokenized alone, if the other text shares as many characters after the cut as the
+longest added token has.
 
 `splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer
 splits two lines joined at such a cut into the pieces of each alone (for lines ending
