@@ -316,3 +316,123 @@ def test_a_chat_template_without_line_breaks_is_cut_before_its_added_tokens():
     pt.ids(kept)
     near = base + "<|eot_id| not a token"
     assert pt.ids(near) == whole(near).ids
+
+
+OVERLAPPING = (
+    "<|im", "<|im_start|>", "<|im_end|>", "im_start", "|>", "<|start_header_id|>",
+    "<|end_header_id|>", "<|eot_id|>", "<|eot", "header", "<tool_call>", "call>",
+)  # fmt: skip
+MARKED_PIECES = (*PIECES, "\n", " ", "x", ":", "<", "|", ">", "im", "_start", "id|>")
+
+
+def marked_line(rng: random.Random) -> str:
+    """Added tokens, cut-off added tokens and pieces of text, run together."""
+    parts = []
+    for _ in range(rng.randint(1, 10)):
+        r = rng.random()
+        t = rng.choice(OVERLAPPING) if r < 0.35 else rng.choice(MARKED_PIECES)
+        if 0.25 <= r < 0.35:
+            t = t[: rng.randint(1, len(t))]
+        parts.append(t + rng.choice(("", "", " ", "\n")))
+    return "".join(parts)
+
+
+def test_added_tokens_that_overlap_or_sit_in_a_second_pass_splice_exactly():
+    # Added tokens that are prefixes and substrings of each other, specials (split out
+    # first) mixed with normalized ones (matched between them afterwards), and texts
+    # that fork a few characters past one: every prompt's ids equal the whole encoding.
+    from tokenizers import AddedToken
+
+    for mixed in (False, True):
+        tok = byte_level()
+        tok.add_tokens(
+            [
+                AddedToken(t, normalized=mixed and i % 2 == 0, special=i % 3 == 0)
+                for i, t in enumerate(OVERLAPPING)
+            ]
+        )
+        for special in (False, True):
+            pt = prefix_tokens(tok, special)
+            assert pt is not None
+            whole, _ = encoders(tok, special)
+            rng = random.Random(11 + 2 * mixed + special)
+            system = "<|start_header_id|>system<|end_header_id|>\n\n" + " ".join(
+                random_line(rng) for _ in range(20)
+            )
+            texts: list[str] = []
+            for _ in range(300):
+                if texts and rng.random() < 0.5:
+                    base = rng.choice(texts)
+                    marks = [i for i in range(len(base)) if base.startswith(OVERLAPPING, i)]
+                    at = rng.choice(marks) if marks else rng.randrange(len(base))
+                    text = base[: min(len(base), at + rng.randint(0, 22))] + marked_line(rng)
+                elif texts and rng.random() < 0.7:
+                    text = rng.choice(texts) + marked_line(rng)
+                else:
+                    text = system + marked_line(rng)
+                assert pt.ids(text) == whole(text).ids, repr(text[-120:])
+                texts = [*texts[-59:], text]
+            assert pt.spliced > 100
+
+
+def test_an_added_token_whose_offsets_a_post_processor_trimmed_is_not_cut_before():
+    # ByteLevel's trim_offsets moves the reported start of " <sep>" past its space: a cut
+    # there would fall inside the token.
+    from tokenizers import AddedToken
+
+    tok = byte_level()
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(20)])
+    tok.add_tokens([AddedToken(" <sep>", normalized=False)])
+    tok.post_processor = processors.Sequence(
+        [processors.ByteLevel(trim_offsets=True), tok.post_processor]
+    )
+    pt = prefix_tokens(tok, special=False)
+    assert pt is not None
+    whole, _ = encoders(tok, special=False)
+    head = "You are a helpful assistant.\nAnswer briefly. " * 6 + "answer"
+    pt.ids(head + " <sep>first one is here and long enough" * 2)
+    second = head + " <sep>first one is here and long enough and then another"
+    assert pt.ids(second) == whole(second).ids
+
+
+def test_the_chat_template_is_found_where_transformers_looks(tmp_path):
+    from llmgw.router.kvcache.tokens import chat_template
+
+    assert chat_template({}, tmp_path) is None
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    assert chat_template({"chat_template": named}, tmp_path) == "D"
+    assert chat_template({"chat_template": "C"}, tmp_path) == "C"
+    (tmp_path / "chat_template.jinja").write_text("J ✓", encoding="utf-8")
+    assert chat_template({"chat_template": "C"}, tmp_path) == "J ✓"  # the file wins
+
+
+def test_a_cut_before_an_added_token_needs_the_longest_added_token_shared():
+    # "header" is cut before where "<|start_header" is not a whole token; a text that
+    # shares "header" and goes on to "_id|>" holds "<|start_header_id|>", which starts
+    # before the cut and spans it.
+    tok = byte_level()
+    tok.add_special_tokens(["header", "<|start_header_id|>"])
+    pt = prefix_tokens(tok, special=False)
+    assert pt is not None
+    whole, _ = encoders(tok, special=False)
+    head = "You are a helpful assistant.\nAnswer briefly. " * 6 + "<|start_"
+    pt.ids(head + "header and more text after it")
+    other = head + "header_id|>user question"
+    assert pt.ids(other) == whole(other).ids
+
+
+def test_a_cut_is_never_before_a_normalized_added_token():
+    # Normalized added tokens are matched after the specials are split out, so a special
+    # that starts inside one can end past the text two prompts share.
+    from tokenizers import AddedToken
+
+    tok = byte_level()
+    tok.add_tokens([AddedToken("<ab>", normalized=True)])
+    tok.add_special_tokens([AddedToken("b>" + "z" * 12, normalized=False)])
+    pt = prefix_tokens(tok, special=False)
+    assert pt is not None
+    whole, _ = encoders(tok, special=False)
+    head = "You are a helpful assistant. " * 12 + "answer "
+    pt.ids(head + "<ab>" + "z" * 10 + "q the end of the first")
+    other = head + "<ab>" + "z" * 12 + " the second"
+    assert pt.ids(other) == whole(other).ids

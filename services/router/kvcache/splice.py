@@ -18,10 +18,10 @@ follows, and BPE merges only inside a piece. (After a run of whitespace it is no
 GPT-2's regex splits two line breaks one way before a letter and another before an
 added token.) So the ids before such a cut depend only on the text up to the character
 after it, and the ids after it are the encoding of the rest alone. The place before an
-added token (a chat template's role markers) is another: added tokens are split out
-of the text before anything else (leftmost, longest), so the text before one is
-tokenized alone, if the other text shares as many characters after the cut as the
-longest added token has.
+added token split out in the tokenizer's first pass (a special token: a chat
+template's role markers) is another: those are split out of the text before anything
+else (leftmost, longest), so the text before one is tokenized alone, if the other text
+shares as many characters after the cut as the longest added token has.
 
 `splices_exactly` admits a tokenizer only in that shape, only if its pre-tokenizer
 splits two lines joined at such a cut into the pieces of each alone (for lines ending
@@ -113,19 +113,20 @@ class PrefixTokens:
         whole: Callable[[str], Any],
         rest: Callable[[str], Any],
         capacity_bytes: int = CAPACITY_BYTES,
-        added: dict[int, int] | None = None,
+        added: dict[int, str] | None = None,
+        added_len: int = 0,
     ) -> None:
         self.whole = whole
         self.rest = rest
         self.capacity_bytes = capacity_bytes
-        # Added tokens (id -> characters) a cut may precede: the tokenizer splits them
-        # out of the text before anything else, so the text before one is tokenized
-        # alone. Another text shares such a cut when it shares the text up to the end
-        # of the longest added token after it: no other match can then start before the
+        # Added tokens (id -> text) a cut may precede: the tokenizer splits them out of
+        # the text before anything else, so the text before one is tokenized alone.
+        # Another text shares such a cut when it shares `added_len` characters after it
+        # (the longest added token's length): no other match can then start before the
         # cut and span it.
         self.added = added or {}
         self.added_ids = frozenset(self.added)
-        self.added_len = max(self.added.values(), default=0)
+        self.added_len = max(added_len, *map(len, self.added.values()), 0)
         self._anchors: dict[str, list[_Entry]] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
@@ -178,8 +179,12 @@ class PrefixTokens:
             for t, tid in enumerate(ids):
                 if tid in added:
                     span = enc.token_to_chars(t)
-                    if span is not None and start + span[0] > 0:
-                        c = start + span[0]
+                    if span is None:
+                        continue
+                    c = start + span[0]
+                    # Offsets a post-processor trimmed do not say where the token is.
+                    content = added[tid]
+                    if c > 0 and text.startswith(content, c) and span[1] - span[0] == len(content):
                         found.append((c, base + t, c + self.added_len))
             found.sort()
         for c, t, need in found:
@@ -330,9 +335,9 @@ def splices_exactly(tokenizer: Any, special: bool) -> bool:
     return _admitted(tokenizer, special) is not None
 
 
-def _admitted(tokenizer: Any, special: bool) -> dict[int, int] | None:
-    """The added tokens a cut may precede (id -> characters) if `splices_exactly`, else
-    None."""
+def _admitted(tokenizer: Any, special: bool) -> tuple[dict[int, str], int] | None:
+    """If `splices_exactly`: the added tokens a cut may precede (id -> text) and the
+    longest added token's length; else None."""
     import json
 
     try:
@@ -343,14 +348,23 @@ def _admitted(tokenizer: Any, special: bool) -> dict[int, int] | None:
         return None
     entries = [a for a in spec.get("added_tokens") or () if a.get("content")]
     added = [a["content"] for a in entries]
-    # A single_word token matches only between word boundaries: what precedes it counts.
-    cut_before = {a["id"]: len(a["content"]) for a in entries if not a.get("single_word")}
+    # Cuts go before the added tokens split out in the tokenizer's first pass (not
+    # `normalized`: specials, and chat markers, by default); `normalized` ones are matched
+    # in a second pass between those, and a first-pass token could start inside one and
+    # end past the shared text. A `single_word` token matches only between word
+    # boundaries: what precedes it counts.
+    cut_before = {
+        a["id"]: a["content"]
+        for a in entries
+        if not a.get("single_word") and a.get("normalized") is False
+    }
+    longest = max(map(len, added), default=0)
     try:
         if not _pieces_split_at_cuts(tokenizer.pre_tokenizer, _probe_pairs(added)):
             return None
         whole, rest = _encoders(tokenizer, special)
         text = _check_text(added)
-        probe = PrefixTokens(whole, rest, added=cut_before)
+        probe = PrefixTokens(whole, rest, added=cut_before, added_len=longest)
         # Every prefix that ends at a line's end, then the whole text: each extends the
         # last, so each is spliced from its predecessor.
         ends = [i for i, ch in enumerate(text) if ch == "\n"] + [len(text)]
@@ -363,7 +377,7 @@ def _admitted(tokenizer: Any, special: bool) -> dict[int, int] | None:
         for part in [text[:end] for end in ends] + [text, *forks]:
             if len(part) >= MIN_CHARS and probe.ids(part) != whole(part).ids:
                 return None
-        return cut_before if probe.spliced > 0 else None
+        return (cut_before, longest) if probe.spliced > 0 else None
     except Exception:
         return None
 
@@ -383,10 +397,11 @@ def _encoders(tokenizer: Any, special: bool) -> tuple[Callable[[str], Any], Call
 def prefix_tokens(tokenizer: Any, special: bool) -> PrefixTokens | None:
     """Splicing token ids for `tokenizer` (with `special`: its special tokens added to
     whole prompts), or None where `splices_exactly` does not admit it."""
-    added = _admitted(tokenizer, special)
-    if added is None:
+    admitted = _admitted(tokenizer, special)
+    if admitted is None:
         return None
-    return PrefixTokens(*_encoders(tokenizer, special), added=added)
+    added, longest = admitted
+    return PrefixTokens(*_encoders(tokenizer, special), added=added, added_len=longest)
 
 
 def token_ids(tokenizer: Any, special: bool) -> Callable[[str], list[int]]:

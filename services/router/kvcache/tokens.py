@@ -106,17 +106,18 @@ def flatten_contents(msgs: list[dict]) -> list[dict]:
 
 
 def chat_template(cfg: dict, directory: Path) -> str | None:
-    """The model's chat template as vLLM finds it: tokenizer_config.json's
-    `chat_template` (a string, or a list of named ones: "default"), else the
-    chat_template.jinja beside it (where transformers has saved it since 4.43)."""
+    """The model's chat template as transformers (and so vLLM) picks it: the
+    chat_template.jinja beside tokenizer_config.json first (where transformers saves it
+    since 4.43; it takes priority), else the config's `chat_template` (a string, or a
+    list of named ones: "default")."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
     template = cfg.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if isinstance(template, str):
-        return template
-    jinja = directory / "chat_template.jinja"
-    return jinja.read_text() if jinja.is_file() else None
+    return template if isinstance(template, str) else None
 
 
 class HfTokens:
@@ -135,7 +136,7 @@ class HfTokens:
         self.template = None
         self.special: dict[str, str] = {}
         cfg_file = file.parent / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.exists() else {}
         for key in ("bos_token", "eos_token"):
             tok = cfg.get(key)
             if isinstance(tok, dict):
