@@ -285,6 +285,32 @@ def _probe_pairs(added: list[str]) -> list[tuple[str, str]]:
     return [(f"w{e}", f"{s}w") for e in edges for s in edges]
 
 
+def _spec(tokenizer: Any) -> dict:
+    """What the shape check reads, from the tokenizer's parts: serializing the whole
+    tokenizer (a vocabulary of 128k tokens is megabytes of JSON) would hold the GIL,
+    and so stall the router's event loop, for a fraction of a second."""
+    import json
+
+    pre = tokenizer.pre_tokenizer
+    decoder = tokenizer.get_added_tokens_decoder()
+    return {
+        "normalizer": tokenizer.normalizer,
+        "model": {"type": type(tokenizer.model).__name__},
+        "pre_tokenizer": json.loads(pre.__getstate__()) if pre is not None else None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": t.content,
+                "single_word": t.single_word,
+                "lstrip": t.lstrip,
+                "rstrip": t.rstrip,
+                "normalized": t.normalized,
+            }
+            for i, t in decoder.items()
+        ],
+    }
+
+
 def _shape_admits(spec: dict) -> bool:
     if spec.get("normalizer") is not None:
         return False
@@ -338,10 +364,8 @@ def splices_exactly(tokenizer: Any, special: bool) -> bool:
 def _admitted(tokenizer: Any, special: bool) -> tuple[dict[int, str], int] | None:
     """If `splices_exactly`: the added tokens a cut may precede (id -> text) and the
     longest added token's length; else None."""
-    import json
-
     try:
-        spec = json.loads(tokenizer.to_str())
+        spec = _spec(tokenizer)
     except Exception:
         return None
     if not _shape_admits(spec):
