@@ -368,3 +368,34 @@ def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenize
     # SGLang's events say nothing of a salt: a salted request is not scored by them (None:
     # the approximate scorer, salted too, decides for it instead).
     assert share("tenant-a") is None
+
+
+def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path):
+    # vLLM renders a chat's tools (and documents, a request's own template, template
+    # kwargs) into the prompt; the router renders the messages alone, so its ids would
+    # miss the engine's blocks. Such a chat gets None: the approximate guess decides.
+    from llmgw.router.kvcache.tokens import TOKENIZERS
+
+    from .test_router_tokenizer_load import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    assert TOKENIZERS.wait(str(tmp_path), 30) is not None
+    messages = [{"role": "user", "content": "hello world again hello world world again"}]
+    raw = msgspec.json.encode(messages)
+    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(raw)
+    index = BlockIndex()
+    synced(index, "v", *prompt_hashes(ids, BS, len(ids) // BS))
+    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
+    scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
+    eps = [endpoint("v", engine="vllm")]
+
+    def share(body: dict) -> float | None:
+        ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body))
+        ctx.prefix = block_hashes(raw, 256, 128)
+        return scorer.overlaps(eps, ctx)[0]
+
+    assert share({"model": "m", "messages": messages}) == 1.0
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert share({"model": "m", "messages": messages, "tools": [tool]}) is None
+    kwargs = {"enable_thinking": False}
+    assert share({"model": "m", "messages": messages, "chat_template_kwargs": kwargs}) is None

@@ -250,6 +250,20 @@ class TokenizerLoader:
 TOKENIZERS = TokenizerLoader()
 
 
+# Request fields vLLM hands a chat template besides the messages (vLLM's
+# ChatCompletionRequest). The router renders the messages alone, so the ids of a chat
+# with any of them would differ from the engine's from where the template puts them
+# (tools: often in the first turn's text) and match nothing; such a chat is scored by
+# the approximate guess instead.
+_TEMPLATE_FIELDS = (b'"tools"', b'"documents"', b'"chat_template"', b'"chat_template_kwargs"')
+
+
+def renders_messages_only(body: bytes) -> bool:
+    """Whether the engine renders this request's chat from its messages alone (a byte
+    search: a message that merely says "tools" in quotes is scored approximately too)."""
+    return not any(field in body for field in _TEMPLATE_FIELDS)
+
+
 def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | None:
     """The prompt's token ids as an endpoint of this engine kind would see them, or None."""
     traits = ENGINES.get(engine)

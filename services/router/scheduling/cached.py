@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from llmgw.contracts import SchedulingSpec
 from llmgw.kvblocks import token_count
 from llmgw.router.kvcache.indexer import PromptWork
-from llmgw.router.kvcache.tokens import TOKENIZERS
+from llmgw.router.kvcache.tokens import TOKENIZERS, renders_messages_only
 from llmgw.router.scheduling.scorers import StatelessScorer
 
 if TYPE_CHECKING:
@@ -135,7 +135,8 @@ class CachedPrefixScorer(StatelessScorer):
         work = ctx.kv
         if work is None:
             work = ctx.kv = PromptWork(ctx.adapter)
-        held = indexer.overlaps(prompt, ctx.salt, self.tokenizer, cands, sizes, work)
+        tokenizer = self.tokenizer if renders_messages_only(ctx.body) else ""
+        held = indexer.overlaps(prompt, ctx.salt, tokenizer, cands, sizes, work)
         return [None if h is None else h[0] / h[1] if h[1] else 0.0 for h in held]
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
