@@ -9,8 +9,10 @@ way the engine makes them:
 - vLLM or SGLang with a tokenizer the catalog names (`scheduling.tokenizer`: a tokenizer.json
   or a directory holding one): completions prompts are encoded with the
   `tokenizers` package (special tokens added, as vLLM does); chat requests are
-  rendered with the directory's chat template (tokenizer_config.json, jinja2), content
-  lists flattened to text as vLLM does; the tokenizer is loaded in a thread when the
+  rendered with the directory's chat template (chat_template.jinja, else
+  tokenizer_config.json's; jinja2), content lists flattened to text as vLLM does (a
+  chat with fields vLLM also renders, tools among them, has no token ids:
+  `renders_messages_only`); the tokenizer is loaded in a thread when the
   route is installed (TokenizerLoader), and until then there are no token ids; a
   prompt that begins as a recent one did reuses that one's ids and tokenizes only the
   rest, where the tokenizer's shape makes that exact (splice.py);
