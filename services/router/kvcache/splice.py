@@ -280,7 +280,7 @@ def _check_text(added: list[str]) -> str:
 
 def _probe_pairs(added: list[str]) -> list[tuple[str, str]]:
     """Two lines for every (last character, next line's first) pair of `_EDGES` and the
-    added tokens that meets at a cut (`_cuts`: neither is whitespace)."""
+    added tokens that meets at a cut (`PrefixTokens._cuts`: neither is whitespace)."""
     edges = [e for e in (*_EDGES, *added[:16]) if not e[0].isspace() and not e[-1].isspace()]
     return [(f"w{e}", f"{s}w") for e in edges for s in edges]
 
