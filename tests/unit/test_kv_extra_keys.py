@@ -396,6 +396,14 @@ def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path
 
     assert share({"model": "m", "messages": messages}) == 1.0
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    assert share({"model": "m", "messages": messages, "tools": [tool]}) is None
-    kwargs = {"enable_thinking": False}
-    assert share({"model": "m", "messages": messages, "chat_template_kwargs": kwargs}) is None
+    for field, value in {
+        "tools": [tool],
+        "documents": [{"title": "t", "text": "x"}],
+        "chat_template": "{{ messages }}",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_special_tokens": True,
+    }.items():
+        assert share({"model": "m", "messages": messages, field: value}) is None, field
+    # A message that talks about "tools" is still scored from its ids.
+    talk = [*messages, {"role": "user", "content": 'use the "tools" key'}]
+    assert share({"model": "m", "messages": talk}) == 1.0

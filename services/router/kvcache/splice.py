@@ -306,7 +306,7 @@ def _spec(tokenizer: Any) -> dict:
                 "rstrip": t.rstrip,
                 "normalized": t.normalized,
             }
-            for i, t in decoder.items()
+            for i, t in sorted(decoder.items())  # by id, as tokenizer.json lists them
         ],
     }
 

@@ -252,17 +252,26 @@ class TokenizerLoader:
 TOKENIZERS = TokenizerLoader()
 
 
-# Request fields vLLM hands a chat template besides the messages (vLLM's
-# ChatCompletionRequest). The router renders the messages alone, so the ids of a chat
-# with any of them would differ from the engine's from where the template puts them
-# (tools: often in the first turn's text) and match nothing; such a chat is scored by
-# the approximate guess instead.
-_TEMPLATE_FIELDS = (b'"tools"', b'"documents"', b'"chat_template"', b'"chat_template_kwargs"')
+# Request fields vLLM renders into the prompt besides the messages (vLLM's
+# ChatCompletionRequest), and `add_special_tokens`, which adds a second BOS to a chat or
+# none to a completion. The router renders the messages alone, as vLLM does by default,
+# so the ids of a request with any of them would differ from the engine's from where
+# the template puts them (tools: often in the first turn's text) and match nothing;
+# such a request is scored by the approximate guess instead.
+_TEMPLATE_FIELDS = (
+    b'"tools"',
+    b'"documents"',
+    b'"chat_template"',
+    b'"chat_template_kwargs"',
+    b'"add_special_tokens"',
+)
 
 
 def renders_messages_only(body: bytes) -> bool:
-    """Whether the engine renders this request's chat from its messages alone (a byte
-    search: a message that merely says "tools" in quotes is scored approximately too)."""
+    """Whether the engine renders this request's prompt from its messages (or prompt)
+    alone. A byte search for the keys: quotes inside a message are escaped, so a message
+    that mentions "tools" does not match; a string value or a nested key that is exactly
+    "tools" does, and is scored approximately for nothing worse."""
     return not any(field in body for field in _TEMPLATE_FIELDS)
 
 
