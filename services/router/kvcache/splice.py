@@ -51,6 +51,9 @@ CAPACITY_BYTES = 8 << 20
 
 
 class _Cuts:
+    """A text's safe cuts, ascending: character offsets, the ids before each, and how
+    many characters another text must share with this one for each to hold."""
+
     __slots__ = ("chars", "tokens", "needs")
 
     def __init__(self, chars=None, tokens=None, needs=None) -> None:
@@ -67,26 +70,29 @@ class _Cuts:
         self.tokens.append(tokens)
         self.needs.append(need)
 
+    def upto(self, i: int) -> _Cuts:
+        """The first i + 1 cuts (a copy, to extend)."""
+        n = i + 1
+        return _Cuts(self.chars[:n], self.tokens[:n], self.needs[:n])
+
+    def before(self, shared: int) -> int:
+        """The index of the last cut that holds for a text sharing `shared` characters,
+        or -1."""
+        i = bisect.bisect_left(self.chars, shared) - 1
+        needs = self.needs
+        while i >= 0 and needs[i] > shared:
+            i -= 1
+        return i
+
 
 class _Entry:
-    __slots__ = ("text", "ids", "cut_chars", "cut_tokens", "cut_needs", "size")
+    __slots__ = ("text", "ids", "cuts", "size")
 
     def __init__(self, text: str, ids: array, cuts: _Cuts):
         self.text = text
         self.ids = ids  # array('i'): a ninth of a list's memory, ~25 µs per 1k ids to convert
-        self.cut_chars = cuts.chars  # ascending: safe cuts, as character offsets
-        self.cut_tokens = cuts.tokens  # ids before each cut
-        self.cut_needs = cuts.needs  # how much text another must share for the cut to hold
+        self.cuts = cuts
         self.size = 4 * len(ids) + len(text)
-
-    def cut_before(self, shared: int) -> int:
-        """The index of the last cut that holds for a text sharing `shared` characters
-        with this one, or -1."""
-        i = bisect.bisect_left(self.cut_chars, shared) - 1
-        needs = self.cut_needs
-        while i >= 0 and needs[i] > shared:
-            i -= 1
-        return i
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -139,7 +145,7 @@ class PrefixTokens:
             return self.whole(text).ids
         anchor = text[:ANCHOR_CHARS]
         entries = self._anchors.get(anchor)
-        best, cut = self._best_cut(text, entries) if entries else (None, -1)
+        best, cut, extended = self._best_cut(text, entries) if entries else (None, -1, [])
         if best is None:
             enc = self.whole(text)
             ids = new = enc.ids
@@ -147,17 +153,15 @@ class PrefixTokens:
             self._cuts(text, 0, enc, new, 0, cuts)
             self.tokenized_chars += len(text)
         else:
-            at, before = best.cut_chars[cut], best.cut_tokens[cut]
-            self._touch(best, entries)  # type: ignore[arg-type]
+            at, before = best.cuts.chars[cut], best.cuts.tokens[cut]
             enc = self.rest(text[at:])
             new = enc.ids
             ids = best.ids[:before].tolist() + new
-            n = cut + 1
-            cuts = _Cuts(best.cut_chars[:n], best.cut_tokens[:n], best.cut_needs[:n])
+            cuts = best.cuts.upto(cut)
             self._cuts(text, at, enc, new, before, cuts)
             self.spliced += 1
             self.tokenized_chars += len(text) - at
-        self._keep(anchor, _Entry(text, array("i", ids), cuts), entries)
+        self._keep(anchor, _Entry(text, array("i", ids), cuts), entries, extended, best)
         return ids
 
     def _cuts(self, text: str, start: int, enc: Any, ids: list[int], base: int, cuts: _Cuts):
@@ -190,32 +194,47 @@ class PrefixTokens:
         for c, t, need in found:
             cuts.add(c, t, need)
 
-    def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry | None, int]:
-        """The entry and cut index sharing the most text with `text`: the latest entry it
-        extends (the conversation's last turn), else the most recent few by common
-        prefix (another conversation under the same system prompt)."""
-        best, best_at, cut = None, 0, -1
+    def _best_cut(
+        self, text: str, entries: list[_Entry]
+    ) -> tuple[_Entry | None, int, list[_Entry]]:
+        """The entry and cut index sharing the most text with `text`, and the entries
+        `text` extends (one pass over the anchor's entries, each compare made once): the
+        latest entry it extends (the conversation's last turn) if one has a cut, else
+        the most recent few by common prefix (another conversation under the same
+        system prompt)."""
         n = len(text)
-        for e in reversed(entries):
-            if len(e.text) <= n and text.startswith(e.text):
-                i = e.cut_before(len(e.text))
-                if i >= 0:
-                    return e, i
+        extended = [e for e in entries if len(e.text) <= n and text.startswith(e.text)]
+        for e in reversed(extended):
+            i = e.cuts.before(len(e.text))
+            if i >= 0:
+                return e, i, extended
+        best, best_at, cut = None, 0, -1
         for e in entries[-4:]:
-            i = e.cut_before(_common_prefix(text, e.text))
-            if i >= 0 and e.cut_chars[i] > best_at:
-                best, best_at, cut = e, e.cut_chars[i], i
-        return best, cut
+            i = e.cuts.before(_common_prefix(text, e.text))
+            if i >= 0 and e.cuts.chars[i] > best_at:
+                best, best_at, cut = e, e.cuts.chars[i], i
+        return best, cut, extended
 
-    def _keep(self, anchor: str, entry: _Entry, entries: list[_Entry] | None) -> None:
+    def _keep(
+        self,
+        anchor: str,
+        entry: _Entry,
+        entries: list[_Entry] | None,
+        extended: list[_Entry],
+        base: _Entry | None,
+    ) -> None:
         if entries is None:
             entries = self._anchors[anchor] = []
         else:
             # A prompt this one extends is dominated by it: any text shares at least as
-            # much with the longer one, at the same cuts. One it does not extend (the
-            # base of a new conversation) was used: it is recent again.
-            for old in [e for e in entries if entry.text.startswith(e.text)]:
+            # much with the longer one, at the same cuts. A base it does not extend (of
+            # a new conversation) was used: it is recent again.
+            for old in extended:
                 self._drop(old, entries)
+            if base is not None and base not in extended:
+                entries.remove(base)
+                entries.append(base)
+                self._lru.move_to_end(id(base))
             if len(entries) >= PER_ANCHOR:
                 self._drop(entries[0], entries)
         entries.append(entry)
@@ -229,13 +248,6 @@ class PrefixTokens:
                 group.remove(old)
                 if not group:
                     del self._anchors[old.text[:ANCHOR_CHARS]]
-
-    def _touch(self, entry: _Entry, entries: list[_Entry]) -> None:
-        """`entry` served as a base: keep it longest (last in the anchor and the LRU)."""
-        if entries and entries[-1] is not entry:
-            entries.remove(entry)
-            entries.append(entry)
-        self._lru.move_to_end(id(entry))
 
     def _drop(self, entry: _Entry, entries: list[_Entry]) -> None:
         entries.remove(entry)
