@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from llmgw.contracts import SchedulingSpec
 from llmgw.kvblocks import token_count
 from llmgw.router.kvcache.indexer import PromptWork
-from llmgw.router.kvcache.tokens import TOKENIZERS, renders_messages_only
+from llmgw.router.kvcache.tokens import TOKENIZERS
 from llmgw.router.scheduling.scorers import StatelessScorer
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ class CachedPrefixScorer(StatelessScorer):
     (measured on two vLLM engines); each router balancing its own share balances the sum.
     The prefill this router has queued there counts too: its streamed requests still
     waiting for their first event and its prefill legs (`prefilling`) x the uncached
-    tokens of its requests there, at `prefix.affinity_queued_prefill` per token. That average is learned from
-    KV events only, so the term is 0 for engines without them.
+    tokens of its requests there, at `prefix.affinity_queued_prefill` per token. That
+    average is learned from KV events only, so the term is 0 for engines without them.
     """
 
     name = "kv_prefix"
@@ -134,9 +134,8 @@ class CachedPrefixScorer(StatelessScorer):
             return [None] * len(cands)
         work = ctx.kv
         if work is None:
-            work = ctx.kv = PromptWork(ctx.adapter)
-        tokenizer = self.tokenizer if renders_messages_only(ctx.body) else ""
-        held = indexer.overlaps(prompt, ctx.salt, tokenizer, cands, sizes, work)
+            work = ctx.kv = PromptWork(ctx.adapter, ctx.body)
+        held = indexer.overlaps(prompt, ctx.salt, self.tokenizer, cands, sizes, work)
         return [None if h is None else h[0] / h[1] if h[1] else 0.0 for h in held]
 
     def score(self, cands: Sequence[EndpointRuntime], ctx: Context, out: list[float]) -> None:
