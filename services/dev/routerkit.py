@@ -5,8 +5,10 @@
   before the headers or after N events, drop the connection, report this load
   on /metrics. It records what it received and notices disconnects.
 - `fast_upstream`: the fastest upstream Python can offer (a raw asyncio
-  protocol answering every POST with 16 SSE events at once), for benchmarks;
-  `python -m llmgw.dev.routerkit fast PORT` runs it as its own process.
+  protocol answering every POST with 16 SSE events at once, or paced: each its
+  own write, `gap` apart, as an engine's tokens come), for benchmarks; a POST
+  to a `.../render` path gets vLLM's default 403 instead;
+  `python -m llmgw.dev.routerkit fast PORT [GAP_MS]` runs it as its own process.
 - `running_router`: a RouterService with its public and admin servers on free
   ports in the current event loop.
 """
@@ -388,13 +390,34 @@ _FAST_METRICS = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length:
 )
 
 
+# vLLM's answer to /v1/*/render (vllm-router's cache_aware asks it to tokenize each chat
+# request) when the engine was started without --enable-scale-out, as by default.
+_RENDER_ERROR = (
+    b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with '
+    b'--enable-scale-out to enable them.","type":"PermissionDeniedError","param":null,'
+    b'"code":403}}'
+)
+_FAST_RENDER = (
+    b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+    % (len(_RENDER_ERROR), _RENDER_ERROR)
+)
+_FAST_HEAD = FAST_RESPONSE[: FAST_RESPONSE.index(b"\r\n\r\n") + 4]
+_FAST_PIECES = [b"%x\r\n%s\r\n" % (len(p), p) for p in FAST_EVENTS]
+_FAST_PIECES[-1] += b"0\r\n\r\n"
+
+
 class _FastProtocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    """gap: seconds between events, 0 for all at once. With a gap, each event is its own
+    write, so a relay reads and forwards each on its own, as it does an engine's tokens."""
+
+    def __init__(self, gap: float = 0.0) -> None:
         import httptools
 
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.get = False
+        self.render = False
+        self.gap = gap
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -408,17 +431,36 @@ class _FastProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.close()
 
+    def on_url(self, url: bytes) -> None:
+        self.render = url.endswith(b"/render")
+
     def on_headers_complete(self) -> None:
         self.get = self.parser.get_method() == b"GET"
 
     def on_message_complete(self) -> None:
         assert self.transport is not None
-        self.transport.write(_FAST_METRICS if self.get else FAST_RESPONSE)
+        if self.render:
+            self.transport.write(_FAST_RENDER)
+            return
+        if self.get or not self.gap:
+            self.transport.write(_FAST_METRICS if self.get else FAST_RESPONSE)
+            return
+        self.transport.write(_FAST_HEAD)
+        self._paced(0)
+
+    def _paced(self, i: int) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(_FAST_PIECES[i])
+        if i + 1 < len(_FAST_PIECES):
+            asyncio.get_running_loop().call_later(self.gap, self._paced, i + 1)
 
 
-async def fast_upstream(port: int, host: str = "127.0.0.1") -> asyncio.AbstractServer:
+async def fast_upstream(
+    port: int, host: str = "127.0.0.1", gap: float = 0.0
+) -> asyncio.AbstractServer:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(_FastProtocol, host, port, backlog=4096)
+    return await loop.create_server(lambda: _FastProtocol(gap), host, port, backlog=4096)
 
 
 # ------------------------------------------------------------------ in-process router
@@ -617,13 +659,15 @@ def start_router(directory, yaml_body: str, *args: str, timeout: float = 60.0) -
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "fast":
-        print("usage: python -m llmgw.dev.routerkit fast PORT", file=sys.stderr)
+    if len(argv) not in (2, 3) or argv[0] != "fast":
+        print("usage: python -m llmgw.dev.routerkit fast PORT [GAP_MS]", file=sys.stderr)
         return 2
     import uvloop
 
+    gap = float(argv[2]) / 1000 if len(argv) == 3 else 0.0
+
     async def serve() -> None:
-        server = await fast_upstream(int(argv[1]))
+        server = await fast_upstream(int(argv[1]), gap=gap)
         async with server:
             await server.serve_forever()
 

@@ -134,9 +134,10 @@ class Proc:
                 self.proc.wait(5)
 
 
-def fast_upstream() -> Proc:
+def fast_upstream(gap_ms: float = 0.0) -> Proc:
     port = free_port()
-    return Proc("upstream", [PY, "-m", "llmgw.dev.routerkit", "fast", str(port)], port)
+    argv = [PY, "-m", "llmgw.dev.routerkit", "fast", str(port)]
+    return Proc("upstream", argv + ([str(gap_ms)] if gap_ms else []), port)
 
 
 def router(tmp: Path, upstreams: list[int], workers: int = 1, extra: str = "") -> Proc:

@@ -1014,8 +1014,9 @@ async def run_vllm(args) -> int:
             f"machine load average {os.getloadavg()[1]:.1f} on {os.cpu_count()} CPUs, {pinning}\n"
         )
         ok &= report(results, sim_targets=False, evicting=bool(kv_blocks), notes=True)
+        # Any policy's run will do: the engines publish their events whoever routes.
         flowing = all(not r.errors for r in results) and any(
-            r.name == "default" and "0 event batches" not in r.note for r in results
+            not r.note.startswith("0 event batches") for r in results
         )
         print("PASS: events flow from real vLLM" if flowing else "FAIL: no events from vLLM")
         ok &= flowing

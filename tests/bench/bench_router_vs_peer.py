@@ -1,7 +1,7 @@
 """llmgw's router against the Rust vllm-router on the same cores: req/s at 64 clients, added latency at 1.
 
     .venv/bin/python tests/bench/bench_router_vs_peer.py [--seconds 4] [--rounds 5] \
-        [--cpus 0,1] [--out DIR] [--profile]
+        [--cpus 0,1] [--out DIR] [--profile] [--gap-ms 1]
 
 Why: routers are the part of the system that scales with traffic, so requests per
 core is what a platform team pays for, and vllm-router (Rust, tokio, hyper) is the
@@ -10,7 +10,14 @@ peer a team would otherwise deploy.
 The set-up, all in one run:
 
 - one fast upstream (a raw asyncio server, `llmgw.dev.routerkit fast`) answering
-  every request with 16 SSE events at once, so neither router waits on it;
+  every request with 16 SSE events at once, so neither router waits on it; or,
+  with `--gap-ms G`, each event its own write G ms after the last, so each router
+  reads and forwards every event on its own, as it does a real engine's tokens
+  (a router's cost per event, which all-at-once hides, is then most of its cost);
+- vllm-router's cache_aware asks the engine to render each chat request first
+  (`POST /v1/chat/completions/render`); the upstream answers that as vLLM 0.32
+  does by default (403, scale-out endpoints disabled), so vllm-router pays the
+  extra round trip it pays against a real engine, and no more;
 - llmgw's router with `--workers 2` and its whole pipeline on: a tenant whose key
   every request carries (authentication, rpm / tpm / concurrency quotas), admission
   enabled with a band whose ceiling (1.0) makes every request pass the saturation
@@ -277,6 +284,13 @@ def main() -> int:
     ap.add_argument("--cpus", default="0,1", help="cores both routers are pinned to ('' for none)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="upstream pause between its 16 events (0: all at once); with a gap each "
+        "event is read and forwarded on its own, as an engine's tokens are",
+    )
     args = ap.parse_args()
     if not Path(VLLM_ROUTER).exists():
         print(f"SKIP: no vllm-router at {VLLM_ROUTER} (see this file's docstring)")
@@ -284,7 +298,7 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-router-vs-peer-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"output: {out}; routers pinned to cpus {args.cpus or '(none)'}", flush=True)
-    up = rb.fast_upstream()
+    up = rb.fast_upstream(args.gap_ms)
     started: list[rb.Proc] = []
     try:
         started.append(llmgw_router(out, up.port, args.cpus))
