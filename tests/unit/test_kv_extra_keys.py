@@ -407,3 +407,35 @@ def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path
     # A message that talks about "tools" is still scored from its ids.
     talk = [*messages, {"role": "user", "content": 'use the "tools" key'}]
     assert share({"model": "m", "messages": talk}) == 1.0
+
+
+def test_a_responses_request_is_not_scored_from_ids_of_its_input_alone(tmp_path):
+    # vLLM renders a Responses request from its `instructions` (a system message first),
+    # its input (a string as a user message) and any previous response: ids made from
+    # the input alone would miss the engine's blocks, so the approximate guess decides.
+    from llmgw.router.kvcache.tokens import TOKENIZERS
+
+    from .test_router_tokenizer_load import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    assert TOKENIZERS.wait(str(tmp_path), 30) is not None
+    messages = [{"role": "user", "content": "hello world again hello world world again"}]
+    raw = msgspec.json.encode(messages)
+    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(raw)
+    index = BlockIndex()
+    synced(index, "v", *prompt_hashes(ids, BS, len(ids) // BS))
+    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
+    scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
+    eps = [endpoint("v", engine="vllm")]
+
+    def share(body: dict) -> float | None:
+        ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body))
+        ctx.prefix = block_hashes(raw, 256, 128)  # the input, as the proxy cuts it
+        return scorer.overlaps(eps, ctx)[0]
+
+    assert share({"model": "m", "messages": messages}) == 1.0
+    assert share({"model": "m", "input": messages}) is None
+    assert share({"model": "m", "input": messages, "instructions": "be brief"}) is None
+    # A chat message that quotes the word is still a chat scored from its ids.
+    talk = [{"role": "user", "content": 'the "input" field'}]
+    assert share({"model": "m", "messages": talk}) is not None

@@ -258,12 +258,16 @@ TOKENIZERS = TokenizerLoader()
 # so the ids of a request with any of them would differ from the engine's from where
 # the template puts them (tools: often in the first turn's text) and match nothing;
 # such a request is scored by the approximate guess instead.
+# `input` is a Responses request's prompt: vLLM builds its messages from more than the
+# input (`instructions` as a system message first, a string input as a user message,
+# a previous response's turns, its items' types), none of which the router renders.
 _TEMPLATE_FIELDS = (
     b'"tools"',
     b'"documents"',
     b'"chat_template"',
     b'"chat_template_kwargs"',
     b'"add_special_tokens"',
+    b'"input"',
 )
 
 
