@@ -19,7 +19,7 @@ from llmgw import kvblocks, subjects
 from llmgw.agent import kvsockets
 from llmgw.agent.kvrelay import EngineRelay, KvRelays
 from llmgw.agent.launch import LaunchContext, kv_events_args
-from llmgw.router.kvcache.tokens import HfTokens
+from llmgw.router.kvcache.tokens import HfTokens, engine_prompt
 from tests.realengine import test_sim_parity as parity_test
 from tests.realengine.test_sim_parity import MODEL, _started, launch_vllm
 
@@ -114,6 +114,35 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
         assert router_tokens.chat_ids.__self__.spliced >= 2
         expected = kvblocks.prompt_hashes(tokens, block_size, prompt_tokens // block_size)
         assert expected and set(expected) <= set(relay.blocks.hashes())
+
+        # Responses requests: the router's ids of the messages vLLM builds of them
+        # (instructions first, a string input as a user message) are the engine's, so
+        # the blocks vLLM stores for them are the blocks the router hashes.
+        turns = [
+            {"role": "user", "content": PROMPT},
+            {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "Again?"},
+        ]
+        async with httpx.AsyncClient(timeout=60) as http:
+            for shape in (
+                {"instructions": "Answer briefly.", "input": PROMPT},
+                {"input": turns},
+                {"instructions": "Be kind.", "input": turns},
+            ):
+                body = {"model": MODEL, "max_output_tokens": 2, **shape}
+                r = await http.post(f"{vllm.url}/v1/responses", json=body)
+                r.raise_for_status()
+                rendered = engine_prompt(
+                    msgspec.json.encode(body), msgspec.json.encode(shape["input"])
+                )
+                assert rendered is not None, shape
+                ids = router_tokens.tokens(rendered)
+                assert ids is not None and len(ids) == r.json()["usage"]["input_tokens"], shape
+                want = set(kvblocks.prompt_hashes(ids, block_size, len(ids) // block_size))
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and not want <= set(relay.blocks.hashes()):
+                    await asyncio.sleep(0.05)
+                assert want and want <= set(relay.blocks.hashes()), shape
 
         # On the bus: in order, with the engine's sequence numbers.
         deadline = time.monotonic() + 10

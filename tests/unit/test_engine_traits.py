@@ -78,5 +78,5 @@ async def test_the_kv_feed_asks_a_snapshot_of_every_engine_with_events(engine):
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_the_router_tokenizes_the_sim_way_only_where_the_table_says(engine):
     raw = json.dumps("hello").encode()  # the request's prompt, as JSON
-    tokens = tokens_for(engine, "", raw)  # no catalog tokenizer
+    tokens = tokens_for(engine, "", raw, raw)  # no catalog tokenizer
     assert (tokens is not None) is ENGINES[engine].sim_tokens

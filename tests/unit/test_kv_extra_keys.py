@@ -409,19 +409,20 @@ def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path
     assert share({"model": "m", "messages": talk}) == 1.0
 
 
-def test_a_responses_request_is_not_scored_from_ids_of_its_input_alone(tmp_path):
-    # vLLM renders a Responses request from its `instructions` (a system message first),
-    # its input (a string as a user message) and any previous response: ids made from
-    # the input alone would miss the engine's blocks, so the approximate guess decides.
+def test_a_responses_request_is_scored_from_the_messages_vllm_builds_of_it(tmp_path):
+    # vLLM renders a Responses request from its `instructions` (a system message first)
+    # and its input (a string as a user message); from a previous response's turns, or
+    # items other than plain messages, it renders what the router cannot see or build:
+    # those are scored by the approximate guess.
     from llmgw.router.kvcache.tokens import TOKENIZERS
 
     from .test_router_tokenizer_load import write_tokenizer
 
     write_tokenizer(tmp_path)
     assert TOKENIZERS.wait(str(tmp_path), 30) is not None
-    messages = [{"role": "user", "content": "hello world again hello world world again"}]
-    raw = msgspec.json.encode(messages)
-    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(raw)
+    text = "hello world again hello world world again"
+    messages = [{"role": "user", "content": text}]
+    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(msgspec.json.encode(messages))
     index = BlockIndex()
     synced(index, "v", *prompt_hashes(ids, BS, len(ids) // BS))
     scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
@@ -429,13 +430,29 @@ def test_a_responses_request_is_not_scored_from_ids_of_its_input_alone(tmp_path)
     eps = [endpoint("v", engine="vllm")]
 
     def share(body: dict) -> float | None:
+        raw = msgspec.json.encode(body.get("input", body.get("messages")))
         ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body))
-        ctx.prefix = block_hashes(raw, 256, 128)  # the input, as the proxy cuts it
+        ctx.prefix = block_hashes(raw, 256, 128)  # the prompt field, as the proxy cuts it
         return scorer.overlaps(eps, ctx)[0]
 
     assert share({"model": "m", "messages": messages}) == 1.0
-    assert share({"model": "m", "input": messages}) is None
-    assert share({"model": "m", "input": messages, "instructions": "be brief"}) is None
-    # A chat message that quotes the word is still a chat scored from its ids.
+    # The same conversation as a Responses request, its input a string or the messages.
+    assert share({"model": "m", "input": text}) == 1.0
+    assert share({"model": "m", "input": messages}) == 1.0
+    assert share({"model": "m", "input": [{"type": "message", **messages[0]}]}) == 1.0
+    # Instructions come first, as a system message: other ids, none of them held.
+    assert share({"model": "m", "input": text, "instructions": "be brief"}) == 0.0
+    # What the router cannot build: the approximate guess decides (None).
+    for extra in (
+        {"previous_response_id": "resp_1"},
+        {"conversation": "conv_1"},
+        {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+    ):
+        assert share({"model": "m", "input": text, **extra}) is None, extra
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": text}]}]
+    assert share({"model": "m", "input": parts}) is None
+    call = {"type": "function_call_output", "call_id": "c1", "output": "4"}
+    assert share({"model": "m", "input": [*messages, call]}) is None
+    # A chat message that quotes the word is still a chat.
     talk = [{"role": "user", "content": 'the "input" field'}]
     assert share({"model": "m", "messages": talk}) is not None

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmgw.kvblocks import EVENTS_WITHOUT_EXTRA_KEYS, LazyPromptHashes, root_for, salt_extra
-from llmgw.router.kvcache.tokens import renders_messages_only, tokens_for
+from llmgw.router.kvcache.tokens import engine_prompt, tokens_for
 
 if TYPE_CHECKING:
     from llmgw.router.endpoints.view import EndpointRuntime
@@ -30,13 +30,13 @@ class PromptWork:
     blocks computed under an adapter match no other adapter's and not the base model's,
     and the agents' relays root them there (llmgw.kvblocks.root_for)."""
 
-    __slots__ = ("tokens", "hashes", "held", "root", "rendered_alone")
+    __slots__ = ("tokens", "hashes", "held", "root", "rendered")
 
-    def __init__(self, adapter: str | None = None, body: bytes = b"") -> None:
+    def __init__(self, adapter: str | None = None, body: bytes = b"", prompt: bytes = b"") -> None:
         self.root = root_for(adapter)
-        # Whether the engine renders the prompt from it alone, so a model's tokenizer
-        # can make the engine's ids (tokens.renders_messages_only); decided once.
-        self.rendered_alone = renders_messages_only(body)
+        # What a model's tokenizer renders to make the engine's ids, None where it
+        # cannot (tokens.engine_prompt); decided once.
+        self.rendered = engine_prompt(body, prompt)
         # Token ids by engine kind (None: that kind's tokenizer is not available).
         self.tokens: dict[str, bytes | list[int] | None] = {}
         # Lazily computed block hashes by (engine kind, block size).
@@ -83,7 +83,7 @@ class Indexer:
         """Per candidate: (blocks its engine holds, blocks of the prompt) from events, or
         None where events cannot tell (none; a salted prompt on an engine whose events
         carry no extra keys; no tokenizer for its kind, or none that can make the
-        engine's ids: `work.rendered_alone`).
+        engine's ids: `work.rendered`).
 
         Hashes are computed while matching and only as far as some candidate holds the
         prompt (a cold prompt costs one small chunk)."""
@@ -97,8 +97,7 @@ class Indexer:
             if salt and engine in EVENTS_WITHOUT_EXTRA_KEYS:
                 continue  # its events cannot tell salted blocks
             if engine not in tokens:
-                usable = tokenizer if work.rendered_alone else ""
-                tokens[engine] = tokens_for(engine, usable, prompt)
+                tokens[engine] = tokens_for(engine, tokenizer, prompt, work.rendered)
             if tokens[engine] is not None:
                 groups.setdefault((engine, bs), []).append(i)
         held = work.held

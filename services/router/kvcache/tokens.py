@@ -12,7 +12,7 @@ way the engine makes them:
   rendered with the directory's chat template (chat_template.jinja, else
   tokenizer_config.json's; jinja2), content lists flattened to text as vLLM does (a
   chat with fields vLLM also renders, tools among them, has no token ids:
-  `renders_messages_only`); the tokenizer is loaded in a thread when the
+  `engine_prompt`); the tokenizer is loaded in a thread when the
   route is installed (TokenizerLoader), and until then there are no token ids; a
   prompt that begins as a recent one did reuses that one's ids and tokenizes only the
   rest, where the tokenizer's shape makes that exact (splice.py);
@@ -258,34 +258,87 @@ TOKENIZERS = TokenizerLoader()
 # so the ids of a request with any of them would differ from the engine's from where
 # the template puts them (tools: often in the first turn's text) and match nothing;
 # such a request is scored by the approximate guess instead.
-# `input` is a Responses request's prompt: vLLM builds its messages from more than the
-# input (`instructions` as a system message first, a string input as a user message,
-# a previous response's turns, its items' types), none of which the router renders.
 _TEMPLATE_FIELDS = (
     b'"tools"',
     b'"documents"',
     b'"chat_template"',
     b'"chat_template_kwargs"',
     b'"add_special_tokens"',
-    b'"input"',
 )
 
 
-def renders_messages_only(body: bytes) -> bool:
-    """Whether the engine renders this request's prompt from its messages (or prompt)
-    alone. A byte search for the keys: quotes inside a message are escaped, so a message
-    that mentions "tools" does not match; a string value or a nested key that is exactly
-    "tools" does, and is scored approximately for nothing worse."""
-    return not any(field in body for field in _TEMPLATE_FIELDS)
+class _Responses(msgspec.Struct):
+    """What of a Responses request decides the messages vLLM renders it from."""
+
+    input: msgspec.Raw = msgspec.Raw(b"")
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    conversation: msgspec.Raw | None = None
+    prompt: msgspec.Raw | None = None  # a stored prompt template's reference
 
 
-def tokens_for(engine: str, tokenizer: str, raw: bytes) -> bytes | list[int] | None:
-    """The prompt's token ids as an endpoint of this engine kind would see them, or None."""
+_responses = msgspec.json.Decoder(_Responses)
+_ROLES = frozenset(("user", "system", "assistant"))
+
+
+def _responses_messages(body: bytes) -> list[dict] | None:
+    """The messages vLLM 0.32 renders a Responses request from
+    (`construct_input_messages`), where the body alone tells them: `instructions` as a
+    system message first, then a string input as a user message, or the input's
+    messages if each is a user, system or assistant message with string content. None
+    for anything else: a previous response's or conversation's turns (held by the
+    engine), other items (tool calls and outputs, reasoning), content lists."""
+    try:
+        req = _responses.decode(body)
+        value = _json.decode(req.input) if req.input else None
+    except msgspec.DecodeError:
+        return None
+    if req.previous_response_id is not None or req.conversation is not None or req.prompt:
+        return None
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(value, str):
+        return [*messages, {"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        return None
+    for item in value:
+        if not isinstance(item, dict) or item.keys() - {"role", "content", "type"}:
+            return None
+        if item.get("type", "message") != "message" or item.get("role") not in _ROLES:
+            return None
+        if not isinstance(item.get("content"), str):
+            return None
+        messages.append({"role": item["role"], "content": item["content"]})
+    return messages
+
+
+def engine_prompt(body: bytes, prompt: bytes) -> bytes | None:
+    """What a model's tokenizer is to render to make the ids the engine makes of this
+    request: its `prompt` (the raw `messages` or `prompt`) as it is, or a Responses
+    request's messages as vLLM builds them (`input` is its prompt); None when the engine
+    renders the request from more than the router can (the approximate guess scores it).
+
+    The fields are found by a byte search: quotes inside a message are escaped, so a
+    message that mentions "tools" does not match; a string value or a nested key that is
+    exactly "tools" does, and is scored approximately for nothing worse."""
+    if any(field in body for field in _TEMPLATE_FIELDS):
+        return None
+    if b'"input"' in body and b'"messages"' not in body:
+        messages = _responses_messages(body)
+        return None if messages is None else msgspec.json.encode(messages)
+    return prompt
+
+
+def tokens_for(
+    engine: str, tokenizer: str, raw: bytes, rendered: bytes | None
+) -> bytes | list[int] | None:
+    """The prompt's token ids as an endpoint of this engine kind would see them, or None.
+    `raw` is the request's prompt field, `rendered` what the model's tokenizer renders
+    for the engine's ids (`engine_prompt`; None: it cannot make them)."""
     traits = ENGINES.get(engine)
     if traits is not None and traits.sim_tokens:
         return sim_tokens(raw)
-    if tokenizer:
+    if tokenizer and rendered is not None:
         tok = TOKENIZERS.get(tokenizer)
         if tok is not None:
-            return tok.tokens(raw)
+            return tok.tokens(rendered)
     return None
