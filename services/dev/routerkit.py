@@ -408,7 +408,8 @@ _FAST_PIECES[-1] += b"0\r\n\r\n"
 
 class _FastProtocol(asyncio.Protocol):
     """gap: seconds between events, 0 for all at once. With a gap, each event is its own
-    write, so a relay reads and forwards each on its own, as it does an engine's tokens."""
+    write, so a relay reads and forwards each on its own, as it does an engine's tokens;
+    a request pipelined behind a paced answer closes the connection (no relay pipelines)."""
 
     def __init__(self, gap: float = 0.0) -> None:
         import httptools
@@ -416,8 +417,9 @@ class _FastProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.get = False
-        self.render = False
+        self.url = b""
         self.gap = gap
+        self.pacing = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -431,21 +433,28 @@ class _FastProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.close()
 
+    def on_message_begin(self) -> None:
+        self.url = b""
+
     def on_url(self, url: bytes) -> None:
-        self.render = url.endswith(b"/render")
+        self.url += url  # a URL split over reads comes in pieces
 
     def on_headers_complete(self) -> None:
         self.get = self.parser.get_method() == b"GET"
 
     def on_message_complete(self) -> None:
         assert self.transport is not None
-        if self.render:
+        if self.pacing:
+            self.transport.close()
+            return
+        if self.url.endswith(b"/render"):
             self.transport.write(_FAST_RENDER)
             return
         if self.get or not self.gap:
             self.transport.write(_FAST_METRICS if self.get else FAST_RESPONSE)
             return
         self.transport.write(_FAST_HEAD)
+        self.pacing = True
         self._paced(0)
 
     def _paced(self, i: int) -> None:
@@ -454,6 +463,8 @@ class _FastProtocol(asyncio.Protocol):
         self.transport.write(_FAST_PIECES[i])
         if i + 1 < len(_FAST_PIECES):
             asyncio.get_running_loop().call_later(self.gap, self._paced, i + 1)
+        else:
+            self.pacing = False
 
 
 async def fast_upstream(

@@ -80,3 +80,34 @@ async def test_unpaced_events_come_in_one_write():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_paced_connection_answers_requests_in_turn_and_a_split_render_url():
+    port = free_port()
+    server = await fast_upstream(port, gap=0.005)
+    try:
+        # Two requests in turn on one connection: two whole answers.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps(BODY).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        for _ in range(2):
+            writer.write(request)
+            seen = b""
+            while not seen.endswith(b"0\r\n\r\n"):
+                data = await asyncio.wait_for(reader.read(65536), 5)
+                assert data
+                seen += data
+            assert seen.count(b"HTTP/1.1 200") == 1 and seen.count(b"data: ") == len(FAST_EVENTS)
+        # The render path, its URL arriving in two reads.
+        writer.write(b"POST /v1/chat/completions/ren")
+        await asyncio.sleep(0.05)
+        writer.write(b"der HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 403")
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

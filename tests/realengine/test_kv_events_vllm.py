@@ -133,7 +133,7 @@ async def test_vllm_kv_events_reach_the_bus_with_the_hashes_routers_compute(
                 r = await http.post(f"{vllm.url}/v1/responses", json=body)
                 r.raise_for_status()
                 rendered = engine_prompt(
-                    msgspec.json.encode(body), msgspec.json.encode(shape["input"])
+                    msgspec.json.encode(body), msgspec.json.encode(shape["input"]), True
                 )
                 assert rendered is not None, shape
                 ids = router_tokens.tokens(rendered)

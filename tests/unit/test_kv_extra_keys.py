@@ -402,6 +402,7 @@ def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path
         "chat_template": "{{ messages }}",
         "chat_template_kwargs": {"enable_thinking": False},
         "add_special_tokens": True,
+        "reasoning_effort": "high",
     }.items():
         assert share({"model": "m", "messages": messages, field: value}) is None, field
     # A message that talks about "tools" is still scored from its ids.
@@ -430,8 +431,9 @@ def test_a_responses_request_is_scored_from_the_messages_vllm_builds_of_it(tmp_p
     eps = [endpoint("v", engine="vllm")]
 
     def share(body: dict) -> float | None:
-        raw = msgspec.json.encode(body.get("input", body.get("messages")))
-        ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body))
+        api = "responses" if "input" in body else "chat"
+        raw = msgspec.json.encode(body["input" if api == "responses" else "messages"])
+        ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body), api=api)
         ctx.prefix = block_hashes(raw, 256, 128)  # the prompt field, as the proxy cuts it
         return scorer.overlaps(eps, ctx)[0]
 
@@ -442,17 +444,25 @@ def test_a_responses_request_is_scored_from_the_messages_vllm_builds_of_it(tmp_p
     assert share({"model": "m", "input": [{"type": "message", **messages[0]}]}) == 1.0
     # Instructions come first, as a system message: other ids, none of them held.
     assert share({"model": "m", "input": text, "instructions": "be brief"}) == 0.0
+    # Told by the API, not by the body: a key named "messages" changes nothing.
+    tagged = {"model": "m", "input": text, "metadata": {"messages": "1"}}
+    assert share({**tagged, "instructions": "be brief"}) == 0.0
+    assert share(tagged) == 1.0
     # What the router cannot build: the approximate guess decides (None).
     for extra in (
         {"previous_response_id": "resp_1"},
         {"conversation": "conv_1"},
         {"tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        {"reasoning": {"effort": "high"}},  # template arguments
     ):
         assert share({"model": "m", "input": text, **extra}) is None, extra
     parts = [{"role": "user", "content": [{"type": "input_text", "text": text}]}]
     assert share({"model": "m", "input": parts}) is None
     call = {"type": "function_call_output", "call_id": "c1", "output": "4"}
     assert share({"model": "m", "input": [*messages, call]}) is None
+    # Nonsense is not an error here (the engine answers it): no ids, the guess decides.
+    for odd in ([{"role": ["user"], "content": text}], [{"role": "user", "content": 3}], 7):
+        assert share({"model": "m", "input": odd}) is None, odd
     # A chat message that quotes the word is still a chat.
     talk = [{"role": "user", "content": 'the "input" field'}]
     assert share({"model": "m", "messages": talk}) is not None

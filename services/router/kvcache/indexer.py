@@ -32,11 +32,17 @@ class PromptWork:
 
     __slots__ = ("tokens", "hashes", "held", "root", "rendered")
 
-    def __init__(self, adapter: str | None = None, body: bytes = b"", prompt: bytes = b"") -> None:
+    def __init__(
+        self,
+        adapter: str | None = None,
+        body: bytes = b"",
+        prompt: bytes = b"",
+        responses: bool = False,
+    ) -> None:
         self.root = root_for(adapter)
         # What a model's tokenizer renders to make the engine's ids, None where it
         # cannot (tokens.engine_prompt); decided once.
-        self.rendered = engine_prompt(body, prompt)
+        self.rendered = engine_prompt(body, prompt, responses)
         # Token ids by engine kind (None: that kind's tokenizer is not available).
         self.tokens: dict[str, bytes | list[int] | None] = {}
         # Lazily computed block hashes by (engine kind, block size).

@@ -264,6 +264,7 @@ _TEMPLATE_FIELDS = (
     b'"chat_template"',
     b'"chat_template_kwargs"',
     b'"add_special_tokens"',
+    b'"reasoning_effort"',  # a template argument; some templates put it in the system turn
 )
 
 
@@ -275,6 +276,7 @@ class _Responses(msgspec.Struct):
     previous_response_id: str | None = None
     conversation: msgspec.Raw | None = None
     prompt: msgspec.Raw | None = None  # a stored prompt template's reference
+    reasoning: msgspec.Raw | None = None  # its effort becomes template arguments
 
 
 _responses = msgspec.json.Decoder(_Responses)
@@ -293,7 +295,12 @@ def _responses_messages(body: bytes) -> list[dict] | None:
         value = _json.decode(req.input) if req.input else None
     except msgspec.DecodeError:
         return None
-    if req.previous_response_id is not None or req.conversation is not None or req.prompt:
+    if (
+        req.previous_response_id is not None
+        or req.conversation is not None
+        or req.prompt is not None
+        or req.reasoning is not None
+    ):
         return None
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(value, str):
@@ -303,26 +310,28 @@ def _responses_messages(body: bytes) -> list[dict] | None:
     for item in value:
         if not isinstance(item, dict) or item.keys() - {"role", "content", "type"}:
             return None
-        if item.get("type", "message") != "message" or item.get("role") not in _ROLES:
+        role, content = item.get("role"), item.get("content")
+        if item.get("type", "message") != "message" or not isinstance(role, str):
             return None
-        if not isinstance(item.get("content"), str):
+        if role not in _ROLES or not isinstance(content, str):
             return None
-        messages.append({"role": item["role"], "content": item["content"]})
+        messages.append({"role": role, "content": content})
     return messages
 
 
-def engine_prompt(body: bytes, prompt: bytes) -> bytes | None:
+def engine_prompt(body: bytes, prompt: bytes, responses: bool = False) -> bytes | None:
     """What a model's tokenizer is to render to make the ids the engine makes of this
-    request: its `prompt` (the raw `messages` or `prompt`) as it is, or a Responses
-    request's messages as vLLM builds them (`input` is its prompt); None when the engine
-    renders the request from more than the router can (the approximate guess scores it).
+    request: its `prompt` (the raw `messages` or `prompt`) as it is, or for a Responses
+    request (`responses`; `input` is its prompt) the messages vLLM builds of it; None
+    when the engine renders the request from more than the router can (the approximate
+    guess scores it).
 
-    The fields are found by a byte search: quotes inside a message are escaped, so a
-    message that mentions "tools" does not match; a string value or a nested key that is
-    exactly "tools" does, and is scored approximately for nothing worse."""
+    The chat fields are found by a byte search: quotes inside a message are escaped, so
+    a message that mentions "tools" does not match; a string value or a nested key that
+    is exactly "tools" does, and is scored approximately for nothing worse."""
     if any(field in body for field in _TEMPLATE_FIELDS):
         return None
-    if b'"input"' in body and b'"messages"' not in body:
+    if responses:
         messages = _responses_messages(body)
         return None if messages is None else msgspec.json.encode(messages)
     return prompt

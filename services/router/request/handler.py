@@ -264,7 +264,9 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, req: rq.Parsed, route: ModelRoute, path: str) -> None:
         ex.guard.total_at = self._ltime() + route.deadlines.total
-        ctx = Context(ex.t0, route.name, exclude=[], salt=req.cache_salt, body=req.body)
+        ctx = Context(
+            ex.t0, route.name, exclude=[], salt=req.cache_salt, body=req.body, api=req.api.name
+        )
         walk = Walk(
             route,
             self.view.route,

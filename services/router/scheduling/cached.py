@@ -134,7 +134,7 @@ class CachedPrefixScorer(StatelessScorer):
             return [None] * len(cands)
         work = ctx.kv
         if work is None:
-            work = ctx.kv = PromptWork(ctx.adapter, ctx.body, prompt)
+            work = ctx.kv = PromptWork(ctx.adapter, ctx.body, prompt, ctx.api == "responses")
         held = indexer.overlaps(prompt, ctx.salt, self.tokenizer, cands, sizes, work)
         return [None if h is None else h[0] / h[1] if h[1] else 0.0 for h in held]
 

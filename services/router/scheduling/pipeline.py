@@ -86,6 +86,7 @@ class Context:
         "kv",
         "salt",
         "adapter",
+        "api",
     )
 
     def __init__(
@@ -98,6 +99,7 @@ class Context:
         key: int | None = None,
         salt: str | None = None,
         body: bytes = b"",
+        api: str = "",
     ):
         self.now = now
         self.model = model
@@ -115,6 +117,8 @@ class Context:
         self.salt = salt
         # The LoRA adapter the request names (its route's name), None for a base model.
         self.adapter: str | None = None
+        # The request's API (kinds.ApiKind.name: "chat", "responses", ...), "" if unknown.
+        self.api = api
 
     @property
     def key(self) -> int:
@@ -127,7 +131,15 @@ class Context:
     def for_leg(self) -> Context:
         """The same request for another leg (P/D's prefill): its own tried endpoints."""
         leg = Context(
-            self.now, self.model, self.prefix, self.session, [], self._key, self.salt, self.body
+            self.now,
+            self.model,
+            self.prefix,
+            self.session,
+            [],
+            self._key,
+            self.salt,
+            self.body,
+            self.api,
         )
         leg.adapter = self.adapter
         return leg
