@@ -370,24 +370,30 @@ def test_an_sglang_endpoint_is_scored_from_its_events_with_the_catalogs_tokenize
     assert share("tenant-a") is None
 
 
-def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path):
-    # vLLM renders a chat's tools (and documents, a request's own template, template
-    # kwargs) into the prompt; the router renders the messages alone, so its ids would
-    # miss the engine's blocks. Such a chat gets None: the approximate guess decides.
+def _scorer_holding(tmp_path, messages: list[dict]):
+    """A kv_prefix scorer with a test tokenizer, and a vLLM endpoint whose events say it
+    holds every whole block of `messages` as a chat."""
     from llmgw.router.kvcache.tokens import TOKENIZERS
 
     from .test_router_tokenizer_load import write_tokenizer
 
     write_tokenizer(tmp_path)
     assert TOKENIZERS.wait(str(tmp_path), 30) is not None
-    messages = [{"role": "user", "content": "hello world again hello world world again"}]
-    raw = msgspec.json.encode(messages)
-    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(raw)
+    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(msgspec.json.encode(messages))
     index = BlockIndex()
     synced(index, "v", *prompt_hashes(ids, BS, len(ids) // BS))
     scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
     scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
-    eps = [endpoint("v", engine="vllm")]
+    return scorer, [endpoint("v", engine="vllm")]
+
+
+def test_a_chat_with_tools_is_not_scored_from_ids_rendered_without_them(tmp_path):
+    # vLLM renders a chat's tools (and documents, a request's own template, template
+    # kwargs) into the prompt; the router renders the messages alone, so its ids would
+    # miss the engine's blocks. Such a chat gets None: the approximate guess decides.
+    messages = [{"role": "user", "content": "hello world again hello world world again"}]
+    raw = msgspec.json.encode(messages)
+    scorer, eps = _scorer_holding(tmp_path, messages)
 
     def share(body: dict) -> float | None:
         ctx = sc.Context(NOW, "m", key=1, body=msgspec.json.encode(body))
@@ -415,20 +421,9 @@ def test_a_responses_request_is_scored_from_the_messages_vllm_builds_of_it(tmp_p
     # and its input (a string as a user message); from a previous response's turns, or
     # items other than plain messages, it renders what the router cannot see or build:
     # those are scored by the approximate guess.
-    from llmgw.router.kvcache.tokens import TOKENIZERS
-
-    from .test_router_tokenizer_load import write_tokenizer
-
-    write_tokenizer(tmp_path)
-    assert TOKENIZERS.wait(str(tmp_path), 30) is not None
     text = "hello world again hello world world again"
     messages = [{"role": "user", "content": text}]
-    ids = TOKENIZERS.loaded[str(tmp_path)].tokens(msgspec.json.encode(messages))
-    index = BlockIndex()
-    synced(index, "v", *prompt_hashes(ids, BS, len(ids) // BS))
-    scorer = CachedPrefixScorer(sc.Settings(indexer=Indexer(index)))
-    scorer.configure(c.SchedulingSpec(tokenizer=str(tmp_path)))
-    eps = [endpoint("v", engine="vllm")]
+    scorer, eps = _scorer_holding(tmp_path, messages)
 
     def share(body: dict) -> float | None:
         api = "responses" if "input" in body else "chat"
