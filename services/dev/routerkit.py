@@ -375,15 +375,20 @@ _METRICS_PAGE = (
 )
 
 
-def _chunked(parts: list[bytes]) -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+def _chunks(parts: list[bytes]) -> list[bytes]:
+    """Each part as an HTTP/1.1 chunk, the body's terminator after the last."""
+    out = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts]
+    out[-1] += b"0\r\n\r\n"
+    return out
 
 
 FAST_EVENTS = chat_chunks("m", 15)  # 15 tokens + [DONE]: 16 events
-FAST_RESPONSE = (
+# The answer's head, then its events: written at once, or one a write when paced.
+_FAST_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    + _chunked(FAST_EVENTS)
 )
+_FAST_PIECES = _chunks(FAST_EVENTS)
+FAST_RESPONSE = _FAST_HEAD + b"".join(_FAST_PIECES)
 _FAST_METRICS = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (
     len(_METRICS_PAGE),
     _METRICS_PAGE,
@@ -401,9 +406,6 @@ _FAST_RENDER = (
     b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
     % (len(_RENDER_ERROR), _RENDER_ERROR)
 )
-_FAST_HEAD = FAST_RESPONSE[: FAST_RESPONSE.index(b"\r\n\r\n") + 4]
-_FAST_PIECES = [b"%x\r\n%s\r\n" % (len(p), p) for p in FAST_EVENTS]
-_FAST_PIECES[-1] += b"0\r\n\r\n"
 
 
 class _FastProtocol(asyncio.Protocol):

@@ -362,8 +362,11 @@ class EndpointSeries:
         )
 
     def endpoint_series(self) -> list[Series]:
-        return [
-            self.scrape_errors,
+        return [self.scrape_errors, *self._view_gauges(), self.scrapes]
+
+    def _view_gauges(self) -> tuple[Gauge, ...]:
+        """The gauges set from the view at each scrape (cleared first: gone endpoints)."""
+        return (
             self.inflight,
             self.prefilling,
             self.circuit,
@@ -371,16 +374,13 @@ class EndpointSeries:
             self.running,
             self.kv_usage,
             self.load_age,
-            self.scrapes,
-        ]
+        )
 
     def set_endpoint_gauges(self, endpoints: Iterable[Any], now: float) -> None:
         """Set the per-endpoint gauges from the view (at scrape time, not per request)."""
         circuit_codes = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
-        gauges = (self.inflight, self.prefilling, self.circuit, self.waiting, self.running)
-        for gauge in (*gauges, self.kv_usage):
+        for gauge in self._view_gauges():
             gauge.values.clear()
-        self.load_age.values.clear()
         for ep in endpoints:
             key = (ep.id,)
             self.inflight.set(key, float(ep.inflight))

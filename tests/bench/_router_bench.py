@@ -91,6 +91,22 @@ def wrk(
     return WrkResult(rps, p50, p99, errors, requests)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU seconds the processes and all their children (uvicorn
+    workers, every thread) have used so far; a process already gone counts nothing."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            for p in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+    return total
+
+
 class Proc:
     def __init__(self, name: str, argv: list[str], port: int, env: dict | None = None):
         self.name = name

@@ -104,6 +104,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _router_bench import cpu_seconds  # noqa: E402
+
 from llmgw import bus, projection, subjects
 from llmgw import contracts as c
 from llmgw.agent import kvsockets
@@ -212,22 +215,6 @@ class Result:
     def cpu_per_request(self) -> float:
         """The routers' CPU seconds per request answered."""
         return self.router_cpu / len(self.ttfts) if self.ttfts else float("nan")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user and system) the processes and their children have used; what
-    two Python routers take from a shared machine against vllm-router."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system
-    return total
 
 
 def relay_flag(relay: EngineRelay) -> str:

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import os
 import re
 import shutil
@@ -75,7 +74,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _router_bench as rb  # noqa: E402
@@ -199,12 +197,7 @@ def profile(router: rb.Proc, seconds: int, out: Path) -> None:
 
 def cpu_seconds(proc: rb.Proc) -> float:
     """User + system CPU of a router's processes (all workers, all threads) so far."""
-    total = 0.0
-    for pid in proc.pids:
-        with contextlib.suppress(psutil.Error):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-    return total
+    return rb.cpu_seconds([proc.proc.pid])
 
 
 def run_rounds(targets: dict[str, rb.Proc], rounds: int, seconds: float):
