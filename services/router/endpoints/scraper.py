@@ -1,17 +1,22 @@
 """Scrapes each endpoint's /metrics into the view's load signals.
 
-One task per endpoint, started and stopped as the view's endpoint set changes,
-so a slow or dead endpoint delays only its own samples. A failed scrape keeps
-the previous sample, which then ages into staleness (see ScrapeConfig).
+One task per endpoint scraped, started and stopped as the view's endpoint set
+changes, so a slow or dead endpoint delays only its own samples. A failed scrape
+keeps the previous sample, which then ages into staleness (see ScrapeConfig).
 
-As a fallback (control-plane mode, `fallback_only`), an endpoint is scraped
-only while the agents' samples for it are late: older than half of
-`stale_after_seconds`, so the scraper takes over before the load goes stale.
+As a fallback (control-plane mode, `fallback_only`), an endpoint is scraped only
+while the agents' samples for it are late: older than half of
+`stale_after_seconds`, so the scraper takes over before the load goes stale. One
+watch looks at every endpoint's lateness, waking when the soonest sample would
+turn late, and starts a scrape task for each endpoint that is; the task ends
+when samples flow again. A task per endpoint that woke to ask would cost each
+router five wake-ups a second per engine at rest: thousands on a large fleet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -19,10 +24,13 @@ import aiohttp
 
 from llmgw.router.config import ScrapeConfig
 from llmgw.router.endpoints.load import parse_metrics
-from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.endpoints.view import EndpointRuntime, EndpointView
 from llmgw.router.metrics import RouterMetrics
+from llmgw.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+WATCH_FLOOR = 0.01  # seconds: the watch's shortest sleep
 
 
 class Scraper:
@@ -38,8 +46,13 @@ class Scraper:
         self.metrics = metrics
         self.settings = settings
         self.fallback_only = fallback_only
+        self.late_after = settings.stale_after_seconds / 2
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self._watch: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+        self.covering: dict[str, bool] = {}  # endpoint id -> scraped for late samples
+        self.watch_turns = 0  # the watch's wake-ups (tests)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -48,8 +61,13 @@ class Scraper:
         )
         self.view.subscribe(self._sync)
         self._sync()
+        if self.fallback_only:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_lateness())
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            await cancel_and_wait(self._watch)
+            self._watch = None
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for task in tasks:
@@ -66,33 +84,67 @@ class Scraper:
         for key in list(self._tasks):
             if key not in wanted:
                 self._tasks.pop(key).cancel()
+        if self.fallback_only:
+            self._changed.set()  # the watch looks at the new set at once
+            return
         for key in wanted:
             if key not in self._tasks:
-                self._tasks[key] = asyncio.get_running_loop().create_task(self._run(*key))
+                self._start(key)
+
+    def _start(self, key: tuple[str, str]) -> None:
+        self._tasks[key] = asyncio.get_running_loop().create_task(self._run(*key))
+
+    def _late(self, ep: EndpointRuntime | None, now: float) -> bool:
+        return ep is None or now - ep.pushed_at > self.late_after
+
+    async def _watch_lateness(self) -> None:
+        while True:
+            self.watch_turns += 1
+            self._changed.clear()
+            now = time.monotonic()
+            soonest = self.late_after
+            for ep in list(self.view.endpoints.values()):
+                late = self._late(ep, now)
+                was = self.covering.get(ep.id)
+                if late != was:
+                    log.log(
+                        logging.DEBUG if was is None else logging.INFO,
+                        "load samples for %s %s",
+                        ep.id,
+                        "are late: scraping its /metrics" if late else "flow: scraping stops",
+                    )
+                    self.covering[ep.id] = late
+                if late:
+                    if (ep.id, ep.url) not in self._tasks:
+                        self._start((ep.id, ep.url))
+                else:
+                    soonest = min(soonest, ep.pushed_at + self.late_after - now)
+            for gone in self.covering.keys() - self.view.endpoints.keys():
+                del self.covering[gone]
+            # Wake when the soonest sample would turn late (a timer may fire a hair early:
+            # the floor keeps that from spinning), or when the endpoints change.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(WATCH_FLOOR, soonest))
 
     async def _run(self, endpoint_id: str, url: str) -> None:
+        try:
+            await self._scrape_loop(endpoint_id, url)
+        finally:
+            task = self._tasks.get((endpoint_id, url))
+            if task is asyncio.current_task():
+                del self._tasks[(endpoint_id, url)]
+
+    async def _scrape_loop(self, endpoint_id: str, url: str) -> None:
         assert self._session is not None
         interval = self.settings.interval_seconds
         target = url + "/metrics"
         failing = False
-        covering: bool | None = None  # fallback mode: the agents' samples are late, we scrape
-        late_after = self.settings.stale_after_seconds / 2
         while True:
             began = time.monotonic()
-            if self.fallback_only:
-                ep = self.view.endpoints.get(endpoint_id)
-                late = ep is None or began - ep.pushed_at > late_after
-                if late != covering:
-                    log.log(
-                        logging.DEBUG if covering is None else logging.INFO,
-                        "load samples for %s %s",
-                        endpoint_id,
-                        "are late: scraping its /metrics" if late else "flow: scraping stops",
-                    )
-                    covering = late
-                if not late:
-                    await asyncio.sleep(interval)
-                    continue
+            if self.fallback_only and not self._late(
+                self.view.endpoints.get(endpoint_id), time.monotonic()
+            ):
+                return  # samples flow again: the watch starts a task if they stop
             self.metrics.scrapes.inc((endpoint_id,))
             error = None
             load = None

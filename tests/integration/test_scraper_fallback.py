@@ -1,0 +1,138 @@
+"""The fallback scraper (control-plane mode): engines whose agents' samples flow are
+left alone, at a cost that does not grow with the fleet; one whose samples stop is
+scraped over a real socket within the lateness bound, until its samples flow again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from llmgw.contracts import Endpoint, ModelEndpoints
+from llmgw.router.config import ScrapeConfig
+from llmgw.router.endpoints.scraper import Scraper
+from llmgw.router.endpoints.view import EndpointView
+from llmgw.router.metrics import RouterMetrics
+
+METRICS = b"""# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 5.0
+"""
+ENGINES = 200
+SECONDS = 1.5
+
+
+async def metrics_server() -> tuple[web.AppRunner, str, list[float]]:
+    hits: list[float] = []
+
+    async def metrics(_: web.Request) -> web.Response:
+        hits.append(time.monotonic())
+        return web.Response(body=METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}", hits
+
+
+async def test_samples_flowing_cost_no_wakeups_per_engine_and_a_silent_one_is_scraped():
+    runner, url, hits = await metrics_server()
+    view = EndpointView()
+    # Every engine but e0 points at a closed port: a scrape of one would fail and count.
+    eps = [Endpoint(id="e0", url=url)] + [
+        Endpoint(id=f"e{i}", url=f"http://127.0.0.1:9/{i}") for i in range(1, ENGINES)
+    ]
+    view.replace([ModelEndpoints(model="m", endpoints=eps)])
+    metrics = RouterMetrics()
+    settings = ScrapeConfig(interval_seconds=0.05, stale_after_seconds=0.4)
+    scraper = Scraper(view, metrics, settings, fallback_only=True)
+
+    def push(*ids: str) -> None:  # what SampleFeed does for an agent's sample
+        now = time.monotonic()
+        for i in ids:
+            view.endpoints[i].pushed_at = now
+
+    everyone = [f"e{i}" for i in range(ENGINES)]
+    push(*everyone)
+    await scraper.start()
+    try:
+        # Samples flow for all, every 0.1 s: nothing is scraped, and the watch wakes about
+        # once per lateness bound, not once per engine.
+        turns = scraper.watch_turns
+        began = time.monotonic()
+        while time.monotonic() - began < SECONDS:
+            push(*everyone)
+            await asyncio.sleep(0.1)
+        woke = scraper.watch_turns - turns
+        assert not hits and not scraper._tasks
+        # Samples 0.1 s apart, late after 0.2 s: the soonest turns late 0.1-0.2 s after a
+        # turn, so about 10 turns; a poll per engine each 0.05 s would be 6,000.
+        assert woke <= 20, woke
+
+        # e0's samples stop: it is scraped within the lateness bound and a watch turn.
+        stopped = time.monotonic()
+        while not hits and time.monotonic() - stopped < 3:
+            push(*everyone[1:])
+            await asyncio.sleep(0.02)
+        assert hits, "the engine whose samples stopped was never scraped"
+        assert hits[0] - stopped < settings.stale_after_seconds / 2 + 0.25
+        assert scraper.covering["e0"] is True
+        assert view.endpoints["e0"].load is not None
+        assert (view.endpoints["e0"].load.waiting, view.endpoints["e0"].load.running) == (3, 5)
+
+        # Its samples flow again: the scraping stops.
+        resumed = time.monotonic()
+        while time.monotonic() - resumed < 0.6:
+            push(*everyone)
+            await asyncio.sleep(0.05)
+        after = len(hits)
+        for _ in range(6):
+            push(*everyone)
+            await asyncio.sleep(0.05)
+        assert len(hits) == after and not scraper._tasks
+        assert scraper.covering["e0"] is False
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
+
+
+async def test_a_new_endpoint_without_samples_is_scraped_at_once():
+    runner, url, hits = await metrics_server()
+    view = EndpointView()
+    view.replace(
+        [ModelEndpoints(model="m", endpoints=[Endpoint(id="a", url="http://127.0.0.1:9")])]
+    )
+    view.endpoints["a"].pushed_at = time.monotonic() + 3600  # its samples flow throughout
+    scraper = Scraper(
+        view,
+        RouterMetrics(),
+        ScrapeConfig(interval_seconds=0.05, stale_after_seconds=10),
+        fallback_only=True,
+    )
+    await scraper.start()
+    try:
+        await asyncio.sleep(0.1)  # the watch now sleeps up to the 5 s lateness bound
+        added = time.monotonic()
+        view.replace(
+            [
+                ModelEndpoints(
+                    model="m",
+                    endpoints=[
+                        Endpoint(id="a", url="http://127.0.0.1:9"),
+                        Endpoint(id="b", url=url),
+                    ],
+                )
+            ]
+        )
+        while not hits and time.monotonic() - added < 3:
+            await asyncio.sleep(0.01)
+        assert hits and hits[0] - added < 0.5  # not after the watch's 5 s sleep
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
