@@ -16,7 +16,6 @@ router five wake-ups a second per engine at rest: thousands on a large fleet.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -52,6 +51,7 @@ class Scraper:
         self._watch: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self.covering: dict[str, bool] = {}  # endpoint id -> scraped for late samples
+        self._failing: set[str] = set()  # endpoints whose last scrape failed
         self.watch_turns = 0  # the watch's wake-ups (tests)
 
     async def start(self) -> None:
@@ -68,6 +68,7 @@ class Scraper:
         if self._watch is not None:
             await cancel_and_wait(self._watch)
             self._watch = None
+        self.covering.clear()
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for task in tasks:
@@ -98,37 +99,58 @@ class Scraper:
         return ep is None or now - ep.pushed_at > self.late_after
 
     async def _watch_lateness(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             self.watch_turns += 1
             self._changed.clear()
-            now = time.monotonic()
-            soonest = self.late_after
-            for ep in list(self.view.endpoints.values()):
-                late = self._late(ep, now)
-                was = self.covering.get(ep.id)
-                if late != was:
+            try:
+                wait = self._watch_turn()
+            except Exception:
+                # The fallback must outlive a fault: a dead watch would leave every
+                # engine unscraped exactly when the agents' samples stop.
+                log.exception("the scraper's lateness watch failed; it goes on")
+                wait = self.late_after
+            # Wake when the soonest sample would turn late (a timer may fire a hair early:
+            # the floor keeps that from spinning), or when the endpoints change. Not
+            # asyncio.wait_for: on 3.11 it can swallow the cancel that stop() sends.
+            timer = loop.call_later(max(WATCH_FLOOR, wait), self._changed.set)
+            try:
+                await self._changed.wait()
+            finally:
+                timer.cancel()
+
+    def _watch_turn(self) -> float:
+        """Start a scrape task for each endpoint whose samples are late; the seconds until
+        the soonest of the others would turn late."""
+        now = time.monotonic()
+        soonest = self.late_after
+        for ep in list(self.view.endpoints.values()):
+            late = self._late(ep, now)
+            was = self.covering.get(ep.id)
+            if late != was:
+                if late or was is not None:
                     log.log(
                         logging.DEBUG if was is None else logging.INFO,
                         "load samples for %s %s",
                         ep.id,
                         "are late: scraping its /metrics" if late else "flow: scraping stops",
                     )
-                    self.covering[ep.id] = late
-                if late:
-                    if (ep.id, ep.url) not in self._tasks:
-                        self._start((ep.id, ep.url))
-                else:
-                    soonest = min(soonest, ep.pushed_at + self.late_after - now)
-            for gone in self.covering.keys() - self.view.endpoints.keys():
-                del self.covering[gone]
-            # Wake when the soonest sample would turn late (a timer may fire a hair early:
-            # the floor keeps that from spinning), or when the endpoints change.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(WATCH_FLOOR, soonest))
+                self.covering[ep.id] = late
+            if late:
+                if (ep.id, ep.url) not in self._tasks:
+                    self._start((ep.id, ep.url))
+            else:
+                soonest = min(soonest, ep.pushed_at + self.late_after - now)
+        for gone in self.covering.keys() - self.view.endpoints.keys():
+            del self.covering[gone]
+            self._failing.discard(gone)
+        return soonest
 
     async def _run(self, endpoint_id: str, url: str) -> None:
         try:
             await self._scrape_loop(endpoint_id, url)
+        except Exception:
+            log.exception("scraping %s failed", endpoint_id)  # the watch starts it again
         finally:
             task = self._tasks.get((endpoint_id, url))
             if task is asyncio.current_task():
@@ -138,7 +160,6 @@ class Scraper:
         assert self._session is not None
         interval = self.settings.interval_seconds
         target = url + "/metrics"
-        failing = False
         while True:
             began = time.monotonic()
             if self.fallback_only and not self._late(
@@ -159,12 +180,16 @@ class Scraper:
                             error = "no known load gauges in /metrics"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 error = f"{exc.__class__.__name__}: {exc}"[:200]
+            # Whether it failed is kept across fallback episodes: an engine the router
+            # cannot reach is one warning per outage, not one per episode.
+            failing = endpoint_id in self._failing
             if error is not None:
                 self.metrics.scrape_errors.inc((endpoint_id,))
                 if not failing:
                     log.warning("scrape of %s failed: %s", endpoint_id, error)
+                self._failing.add(endpoint_id)
             elif failing:
                 log.info("scrape of %s works again", endpoint_id)
-            failing = error is not None
+                self._failing.discard(endpoint_id)
             self.view.update_load(endpoint_id, load, error)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
