@@ -41,19 +41,24 @@ async def metrics_server() -> tuple[web.AppRunner, str, list[float]]:
     return runner, f"http://127.0.0.1:{port}", hits
 
 
+def fallback_scraper(endpoints: list[Endpoint], stale_after: float) -> Scraper:
+    """A control-plane router's scraper over a view of `endpoints`, polling every 0.05 s."""
+    view = EndpointView()
+    view.replace([ModelEndpoints(model="m", endpoints=endpoints)])
+    settings = ScrapeConfig(interval_seconds=0.05, stale_after_seconds=stale_after)
+    return Scraper(view, RouterMetrics(), settings, fallback_only=True)
+
+
 async def test_samples_flowing_cost_no_wakeups_per_engine_and_a_silent_one_is_scraped():
     runner, url, hits = await metrics_server()
-    view = EndpointView()
     # Every engine but e0 points at a closed port: a scrape of one would fail and count.
     eps = [Endpoint(id="e0", url=url)] + [
         Endpoint(id=f"e{i}", url=f"http://127.0.0.1:9/{i}") for i in range(1, ENGINES)
     ]
-    view.replace([ModelEndpoints(model="m", endpoints=eps)])
-    metrics = RouterMetrics()
     # Late 0.5 s after a sample; samples come every 0.1 s: a stall of 0.4 s on a loaded
     # machine still leaves every engine fed.
-    settings = ScrapeConfig(interval_seconds=0.05, stale_after_seconds=1.0)
-    scraper = Scraper(view, metrics, settings, fallback_only=True)
+    scraper = fallback_scraper(eps, stale_after=1.0)
+    view, metrics, settings = scraper.view, scraper.metrics, scraper.settings
 
     def push(*ids: str) -> None:  # what SampleFeed does for an agent's sample
         now = time.monotonic()
@@ -108,17 +113,9 @@ async def test_samples_flowing_cost_no_wakeups_per_engine_and_a_silent_one_is_sc
 
 async def test_a_new_endpoint_without_samples_is_scraped_at_once():
     runner, url, hits = await metrics_server()
-    view = EndpointView()
-    view.replace(
-        [ModelEndpoints(model="m", endpoints=[Endpoint(id="a", url="http://127.0.0.1:9")])]
-    )
+    scraper = fallback_scraper([Endpoint(id="a", url="http://127.0.0.1:9")], stale_after=10)
+    view = scraper.view
     view.endpoints["a"].pushed_at = time.monotonic() + 3600  # its samples flow throughout
-    scraper = Scraper(
-        view,
-        RouterMetrics(),
-        ScrapeConfig(interval_seconds=0.05, stale_after_seconds=10),
-        fallback_only=True,
-    )
     await scraper.start()
     try:
         await asyncio.sleep(0.1)  # the watch now sleeps up to the 5 s lateness bound
@@ -144,14 +141,7 @@ async def test_a_new_endpoint_without_samples_is_scraped_at_once():
 
 async def test_the_watch_outlives_a_fault_in_a_turn():
     runner, url, hits = await metrics_server()
-    view = EndpointView()
-    view.replace([ModelEndpoints(model="m", endpoints=[Endpoint(id="a", url=url)])])
-    scraper = Scraper(
-        view,
-        RouterMetrics(),
-        ScrapeConfig(interval_seconds=0.05, stale_after_seconds=0.2),
-        fallback_only=True,
-    )
+    scraper = fallback_scraper([Endpoint(id="a", url=url)], stale_after=0.2)
     late, faults = scraper._late, [RuntimeError("a fault in the watch's first turn")]
 
     def faulty(ep, now):
