@@ -150,7 +150,9 @@ class Scraper:
         try:
             await self._scrape_loop(endpoint_id, url)
         except Exception:
-            log.exception("scraping %s failed", endpoint_id)  # the watch starts it again
+            # In control-plane mode the watch starts it again; otherwise the next change of
+            # the endpoint set does.
+            log.exception("scraping %s failed", endpoint_id)
         finally:
             task = self._tasks.get((endpoint_id, url))
             if task is asyncio.current_task():
